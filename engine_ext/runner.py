@@ -1,0 +1,88 @@
+"""Attaches a :class:`SteeringState` to a model runner once its model is loaded."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from dynsteer.engine_ext import compat
+from dynsteer.engine_ext.layers import install_sites
+from dynsteer.engine_ext.options import EngineOptions, resolve_sites
+from dynsteer.engine_ext.state import SteeringState
+
+logger = logging.getLogger(__name__)
+
+
+class _SlotMap:
+    """Stable small integers for requests of the V1 runner, whose batch rows move around.
+
+    Slot 0 is reserved for requests the state never saw, so it always maps to row 0.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[str, int] = {}
+        self._free: list[int] = []
+        self._next = 1
+
+    def take(self, req_id: str) -> int:
+        slot = self._slots.get(req_id)
+        if slot is None:
+            slot = self._free.pop() if self._free else self._next
+            self._next += slot == self._next
+            self._slots[req_id] = slot
+        return slot
+
+    def drop(self, req_id: str) -> None:
+        slot = self._slots.pop(req_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def lookup(self, req_ids: list[str]) -> np.ndarray:
+        get = self._slots.get
+        return np.fromiter((get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids))
+
+
+def attach(runner: Any, options: EngineOptions) -> SteeringState:
+    """Wrap the model's sites, allocate the buffers and hook the runner's steps."""
+    model = compat.model_of(runner)
+    layers = compat.decoder_layers(model)
+    hidden_size, num_layers = compat.model_dims(runner)
+    sites = resolve_sites(options.sites, num_layers)
+    state = SteeringState(
+        sites=sites,
+        hidden_size=hidden_size,
+        max_rows=options.max_rows,
+        max_tokens=compat.token_capacity(runner),
+        max_slots=compat.request_capacity(runner) + 1,
+        device=runner.device,
+    )
+    tables = {site: state.rows.site_table(site) for site in sites}
+    installed = install_sites(model, layers, sites, state.token_rows.buffer, tables)
+    runner.dynsteer_state = state
+
+    slot_map = _SlotMap()
+
+    def on_add(req_id: str, slot: int | None, extra_args: Any, prompt_len: int) -> None:
+        state.add_request(req_id, slot_map.take(req_id) if slot is None else slot, extra_args,
+                          prompt_len)
+
+    def on_remove(req_id: str) -> None:
+        state.remove_request(req_id)
+        slot_map.drop(req_id)
+
+    def on_step(req_ids: list[str], slots: np.ndarray | None, num_computed: np.ndarray,
+                num_scheduled: np.ndarray) -> None:
+        if not state.any_steered:
+            state.token_rows.clear()
+            return
+        state.fill(slot_map.lookup(req_ids) if slots is None else slots, num_computed,
+                   num_scheduled)
+
+    compat.install_step_hooks(runner, on_add, on_remove, on_step)
+    logger.info(
+        "dynsteer: %d steering sites on %s (max_rows=%d)",
+        len(installed), type(model).__name__, options.max_rows,
+    )
+    return state

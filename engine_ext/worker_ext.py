@@ -1,0 +1,34 @@
+"""RPC methods vLLM mixes into every worker (``worker_extension_cls``).
+
+Reached through ``collective_rpc`` so every TP rank applies the same change in the same order.
+Names carry a ``dynsteer_`` prefix so they cannot clash with the worker's own attributes.
+Arguments are plain JSON-able values (lists of floats, dicts), never pickled objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynsteer.engine_ext.state import SteeringState
+
+
+class DynsteerWorkerExtension:
+    """Control plane of the steering state on one worker."""
+
+    def _dynsteer(self) -> SteeringState:
+        state = getattr(self.model_runner, "dynsteer_state", None)  # type: ignore[attr-defined]
+        if state is None:
+            raise RuntimeError("dynsteer is not active on this worker (model not loaded?)")
+        return state
+
+    def dynsteer_register_vector(self, name: str, values: list[float]) -> None:
+        self._dynsteer().register_vector(name, values)
+
+    def dynsteer_unregister_vector(self, name: str) -> None:
+        self._dynsteer().unregister_vector(name)
+
+    def dynsteer_set_global(self, entries: list[dict[str, Any]]) -> None:
+        self._dynsteer().set_global(entries)
+
+    def dynsteer_info(self) -> dict[str, Any]:
+        return self._dynsteer().info()

@@ -1,0 +1,22 @@
+"""Linear probes for dynamic steering: format, numpy reference math, sklearn conversion.
+
+Imports numpy and pydantic only (safetensors when saving/loading files, scikit-learn inside
+:func:`from_sklearn`); never vLLM or torch, so clients and training scripts can use it.
+"""
+
+from ._io import ProbeFileError
+from .calibration import calibrate_threshold
+from .probe import HOOKS, Hook, ModelFingerprint, Probe, ProbeSite, stable_sigmoid
+from .sklearn_convert import from_sklearn
+
+__all__ = [
+    "HOOKS",
+    "Hook",
+    "ModelFingerprint",
+    "Probe",
+    "ProbeFileError",
+    "ProbeSite",
+    "calibrate_threshold",
+    "from_sklearn",
+    "stable_sigmoid",
+]

@@ -1,0 +1,53 @@
+"""Starting and stopping real CPU vLLM engines in tests, and reading their logprobs."""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import numpy as np
+
+ENGINE_DEFAULTS: dict[str, Any] = dict(
+    dtype="float32", max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
+    skip_tokenizer_init=True, seed=0,
+)
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def start_llm(path: Any, dynsteer: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    """A real vLLM engine (compile on, the CPU default), with the plugin when ``dynsteer``."""
+    from vllm import LLM
+
+    args = {**ENGINE_DEFAULTS, **kwargs}
+    if dynsteer is not None:
+        args["additional_config"] = {"dynsteer": dynsteer}
+    return LLM(str(path), **args)
+
+
+def stop_llm(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def params(max_tokens: int = 6, spec: Any = None, **kwargs: Any) -> Any:
+    from vllm import SamplingParams
+
+    extra = {"dynsteer": spec} if spec is not None else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, prompt_logprobs=0,
+                          detokenize=False, ignore_eos=True, extra_args=extra, **kwargs)
+
+
+def run(llm: Any, prompts: list[list[int]], sps: list[Any]) -> list[Any]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    return list(outs)
+
+
+def logprobs_of(out: Any) -> tuple[list[int], np.ndarray]:
+    """(all tokens, logprob of tokens[1:]) of one finished request: prompt then generated."""
+    prompt = list(out.prompt_token_ids)
+    gen = list(out.outputs[0].token_ids)
+    lps = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+    lps += [d[t].logprob for d, t in zip(out.outputs[0].logprobs, gen, strict=True)]
+    return prompt + gen, np.asarray(lps, dtype=np.float64)

@@ -1,0 +1,47 @@
+"""Tiny random-weight models saved to disk, loadable by both vLLM and HF transformers.
+
+Head dim 64 (the CPU attention backend's smallest supported size), fp32, 4 layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+HIDDEN = 128
+LAYERS = 4
+
+
+def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
+    """Save a tiny random ``arch`` model (``llama``, ``qwen2`` or ``qwen3``) under ``path``."""
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=LAYERS,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    )
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(head_dim=64, **common)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32)
+    with torch.no_grad():
+        # Random init keeps the residual stream small; make norms non-trivial so the per-site
+        # math (norm after the steered add) is really exercised.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    model.config.torch_dtype = "float32"
+    model.save_pretrained(path)
+    return path
