@@ -1,0 +1,163 @@
+"""Engine-level behaviour of static steering on the Llama tiny model (CPU build, compile on).
+
+The plain engine runs first on the same model path: the plugin engine that follows must not be
+served the plain engine's compiled graph (vLLM's compile cache), or steering would be lost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from engine_utils import logprobs_of, params, run, start_llm, stop_llm
+from hf_reference import load_hf, reference_logprobs
+from test_steering_reference import TOL, vec
+
+from dynsteer.engine_ext import Steering
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [[1, 5, 9, 200, 31, 4], [1, 77, 78, 79], [1, 400, 12, 12, 12, 90, 91], [1, 2, 3]]
+SITES = "post_block@*,pre_attn@0-1"
+STEER_A = [{"vector": vec(11), "layers": [1, 2]}]
+STEER_B = [{"vector": vec(12), "layers": [0], "hook": "pre_attn", "phase": "decode"}]
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(model_path):
+    """Outputs of stock vLLM (plugin not enabled), computed before the plugin engine starts."""
+    llm = start_llm(model_path)
+    try:
+        return run(llm, PROMPTS, [params() for _ in PROMPTS])
+    finally:
+        stop_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def llm(model_path, plain_outputs):
+    llm = start_llm(model_path, dynsteer={"sites": SITES})
+    yield llm
+    stop_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def hf(model_path):
+    return load_hf(model_path)
+
+
+def assert_same(out, ref):
+    assert list(out.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
+    np.testing.assert_allclose(logprobs_of(out)[1], logprobs_of(ref)[1], atol=1e-5)
+
+
+def assert_matches_hf(hf, out, entries, vectors=None):
+    tokens, got = logprobs_of(out)
+    want = reference_logprobs(hf, tokens, len(out.prompt_token_ids), entries, vectors)
+    np.testing.assert_allclose(got, want, atol=TOL)
+
+
+def test_plugin_after_plain_engine_on_same_path_steers(llm, hf):
+    """The compile cache never hands the plugin engine a graph compiled without its sites."""
+    (out,) = run(llm, PROMPTS[:1], [params(spec={"steer": STEER_A})])
+    assert_matches_hf(hf, out, STEER_A)
+
+
+def test_unsteered_requests_in_mixed_batch_equal_stock_vllm(llm, plain_outputs):
+    """Unsteered requests batched with steered ones are token-identical to stock vLLM."""
+    specs = [None, {"steer": STEER_A}, None, {"steer": STEER_B}]
+    outs = run(llm, PROMPTS, [params(spec=s) for s in specs])
+    for i in (0, 2):
+        assert_same(outs[i], plain_outputs[i])
+    assert list(outs[1].outputs[0].token_ids) != list(plain_outputs[1].outputs[0].token_ids) or (
+        np.abs(logprobs_of(outs[1])[1] - logprobs_of(plain_outputs[1])[1]).max() > 1e-2
+    )
+
+
+def test_scale_zero_equals_baseline(llm, plain_outputs):
+    """``scale: 0`` is exactly no steering."""
+    spec = {"steer": [{**STEER_A[0], "scale": 0.0}]}
+    (out,) = run(llm, PROMPTS[:1], [params(spec=spec)])
+    assert_same(out, plain_outputs[0])
+
+
+def test_spec_as_json_string(llm, hf):
+    """The spec may be given as its JSON string (as ``vllm_xargs`` carries it)."""
+    (out,) = run(llm, PROMPTS[1:2], [params(spec=json.dumps({"steer": STEER_B}))])
+    assert_matches_hf(hf, out, STEER_B)
+
+
+def test_global_and_request_steering_add(llm, hf, plain_outputs):
+    """Global steering applies to every request and adds to each request's own entries."""
+    steering = Steering(llm)
+    global_entries = [{"vector": vec(13), "layers": [3], "scale": 0.75}]
+    steering.set_global(global_entries)
+    try:
+        outs = run(llm, PROMPTS[:2], [params(), params(spec={"steer": STEER_A})])
+        assert_matches_hf(hf, outs[0], global_entries)
+        assert_matches_hf(hf, outs[1], global_entries + STEER_A)
+    finally:
+        steering.clear_global()
+    (out,) = run(llm, PROMPTS[:1], [params()])
+    assert_same(out, plain_outputs[0])
+
+
+def test_named_vectors(llm, hf):
+    """A registered vector is usable by name; after unregistering, the name is rejected."""
+    steering = Steering(llm)
+    values = vec(14)
+    steering.register_vector("happy", values)
+    entries = [{"vector": "happy", "layers": [0, 3], "scale": 1.25}]
+    (out,) = run(llm, PROMPTS[2:3], [params(spec={"steer": entries})])
+    assert_matches_hf(hf, out, entries, vectors={"happy": values})
+    assert "happy" in steering.vectors()
+    steering.unregister_vector("happy")
+    with pytest.raises(ValueError, match="unknown vector name 'happy'"):
+        run(llm, PROMPTS[:1], [params(spec={"steer": entries})])
+
+
+def _bad(**changes):
+    entry = {"vector": vec(1), "layers": [1]}
+    entry.update(changes)
+    return {"steer": [entry]}
+
+
+BAD_SPECS = {
+    "wrong vector length": (_bad(vector=[1.0, 2.0]), r"steer\[0\]\.vector: expected 128 floats"),
+    "nan": (_bad(vector=[math.nan] * 128), r"steer\[0\]\.vector\[0\]"),
+    "inf scale": (_bad(scale=math.inf), r"steer\[0\]\.scale"),
+    "unknown layer": (_bad(layers=[4]), r"steer\[0\]\.layers: layer 4 does not exist"),
+    "negative layer": (_bad(layers=[-1]), r"steer\[0\]\.layers\[0\]"),
+    "unknown hook": (_bad(hook="mlp_out"), r"steer\[0\]\.hook"),
+    "unknown name": (_bad(vector="nope"), r"unknown vector name 'nope'"),
+    "layer outside sites": (_bad(hook="pre_attn", layers=[2]), r"not a configured site"),
+    "unknown field": ({"steer": [{"vector": vec(1), "layers": [1], "sclae": 2}]}, r"sclae"),
+    "malformed json": ('{"steer": [', r"dynsteer: malformed JSON"),
+    "not an object": ([1, 2], r"dynsteer: expected an object"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SPECS))
+def test_bad_spec_rejected_and_engine_keeps_serving(llm, plain_outputs, case):
+    """Bad specs fail at generate() with the field named; the next request is served."""
+    spec, message = BAD_SPECS[case]
+    with pytest.raises(ValueError, match=message):
+        run(llm, PROMPTS[:1], [params(spec=spec)])
+    (out,) = run(llm, PROMPTS[:1], [params()])
+    assert_same(out, plain_outputs[0])
+
+
+def test_rows_are_released_after_requests_finish(llm):
+    """Rows return to the pool once their requests finish (no leak across batches)."""
+    specs = [{"steer": [{"vector": vec(20 + i), "layers": [1]}]} for i in range(4)]
+    run(llm, PROMPTS, [params(spec=s) for s in specs])
+    run(llm, PROMPTS[:1], [params()])  # the next step processes the finished requests
+    info = Steering(llm).info()[0]
+    assert info["rows_in_use"] == 0
+    assert info["live_requests"] <= 1
