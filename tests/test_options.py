@@ -1,0 +1,52 @@
+"""Engine options and the site grammar (no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynsteer.engine_ext.options import (
+    ENABLE_ENV,
+    options_from_additional_config,
+    resolve_sites,
+)
+
+
+def test_disabled_without_key(monkeypatch):
+    """No ``dynsteer`` key and no env var: the plugin stays off."""
+    monkeypatch.delenv(ENABLE_ENV, raising=False)
+    assert options_from_additional_config({}) is None
+    assert options_from_additional_config({"dynsteer": {"enabled": False}}) is None
+
+
+def test_empty_dict_or_env_enables(monkeypatch):
+    monkeypatch.delenv(ENABLE_ENV, raising=False)
+    assert options_from_additional_config({"dynsteer": {}}).max_rows == 32
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    assert options_from_additional_config({}).sites == "post_block@*"
+
+
+def test_unknown_option_rejected():
+    with pytest.raises(ValueError, match=r"additional_config.dynsteer.max_row"):
+        options_from_additional_config({"dynsteer": {"max_row": 3}})
+
+
+def test_default_sites_every_post_block():
+    assert resolve_sites("post_block@*", 3) == (
+        ("post_block", 0), ("post_block", 1), ("post_block", 2))
+
+
+def test_sites_are_in_forward_order():
+    """Sites sort by layer, then pre_attn < post_attn < post_block; duplicates collapse."""
+    sites = resolve_sites(["post_block@1", "pre_attn@0-1", "post_attn@1+0", "pre_attn@1"], 4)
+    assert sites == (("pre_attn", 0), ("post_attn", 0), ("pre_attn", 1), ("post_attn", 1),
+                     ("post_block", 1))
+
+
+@pytest.mark.parametrize(
+    ("sites", "message"),
+    [("post_block", "hook@layers"), ("mlp@1", "unknown hook 'mlp'"), ("pre_attn@3-1", "1 < 3"),
+     ("pre_attn@x", "bad layer range"), ("post_block@0-9", "layer 9 .* does not exist")],
+)
+def test_bad_sites(sites, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_sites(sites, 4)

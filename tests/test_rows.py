@@ -1,0 +1,88 @@
+"""Row table and per-token index fill (CPU tensors, no engine)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynsteer.engine_ext.rows import RowTable
+from dynsteer.engine_ext.state import SteeringState
+from dynsteer.engine_ext.token_rows import TokenRows
+
+SITES = (("pre_attn", 0), ("post_block", 0), ("post_block", 1))
+
+
+def table(max_rows=3):
+    return RowTable(SITES, hidden_size=4, max_rows=max_rows, device=torch.device("cpu"))
+
+
+def test_identical_contents_share_a_row():
+    rows = table()
+    v = np.arange(4, dtype=np.float32)
+    a = rows.acquire({("post_block", 1): v})
+    b = rows.acquire({("post_block", 1): v.copy()})
+    assert a == b != 0 and rows.in_use == 1
+    np.testing.assert_array_equal(rows.site_table(("post_block", 1))[a].numpy(), v)
+    assert not rows.site_table(("post_block", 0))[a].any()
+
+
+def test_empty_contents_use_row_zero():
+    rows = table()
+    assert rows.acquire({}) == 0
+    assert rows.acquire({("post_block", 0): np.zeros(4, np.float32)}) == 0
+
+
+def test_full_table_refuses_and_counts():
+    rows = table(max_rows=1)
+    assert rows.acquire({("pre_attn", 0): np.ones(4, np.float32)}) == 1
+    assert rows.acquire({("pre_attn", 0): 2 * np.ones(4, np.float32)}) is None
+    assert rows.rejected == 1
+
+
+def test_released_rows_are_reused():
+    rows = table(max_rows=1)
+    r = rows.acquire({("pre_attn", 0): np.ones(4, np.float32)})
+    rows.release(r)
+    assert rows.in_use == 0
+    assert rows.acquire({("pre_attn", 0): 3 * np.ones(4, np.float32)}) == r
+    assert rows.site_table(("pre_attn", 0))[r][0] == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5), st.integers(1, 6),
+                          st.integers(0, 12), st.integers(1, 9)), min_size=1, max_size=8))
+def test_fill_matches_per_token_loop(reqs):
+    """Vectorized fill == a plain loop over tokens: prompt positions take the prefill row."""
+    index = TokenRows(max_tokens=128, device=torch.device("cpu"))
+    index.fill(np.full(3, 7), np.full(3, 7), np.zeros(3), np.zeros(3), np.array([9, 9, 9]))
+    prow, drow, plen, comp, nsch = (np.array(x) for x in zip(*reqs, strict=True))
+    index.fill(prow, drow, plen, comp, nsch)
+    want = [p if c + k < pl else d for p, d, pl, c, n in reqs for k in range(n)]
+    got = index.buffer.numpy()
+    np.testing.assert_array_equal(got[: len(want)], want)
+    assert not got[len(want):].any(), "stale rows past this step's tokens (padding) must be 0"
+
+
+def test_global_change_re_resolves_live_requests():
+    """Requests admitted before a global change get rows that include the new global entries."""
+    state = SteeringState(SITES, 4, max_rows=4, max_tokens=16, max_slots=4,
+                          device=torch.device("cpu"))
+    state.add_request("a", 1, None, prompt_len=2)
+    assert not state.any_steered
+    state.set_global([{"vector": [1, 0, 0, 0], "layers": [1]}])
+    assert state.any_steered
+    state.fill(np.array([1]), np.array([0]), np.array([3]))
+    row = int(state.token_rows.buffer[0])
+    assert row != 0 and state.rows.site_table(("post_block", 1))[row][0] == 1
+    state.set_global([])
+    assert not state.any_steered and state.rows.in_use == 0
+
+
+def test_bad_request_runs_unsteered_instead_of_failing():
+    """A spec the worker cannot resolve is logged and served unsteered (the step goes on)."""
+    state = SteeringState(SITES, 4, max_rows=4, max_tokens=16, max_slots=4,
+                          device=torch.device("cpu"))
+    state.add_request("a", 0, {"dynsteer": {"steer": [{"vector": "gone", "layers": [0]}]}}, 2)
+    assert not state.any_steered and state.has_request("a")

@@ -1,0 +1,62 @@
+"""Steering runs on every TP rank: TP=2 logprobs equal TP=1 (CPU build, one core per rank)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from engine_utils import logprobs_of, params, run, start_llm, stop_llm
+from test_steering_reference import CASES, TOL
+
+pytestmark = [pytest.mark.engine, pytest.mark.tp2]
+
+PROMPTS = [[1, 17, 42, 99, 7, 250, 3, 64], [1, 17, 42, 99, 7, 250, 3, 64], [1, 9, 8, 7]]
+SPECS = [
+    None,
+    {"steer": CASES["mixed-phases"]},
+    {"steer": CASES["post_attn-all"] + CASES["post_block-decode"]},
+]
+
+
+def _outputs(path, tp: int):
+    llm = start_llm(path, dynsteer={"sites": "pre_attn@*,post_attn@*,post_block@*"},
+                    tensor_parallel_size=tp)
+    try:
+        return run(llm, PROMPTS, [params(spec=s) for s in SPECS])
+    finally:
+        stop_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def tp_outputs(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    single = _outputs(path, 1)
+    old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank on a 2-core machine
+    try:
+        double = _outputs(path, 2)
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
+    return single, double
+
+
+@pytest.mark.parametrize("i", range(len(SPECS)))
+def test_tp2_equals_tp1(tp_outputs, i):
+    """Steered (and unsteered) logprobs under TP=2 equal the TP=1 result."""
+    single, double = tp_outputs
+    tokens1, lp1 = logprobs_of(single[i])
+    tokens2, lp2 = logprobs_of(double[i])
+    assert tokens1 == tokens2
+    np.testing.assert_allclose(lp2, lp1, atol=TOL)
+
+
+def test_tp2_steering_changes_output(tp_outputs):
+    """The steered TP=2 request differs from the unsteered one of the same prompt."""
+    _, double = tp_outputs
+    base = logprobs_of(double[0])[1][:3]
+    steered = logprobs_of(double[1])[1][:3]
+    assert np.abs(base - steered).max() > 1e-2
