@@ -59,6 +59,38 @@ class SteerEntry(BaseModel):
         return self.phase in ("all", phase)
 
 
+class InlineProbe(BaseModel):
+    """A linear probe given inline in a request."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weights: list[FiniteFloat] = Field(min_length=1)
+    """Hidden-size weights; ``score = stream · weights`` (fp32 accumulate)."""
+    threshold: FiniteFloat = 0.0
+    """Score at which the gate is 0.5."""
+    sharpness: FiniteFloat = Field(default=1.0, gt=0)
+    """Slope of the sigmoid: ``gate = sigmoid(sharpness * (score - threshold))``."""
+
+
+class GateSpec(BaseModel):
+    """Probe-gated dynamic steering: the model's own activations decide, token by token."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    probe: str | InlineProbe
+    """A registered probe name, or an inline probe."""
+    layer: Annotated[int, Field(ge=0)]
+    """Layer of the monitor site."""
+    hook: Hook = "post_block"
+    """Hook of the monitor site; the stream is read *before* this site's own steering."""
+    threshold: FiniteFloat | None = None
+    """Overrides the probe's threshold."""
+    sharpness: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    """Overrides the probe's sharpness."""
+    steer: list[SteerEntry] = Field(min_length=1)
+    """Entries scaled per token by the gate; their sites must be at or after the monitor."""
+
+
 class SteeringSpec(BaseModel):
     """The whole per-request spec (version 1)."""
 
@@ -68,6 +100,8 @@ class SteeringSpec(BaseModel):
     """Schema version; only 1 exists."""
     steer: list[SteerEntry] = Field(default_factory=list)
     """Static steering entries; they add to each other and to global steering."""
+    gate: GateSpec | None = None
+    """Optional probe-gated dynamic steering."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +113,7 @@ class ModelShape:
     sites: frozenset[tuple[Hook, int]]
     """Configured (hook, layer) sites; only these have a kernel."""
     vector_names: Collection[str] = ()
+    probe_names: Collection[str] = ()
 
 
 def _field_path(loc: Iterable[Any], prefix: str) -> str:
@@ -164,6 +199,49 @@ def check_entries(entries: Iterable[SteerEntry], shape: ModelShape, prefix: str)
                 )
 
 
+def site_key(hook: Hook, layer: int) -> tuple[int, int]:
+    """Forward order of a site: layer first, then pre_attn < post_attn < post_block."""
+    return layer, HOOKS.index(hook)
+
+
+def check_gate(gate: GateSpec, shape: ModelShape, prefix: str) -> None:
+    """Check a gate against the served model (probe, monitor site, gated sites' order)."""
+    if isinstance(gate.probe, str):
+        if gate.probe not in shape.probe_names:
+            known = ", ".join(sorted(shape.probe_names)) or "none registered"
+            raise SpecError(
+                f"{prefix}.probe: unknown probe name {gate.probe!r} (known: {known}); "
+                "register it first or give the weights inline"
+            )
+    elif len(gate.probe.weights) != shape.hidden_size:
+        raise SpecError(
+            f"{prefix}.probe.weights: expected {shape.hidden_size} floats (the model's hidden "
+            f"size), got {len(gate.probe.weights)}"
+        )
+    if gate.layer >= shape.num_layers:
+        raise SpecError(
+            f"{prefix}.layer: layer {gate.layer} does not exist "
+            f"(the model has layers 0..{shape.num_layers - 1})"
+        )
+    if (gate.hook, gate.layer) not in shape.sites:
+        raise SpecError(
+            f"{prefix}.layer: monitor site ({gate.hook}, layer {gate.layer}) is not a configured "
+            f"site; add '{gate.hook}@{gate.layer}' to the engine option dynsteer.sites"
+        )
+    check_entries(gate.steer, shape, f"{prefix}.steer")
+    monitor = site_key(gate.hook, gate.layer)
+    for i, entry in enumerate(gate.steer):
+        for layer in entry.layers:
+            if site_key(entry.hook, layer) < monitor:
+                raise SpecError(
+                    f"{prefix}.steer[{i}].layers: ({entry.hook}, layer {layer}) comes before the "
+                    f"monitor site ({gate.hook}, layer {gate.layer}); gated steering must be at "
+                    "or after the monitor"
+                )
+
+
 def check_against_model(spec: SteeringSpec, shape: ModelShape, prefix: str = SPEC_KEY) -> None:
     """Check a parsed spec against the served model."""
     check_entries(spec.steer, shape, f"{prefix}.steer")
+    if spec.gate is not None:
+        check_gate(spec.gate, shape, f"{prefix}.gate")

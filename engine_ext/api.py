@@ -65,6 +65,55 @@ class Steering:
         """Names of the registered vectors."""
         return sorted(self._frontend.vector_names)
 
+    def register_probe(self, name: str, probe: Any = None, *, weights: Any = None,
+                       threshold: float = 0.0, sharpness: float = 1.0) -> None:
+        """Register (or replace) a named probe usable as ``"probe": name`` in a gate.
+
+        Pass a :class:`dynsteer.probes.Probe` (its weights, threshold and sharpness are used) or
+        ``weights=`` with ``threshold``/``sharpness``. The monitor site comes from each
+        request's gate (``layer``/``hook``).
+        """
+        if not NAME_PATTERN.fullmatch(name):
+            raise ValueError(f"name: {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
+        if probe is not None:
+            weights, threshold, sharpness = probe.weights, probe.threshold, probe.sharpness
+        values = np.asarray(weights, dtype=np.float64)
+        if values.shape != (self.hidden_size,):
+            raise ValueError(
+                f"weights: expected {self.hidden_size} floats (the model's hidden size), "
+                f"got shape {values.shape}"
+            )
+        if not np.isfinite(values).all():
+            raise ValueError("weights: contains NaN or inf")
+        if not (np.isfinite(threshold) and np.isfinite(sharpness) and sharpness > 0):
+            raise ValueError("threshold must be finite and sharpness finite and > 0")
+        self._llm.collective_rpc(
+            "dynsteer_register_probe",
+            args=(name, values.tolist(), float(threshold), float(sharpness)),
+        )
+        self._frontend.probe_names.add(name)
+
+    def unregister_probe(self, name: str) -> None:
+        """Forget a named probe; requests already admitted keep their gate."""
+        if name not in self._frontend.probe_names:
+            raise ValueError(f"name: unknown probe {name!r}")
+        self._llm.collective_rpc("dynsteer_unregister_probe", args=(name,))
+        self._frontend.probe_names.discard(name)
+
+    def probes(self) -> list[str]:
+        """Names of the registered probes."""
+        return sorted(self._frontend.probe_names)
+
+    def telemetry(self, output: Any) -> dict[str, Any] | None:
+        """Gate telemetry of a request (a ``RequestOutput`` or its id), None if it had no gate.
+
+        Keys: ``tokens_monitored``, ``gated_prefill`` / ``gated_decode`` (tokens with gate >
+        0.5), ``first_decode_gated`` (0-based index of the first generated position gated, or
+        None), ``max_score`` and ``gates`` (per position, None where not processed).
+        """
+        request_id = output if isinstance(output, str) else output.request_id
+        return self._llm.collective_rpc("dynsteer_telemetry", args=(request_id,))[0]
+
     def set_global(self, entries: Sequence[SteerEntry | dict[str, Any]]) -> None:
         """Steer every request with ``entries`` (added to each request's own steering)."""
         parsed = parse_entries(list(entries), prefix="steer")

@@ -77,6 +77,7 @@ class FrontendState:
         self.num_layers = model_config.get_total_num_hidden_layers()
         self.sites = resolve_sites(options.sites, self.num_layers)
         self.vector_names: set[str] = set()
+        self.probe_names: set[str] = set()
 
     def shape(self) -> ModelShape:
         return ModelShape(
@@ -84,6 +85,7 @@ class FrontendState:
             num_layers=self.num_layers,
             sites=frozenset(self.sites),
             vector_names=frozenset(self.vector_names),
+            probe_names=frozenset(self.probe_names),
         )
 
 

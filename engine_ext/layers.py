@@ -40,16 +40,40 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
 """Architectures whose layer contract is checked by tests against HF transformers."""
 
 
+@dataclass(frozen=True)
+class SiteBuffers:
+    """The persistent buffers one site's op reads (views into the worker's steering state)."""
+
+    index: int
+    """Position of the site in forward order (what probe params store as the monitor site)."""
+    rows: torch.Tensor
+    probe_rows: torch.Tensor
+    table: torch.Tensor
+    dyn: torch.Tensor
+    flags: torch.Tensor
+    probes: torch.Tensor
+    params: torch.Tensor
+    gate: torch.Tensor
+    score: torch.Tensor
+
+
 class SiteOp(nn.Module):
     """The steering op of one site; buffers are shared with the worker's steering state."""
 
-    def __init__(self, rows: torch.Tensor, table: torch.Tensor) -> None:
+    def __init__(self, buffers: SiteBuffers) -> None:
         super().__init__()
-        self.register_buffer("rows", rows, persistent=False)
-        self.register_buffer("table", table, persistent=False)
+        self.site_index = buffers.index
+        for name in ("rows", "probe_rows", "table", "dyn", "flags", "probes", "params", "gate",
+                     "score"):
+            self.register_buffer(name, getattr(buffers, name), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.dynsteer.steer_add(x, self.rows[: x.shape[0]], self.table)
+    def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+        """Steer ``x``; the stream the monitor reads is ``x + h`` (``x`` alone when h is None)."""
+        n = x.shape[0]
+        return torch.ops.dynsteer.steer(
+            x, h, self.rows[:n], self.probe_rows[:n], self.table, self.dyn, self.flags,
+            self.probes, self.params, self.gate, self.score, self.site_index,
+        )
 
 
 class SteeredLayer(nn.Module):
@@ -66,10 +90,10 @@ class SteeredLayer(nn.Module):
             if residual is None:
                 hidden_states = self.pre(hidden_states)
             else:
-                residual = self.pre(residual)
+                residual = self.pre(residual, hidden_states)
         hidden_states, residual = self.layer(positions, hidden_states, residual, **kwargs)
         if self.post is not None:
-            residual = self.post(residual)
+            residual = self.post(residual, hidden_states)
         return hidden_states, residual
 
 
@@ -84,7 +108,7 @@ class SteeredNorm(nn.Module):
     def forward(self, x, residual=None):
         if residual is None:
             raise RuntimeError("dynsteer post_attn site expects the norm to receive a residual")
-        return self.norm(x, self.site(residual))
+        return self.norm(x, self.site(residual, x))
 
 
 def arch_spec_for(model: nn.Module) -> ArchSpec:
@@ -103,9 +127,7 @@ def arch_spec_for(model: nn.Module) -> ArchSpec:
 def install_sites(
     model: nn.Module,
     layers: nn.ModuleList,
-    sites: tuple[Site, ...],
-    rows: torch.Tensor,
-    tables: dict[Site, torch.Tensor],
+    buffers: dict[Site, SiteBuffers],
 ) -> list[Site]:
     """Wrap the layers so each configured site runs its op; returns the sites installed here.
 
@@ -113,8 +135,8 @@ def install_sites(
     """
     spec = arch_spec_for(model)
     by_layer: dict[int, dict[Hook, SiteOp]] = {}
-    for hook, index in sites:
-        by_layer.setdefault(index, {})[hook] = SiteOp(rows, tables[(hook, index)])
+    for (hook, index), site_buffers in buffers.items():
+        by_layer.setdefault(index, {})[hook] = SiteOp(site_buffers)
     installed: list[Site] = []
     for index, ops in by_layer.items():
         layer = layers[index]

@@ -1,13 +1,25 @@
-"""The in-graph steering op: ``dynsteer::steer_add``.
+"""The in-graph steering op: ``dynsteer::steer``, one call per configured site.
 
-One call per configured site. It reads only persistent buffers (the per-token row index and the
-site's row table), so it is safe inside torch.compile graphs and CUDA-graph replay: on replay
-only its kernel runs, on the captured addresses. It is functional (returns a new tensor), never
-syncs with the host and never reads Python state.
+For every token ``t`` of the step (``x`` is the tensor steered, ``h`` the other half of the
+residual stream, so the stream is ``x + h``; ``h`` is None where ``x`` is the whole stream):
 
-    out[t] = x[t] + table[rows[t]]      (fp32 math, cast back to x.dtype; row 0 is all zeros)
+    p = probe_rows[t]                                   (0: no probe)
+    if p and params[p].site == site:                    (this is t's monitor site)
+        score[t] = (x[t] + h[t]) · probes[p]            (fp32 accumulate)
+        gate[t]  = sigmoid(params[p].sharpness * (score[t] - params[p].threshold))
+    out[t] = x[t] + table[rows[t]] + gate[t] * dyn[rows[t]]
 
-CUDA uses the Triton kernel in :mod:`.triton_kernels`; every other device uses torch.
+Row 0 of ``table``/``dyn`` is zero (not steered); ``flags[row]`` says which of the two a row
+uses so unused rows are never read. The monitor reads the stream *before* this site's
+steering; the gate stays in the per-token ``gate`` buffer so later sites of the same forward
+use it (cross-layer gating).
+
+Graph safety: every input is a persistent buffer updated in place between steps; no host sync
+on CUDA, no Python state. ``gate``/``score`` are per-token scratch outputs written in place but
+*not* declared as mutated: declaring them would make functionalization copy both buffers at
+every site. Their writes are ordered by the residual stream itself (a later site's input is
+computed from an earlier site's output), which no compiler pass can reorder.
+CUDA runs the Triton kernel in :mod:`.triton_kernels`; other devices run torch.
 """
 
 from __future__ import annotations
@@ -15,26 +27,56 @@ from __future__ import annotations
 import torch
 
 OP_NAMESPACE = "dynsteer"
+STATIC_FLAG = 1
+DYNAMIC_FLAG = 2
+PARAM_THRESHOLD, PARAM_SHARPNESS, PARAM_SITE = 0, 1, 2
 
 
-def steer_add_reference(x: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Plain torch version; also the CPU implementation."""
-    delta = table.index_select(0, rows.to(torch.long))
+def _monitor(x, h, probe_rows, probes, params, gate, score, site: int) -> None:
+    p = probe_rows.to(torch.long)
+    mine = (p != 0) & (params[p, PARAM_SITE] == site)
+    if not bool(mine.any()):
+        return
+    idx = mine.nonzero().squeeze(1)
+    stream = x.index_select(0, idx).to(torch.float32)
+    if h is not None:
+        stream = stream + h.index_select(0, idx).to(torch.float32)
+    pi = p.index_select(0, idx)
+    s = (stream * probes.index_select(0, pi)).sum(-1)
+    z = params[pi, PARAM_SHARPNESS] * (s - params[pi, PARAM_THRESHOLD])
+    score[idx] = s
+    gate[idx] = torch.sigmoid(z)
+
+
+def steer_torch(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score,
+                site: int) -> torch.Tensor:
+    """Plain torch version; the CPU implementation."""
+    _monitor(x, h, probe_rows, probes, params, gate, score, site)
+    r = rows.to(torch.long)
+    delta = table.index_select(0, r)
+    if bool(((flags.index_select(0, r) & DYNAMIC_FLAG) != 0).any()):
+        delta = delta + gate[: x.shape[0], None] * dyn.index_select(0, r)
     if x.dtype == torch.float32:
         return x + delta
     return (x.to(torch.float32) + delta).to(x.dtype)
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::steer_add", mutates_args=())
-def steer_add(x: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Add ``table[rows[t]]`` to every token ``t`` of ``x`` (``[T, H]``)."""
+@torch.library.custom_op(f"{OP_NAMESPACE}::steer", mutates_args=())
+def steer(
+    x: torch.Tensor, h: torch.Tensor | None, rows: torch.Tensor, probe_rows: torch.Tensor,
+    table: torch.Tensor, dyn: torch.Tensor, flags: torch.Tensor, probes: torch.Tensor,
+    params: torch.Tensor, gate: torch.Tensor, score: torch.Tensor, site: int,
+) -> torch.Tensor:
+    """Monitor + static + gated steering of one site (see the module docstring)."""
     if x.is_cuda:
-        from dynsteer.engine_ext.triton_kernels import steer_add_triton
+        from dynsteer.engine_ext.triton_kernels import steer_triton
 
-        return steer_add_triton(x, rows, table)
-    return steer_add_reference(x, rows, table)
+        return steer_triton(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate,
+                            score, site)
+    return steer_torch(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score,
+                       site)
 
 
-@steer_add.register_fake
-def _steer_add_fake(x: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+@steer.register_fake
+def _steer_fake(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score, site):
     return torch.empty_like(x)

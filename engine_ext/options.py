@@ -13,14 +13,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dynsteer.controller.spec import HOOKS, Hook
+from dynsteer.controller.spec import HOOKS, Hook, site_key
 
 CONFIG_KEY = "dynsteer"
 """Key in vLLM's ``additional_config``."""
 ENABLE_ENV = "DYNSTEER_ENABLE"
 """Set to 1 to enable the plugin with default options when ``additional_config`` has no key."""
 PLUGIN_VERSION = "0.1.0"
-KERNEL_ABI = 1
+KERNEL_ABI = 2
 """Bumped whenever the in-graph ops change, so compile caches of older graphs are not reused."""
 
 Site = tuple[Hook, int]
@@ -96,8 +96,7 @@ def resolve_sites(sites: str | list[str], num_layers: int) -> tuple[Site, ...]:
 
 def site_order(site: Site) -> tuple[int, int]:
     """Sort key of a site in forward order."""
-    hook, layer = site
-    return layer, HOOKS.index(hook)
+    return site_key(*site)
 
 
 def options_from_additional_config(additional_config: Any) -> EngineOptions | None:

@@ -1,26 +1,32 @@
-"""Steering rows: the per-site tables the in-graph op reads.
+"""Steering rows and probe rows: the tables the in-graph op reads.
 
-One tensor ``table[S, R, H]`` (fp32) holds, for every site ``s``, the rows ``r``; row 0 is all
-zeros and means "not steered". A row is the *sum* of everything that steers one kind of token
-(one request config in one phase, global steering included), so the kernel does one gather-add
-per site whatever the number of entries. Rows are deduplicated by content and refcounted:
-requests with the same config share a row.
+``table[S, R, H]`` / ``dyn[S, R, H]`` (fp32) hold, for every site ``s``, the static and the
+gated (dynamic) part of each row ``r``; ``flags[S, R]`` says which part a row uses at a site, so
+the kernel never reads an unused row. Row 0 is all zeros and means "not steered". A row is the
+*sum* of everything that steers one kind of token (one request config in one phase, global
+steering included), so the kernel does one gather per site whatever the number of entries.
+
+``probes[P, H]`` / ``params[P, 3]`` (threshold, sharpness, monitor site index) hold the probes of
+gated requests; probe row 0 means "no monitor". Both tables deduplicate identical contents and
+refcount them: requests with the same config share a row.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from dynsteer.engine_ext.ops import DYNAMIC_FLAG, STATIC_FLAG
 from dynsteer.engine_ext.options import Site
 
 logger = logging.getLogger(__name__)
 
 Contents = dict[Site, np.ndarray]
-"""What one row adds at each site (float32 vectors of hidden size); absent sites add zero."""
+"""What a row adds at each site (float32 vectors of hidden size); absent sites add zero."""
 
 
 def add_contents(a: Contents, b: Contents) -> Contents:
@@ -31,16 +37,70 @@ def add_contents(a: Contents, b: Contents) -> Contents:
     return out
 
 
-def _digest(contents: Contents) -> bytes:
+def _nonzero(contents: Contents, sites: dict[Site, int]) -> Contents:
+    return {s: v for s, v in contents.items() if s in sites and v.any()}
+
+
+def _digest(*parts: object) -> bytes:
+    """Content key of a row: contents dicts and arrays by bytes, anything else by repr."""
     h = hashlib.blake2b(digest_size=16)
-    for site in sorted(contents):
-        h.update(repr(site).encode())
-        h.update(np.ascontiguousarray(contents[site], dtype=np.float32).tobytes())
+    for part in parts:
+        if isinstance(part, dict):
+            for site in sorted(part):
+                h.update(repr(site).encode())
+                h.update(np.ascontiguousarray(part[site], dtype=np.float32).tobytes())
+        elif isinstance(part, np.ndarray):
+            h.update(np.ascontiguousarray(part, dtype=np.float32).tobytes())
+        else:
+            h.update(repr(part).encode())
+        h.update(b"|")
     return h.digest()
 
 
+@dataclass
+class _Slots:
+    """Refcounted slots 1..capacity keyed by content digest (slot 0 is the shared zero)."""
+
+    capacity: int
+    rejected: int = 0
+    _by_key: dict[bytes, int] = field(default_factory=dict)
+    _key_of: dict[int, bytes] = field(default_factory=dict)
+    _refs: dict[int, int] = field(default_factory=dict)
+    _free: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._free = list(range(self.capacity, 0, -1))
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - len(self._free)
+
+    def take(self, key: bytes) -> tuple[int | None, bool]:
+        """(slot, is_new); slot None when full."""
+        slot = self._by_key.get(key)
+        fresh = slot is None
+        if slot is None:
+            if not self._free:
+                self.rejected += 1
+                return None, False
+            slot = self._free.pop()
+            self._by_key[key] = slot
+            self._key_of[slot] = key
+            self._refs[slot] = 0
+        self._refs[slot] += 1
+        return slot, fresh
+
+    def give_back(self, slot: int) -> None:
+        if slot == 0:
+            return
+        self._refs[slot] -= 1
+        if self._refs[slot] == 0:
+            del self._by_key[self._key_of.pop(slot)], self._refs[slot]
+            self._free.append(slot)
+
+
 class RowTable:
-    """Allocates rows of the per-site steering tables and writes their contents."""
+    """Allocates steering rows and writes their static and gated contents per site."""
 
     def __init__(
         self, sites: tuple[Site, ...], hidden_size: int, max_rows: int, device: torch.device
@@ -49,55 +109,91 @@ class RowTable:
         self.hidden_size = hidden_size
         self.max_rows = max_rows
         self._site_index = {site: i for i, site in enumerate(sites)}
-        self.table = torch.zeros(
-            len(sites), max_rows + 1, hidden_size, dtype=torch.float32, device=device
-        )
-        self._row_of_key: dict[bytes, int] = {}
-        self._key_of_row: dict[int, bytes] = {}
-        self._refs = [0] * (max_rows + 1)
-        self._free = list(range(max_rows, 0, -1))
-        self.rejected = 0
-        """Acquisitions refused because every row was in use."""
+        shape = (len(sites), max_rows + 1, hidden_size)
+        self.table = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.dyn = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.flags = torch.zeros(len(sites), max_rows + 1, dtype=torch.int32, device=device)
+        self._slots = _Slots(max_rows)
 
-    def site_table(self, site: Site) -> torch.Tensor:
-        """The ``[R, H]`` view one site's op reads."""
-        return self.table[self._site_index[site]]
+    def site_index(self, site: Site) -> int:
+        return self._site_index[site]
 
     @property
     def in_use(self) -> int:
         """Rows currently holding steering (row 0 excluded)."""
-        return self.max_rows - len(self._free)
+        return self._slots.in_use
 
-    def acquire(self, contents: Contents) -> int | None:
-        """A row holding ``contents`` (0 when empty), or None when the table is full."""
-        contents = {s: v for s, v in contents.items() if s in self._site_index and v.any()}
-        if not contents:
+    @property
+    def rejected(self) -> int:
+        """Acquisitions refused because every row was in use."""
+        return self._slots.rejected
+
+    def acquire(self, static: Contents, dynamic: Contents | None = None) -> int | None:
+        """A row holding ``static`` + gated ``dynamic`` (0 when both empty); None when full."""
+        static = _nonzero(static, self._site_index)
+        dynamic = _nonzero(dynamic or {}, self._site_index)
+        if not static and not dynamic:
             return 0
-        key = _digest(contents)
-        row = self._row_of_key.get(key)
-        if row is None:
-            if not self._free:
-                self.rejected += 1
-                return None
-            row = self._free.pop()
-            self._write(row, contents)
-            self._row_of_key[key] = row
-            self._key_of_row[row] = key
-        self._refs[row] += 1
+        row, fresh = self._slots.take(_digest(static, "dyn", dynamic))
+        if fresh:
+            self._write(row, static, dynamic)  # type: ignore[arg-type]
         return row
 
     def release(self, row: int) -> None:
         """Drop one reference; the row is free for new contents when none remain."""
-        if row == 0:
-            return
-        self._refs[row] -= 1
-        if self._refs[row] == 0:
-            del self._row_of_key[self._key_of_row.pop(row)]
-            self._free.append(row)
+        self._slots.give_back(row)
 
-    def _write(self, row: int, contents: Contents) -> None:
-        host = torch.zeros(len(self.sites), self.hidden_size, dtype=torch.float32)
-        for site, vec in contents.items():
-            host[self._site_index[site]] = torch.from_numpy(np.asarray(vec, dtype=np.float32))
+    def _write(self, row: int, static: Contents, dynamic: Contents) -> None:
+        n, hidden = len(self.sites), self.hidden_size
+        host = torch.zeros(2, n, hidden, dtype=torch.float32)
+        flags = torch.zeros(n, dtype=torch.int32)
+        for part, contents, flag in ((0, static, STATIC_FLAG), (1, dynamic, DYNAMIC_FLAG)):
+            for site, vec in contents.items():
+                i = self._site_index[site]
+                host[part, i] = torch.from_numpy(np.asarray(vec, dtype=np.float32))
+                flags[i] |= flag
         # Issued on the current stream: ordered after every forward that read the old contents.
-        self.table[:, row].copy_(host.to(self.table.device))
+        device = self.table.device
+        self.table[:, row].copy_(host[0].to(device))
+        self.dyn[:, row].copy_(host[1].to(device))
+        self.flags[:, row].copy_(flags.to(device))
+
+
+@dataclass(frozen=True)
+class ProbeRow:
+    """A probe placed at a monitor site."""
+
+    weights: np.ndarray
+    threshold: float
+    sharpness: float
+    site: Site
+
+
+class ProbeTable:
+    """Allocates probe rows (weights + threshold, sharpness, monitor site index)."""
+
+    def __init__(self, sites: tuple[Site, ...], hidden_size: int, max_probes: int,
+                 device: torch.device) -> None:
+        self._site_index = {site: i for i, site in enumerate(sites)}
+        self.probes = torch.zeros(max_probes + 1, hidden_size, dtype=torch.float32,
+                                  device=device)
+        self.params = torch.zeros(max_probes + 1, 3, dtype=torch.float32, device=device)
+        self._slots = _Slots(max_probes)
+
+    @property
+    def in_use(self) -> int:
+        return self._slots.in_use
+
+    def acquire(self, probe: ProbeRow) -> int | None:
+        site = self._site_index[probe.site]
+        key = _digest(probe.weights, probe.threshold, probe.sharpness, site)
+        row, fresh = self._slots.take(key)
+        if fresh:
+            device = self.probes.device
+            self.probes[row].copy_(torch.from_numpy(probe.weights.astype(np.float32)).to(device))
+            params = torch.tensor([probe.threshold, probe.sharpness, float(site)])
+            self.params[row].copy_(params.to(device))
+        return row
+
+    def release(self, row: int) -> None:
+        self._slots.give_back(row)

@@ -58,8 +58,7 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         max_slots=compat.request_capacity(runner) + 1,
         device=runner.device,
     )
-    tables = {site: state.rows.site_table(site) for site in sites}
-    installed = install_sites(model, layers, sites, state.token_rows.buffer, tables)
+    installed = install_sites(model, layers, state.site_buffers())
     runner.dynsteer_state = state
 
     slot_map = _SlotMap()
@@ -75,9 +74,9 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
     def on_step(req_ids: list[str], slots: np.ndarray | None, num_computed: np.ndarray,
                 num_scheduled: np.ndarray) -> None:
         if not state.any_steered:
-            state.token_rows.clear()
+            state.skip_step()
             return
-        state.fill(slot_map.lookup(req_ids) if slots is None else slots, num_computed,
+        state.fill(req_ids, slot_map.lookup(req_ids) if slots is None else slots, num_computed,
                    num_scheduled)
 
     compat.install_step_hooks(runner, on_add, on_remove, on_step)

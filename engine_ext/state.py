@@ -17,9 +17,17 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from dynsteer.controller.spec import SPEC_KEY, SteerEntry, parse_entries, parse_spec
+from dynsteer.controller.spec import (
+    SPEC_KEY,
+    GateSpec,
+    SteerEntry,
+    parse_entries,
+    parse_spec,
+)
+from dynsteer.engine_ext.layers import SiteBuffers
 from dynsteer.engine_ext.options import Site
-from dynsteer.engine_ext.rows import Contents, RowTable, add_contents
+from dynsteer.engine_ext.rows import Contents, ProbeRow, ProbeTable, RowTable, add_contents
+from dynsteer.engine_ext.telemetry import GateTelemetry
 from dynsteer.engine_ext.token_rows import TokenRows
 
 logger = logging.getLogger(__name__)
@@ -27,11 +35,23 @@ logger = logging.getLogger(__name__)
 PHASES: tuple[Literal["prefill"], Literal["decode"]] = ("prefill", "decode")
 
 
+@dataclass(frozen=True)
+class RegisteredProbe:
+    """A probe registered by name (its site comes from each request's gate)."""
+
+    weights: np.ndarray
+    threshold: float
+    sharpness: float
+
+
 @dataclass
 class _Request:
     slot: int
     own: dict[str, Contents]
-    """This request's own steering per phase (global steering excluded)."""
+    """This request's own static steering per phase (global steering excluded)."""
+    gated: dict[str, Contents]
+    """This request's gated steering per phase."""
+    probe: ProbeRow | None
 
 
 class SteeringState:
@@ -49,14 +69,22 @@ class SteeringState:
         self.sites = sites
         self.hidden_size = hidden_size
         self.rows = RowTable(sites, hidden_size, max_rows, device)
+        self.probe_table = ProbeTable(sites, hidden_size, max_rows, device)
         self.token_rows = TokenRows(max_tokens, device)
+        self.gate = torch.zeros(max_tokens, dtype=torch.float32, device=device)
+        """Per-token gate of the step (written at each token's monitor site)."""
+        self.score = torch.zeros(max_tokens, dtype=torch.float32, device=device)
+        """Per-token probe score of the step."""
+        self.telemetry = GateTelemetry(self.gate, self.score)
         self.vectors: dict[str, np.ndarray] = {}
+        self.probes: dict[str, RegisteredProbe] = {}
         self._global_entries: list[SteerEntry] = []
         self._global: dict[str, Contents] = {p: {} for p in PHASES}
         self._requests: dict[str, _Request] = {}
         self._prefill_row = np.zeros(max_slots, dtype=np.int32)
         self._decode_row = np.zeros(max_slots, dtype=np.int32)
         self._prompt_len = np.zeros(max_slots, dtype=np.int64)
+        self._probe_row = np.zeros(max_slots, dtype=np.int32)
         self._num_steered = 0
         self.requests_steered = 0
         """Requests admitted with a nonzero row (counter)."""
@@ -74,6 +102,22 @@ class SteeringState:
     def unregister_vector(self, name: str) -> None:
         """Remove a named vector; unknown names raise ``KeyError``."""
         del self.vectors[name]
+
+    def register_probe(self, name: str, weights: list[float] | np.ndarray, threshold: float,
+                       sharpness: float) -> None:
+        """Add or replace a named probe (requests already admitted keep the old one)."""
+        w = np.asarray(weights, dtype=np.float32)
+        if w.shape != (self.hidden_size,) or not np.isfinite(w).all():
+            raise ValueError(
+                f"probe {name!r}: expected {self.hidden_size} finite weights, got shape {w.shape}"
+            )
+        if not (np.isfinite(threshold) and np.isfinite(sharpness) and sharpness > 0):
+            raise ValueError(f"probe {name!r}: threshold must be finite and sharpness > 0")
+        self.probes[name] = RegisteredProbe(w, float(threshold), float(sharpness))
+
+    def unregister_probe(self, name: str) -> None:
+        """Remove a named probe; unknown names raise ``KeyError``."""
+        del self.probes[name]
 
     def set_global(self, entries: list[SteerEntry] | list[dict[str, Any]] | str) -> None:
         """Replace global steering; every live request is re-resolved against it."""
@@ -98,26 +142,35 @@ class SteeringState:
         a step must never fail because of one request.
         """
         self.remove_request(req_id)
-        own: dict[str, Contents] = {p: {} for p in PHASES}
+        empty: dict[str, Contents] = {p: {} for p in PHASES}
+        own, gated, probe = empty, empty, None
         raw = extra_args.get(SPEC_KEY) if isinstance(extra_args, dict) else None
         if raw is not None:
             try:
-                own = self._contents(parse_spec(raw).steer)
+                spec = parse_spec(raw)
+                own = self._contents(spec.steer)
+                if spec.gate is not None:
+                    gated = self._contents(spec.gate.steer)
+                    probe = self._resolve_probe(spec.gate)
             except (ValueError, KeyError) as e:
                 logger.warning("dynsteer: request %s runs unsteered: %s", req_id, e)
-        req = _Request(slot=slot, own=own)
+                own, gated, probe = empty, empty, None
+        req = _Request(slot=slot, own=own, gated=gated, probe=probe)
         self._ensure_slot(slot)
         self._requests[req_id] = req
         self._prompt_len[slot] = prompt_len
         self._assign(req)
-        if self._prefill_row[slot] or self._decode_row[slot]:
+        if self._steers(slot):
             self.requests_steered += 1
+        if probe is not None:
+            self.telemetry.admit(req_id, prompt_len)
 
     def remove_request(self, req_id: str) -> None:
         """Release a finished (or re-added) request's rows."""
         req = self._requests.pop(req_id, None)
         if req is not None:
             self._release(req)
+            self.telemetry.finish(req_id)
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -128,17 +181,54 @@ class SteeringState:
         return self._num_steered > 0
 
     # ---- per step ------------------------------------------------------------------------
-    def fill(self, slots: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray) -> None:
+    def fill(self, req_ids: list[str], slots: np.ndarray, num_computed: np.ndarray,
+             num_scheduled: np.ndarray) -> None:
         """Fill the token index for one step; arrays are per request in batch order."""
+        probe_rows = self._probe_row[slots]
         self.token_rows.fill(
             self._prefill_row[slots],
             self._decode_row[slots],
+            probe_rows,
             self._prompt_len[slots],
             num_computed,
             num_scheduled,
         )
+        spans = []
+        if probe_rows.any():
+            starts = np.cumsum(num_scheduled) - num_scheduled
+            for i in np.flatnonzero(probe_rows):
+                spans.append((req_ids[i], int(starts[i]), int(num_scheduled[i]),
+                              int(num_computed[i])))
+        self.telemetry.before_step(spans, int(num_scheduled.sum()))
+
+    def skip_step(self) -> None:
+        """A step with nothing steered: keep the index clear, fold pending telemetry."""
+        self.token_rows.clear()
+        self.telemetry.before_step([], 0)
 
     # ---- internals -----------------------------------------------------------------------
+    def _resolve_probe(self, gate: GateSpec) -> ProbeRow:
+        if isinstance(gate.probe, str):
+            base = self.probes[gate.probe]
+            weights, threshold, sharpness = base.weights, base.threshold, base.sharpness
+        else:
+            weights = np.asarray(gate.probe.weights, dtype=np.float32)
+            threshold, sharpness = gate.probe.threshold, gate.probe.sharpness
+        if weights.shape != (self.hidden_size,):
+            raise ValueError(f"probe length {weights.shape[0]} != hidden {self.hidden_size}")
+        site = (gate.hook, gate.layer)
+        if site not in self.sites:
+            raise ValueError(f"monitor site {site} is not configured")
+        return ProbeRow(
+            weights=weights,
+            threshold=gate.threshold if gate.threshold is not None else threshold,
+            sharpness=gate.sharpness if gate.sharpness is not None else sharpness,
+            site=site,
+        )
+
+    def _steers(self, slot: int) -> bool:
+        return bool(self._prefill_row[slot] or self._decode_row[slot] or self._probe_row[slot])
+
     def _contents(self, entries: list[SteerEntry]) -> dict[str, Contents]:
         out: dict[str, Contents] = {p: {} for p in PHASES}
         for entry in entries:
@@ -159,15 +249,16 @@ class SteeringState:
         if slot >= old:
             size = max(slot + 1, 2 * old)
             grown = []
-            for arr in (self._prefill_row, self._decode_row, self._prompt_len):
+            for arr in (self._prefill_row, self._decode_row, self._prompt_len, self._probe_row):
                 new = np.zeros(size, dtype=arr.dtype)
                 new[:old] = arr
                 grown.append(new)
-            self._prefill_row, self._decode_row, self._prompt_len = grown
+            self._prefill_row, self._decode_row, self._prompt_len, self._probe_row = grown
 
     def _assign(self, req: _Request) -> None:
         for phase, target in zip(PHASES, (self._prefill_row, self._decode_row), strict=True):
-            row = self.rows.acquire(add_contents(self._global[phase], req.own[phase]))
+            static = add_contents(self._global[phase], req.own[phase])
+            row = self.rows.acquire(static, req.gated[phase])
             if row is None:
                 logger.warning(
                     "dynsteer: all %d steering rows are in use; a request runs unsteered in %s "
@@ -175,15 +266,35 @@ class SteeringState:
                 )
                 row = 0
             target[req.slot] = row
-        if self._prefill_row[req.slot] or self._decode_row[req.slot]:
+        if req.probe is not None:
+            probe_row = self.probe_table.acquire(req.probe)
+            if probe_row is None:
+                logger.warning("dynsteer: all probe rows are in use; a gate is not monitored")
+            self._probe_row[req.slot] = probe_row or 0
+        if self._steers(req.slot):
             self._num_steered += 1
 
     def _release(self, req: _Request) -> None:
-        if self._prefill_row[req.slot] or self._decode_row[req.slot]:
+        if self._steers(req.slot):
             self._num_steered -= 1
         for target in (self._prefill_row, self._decode_row):
             self.rows.release(int(target[req.slot]))
             target[req.slot] = 0
+        self.probe_table.release(int(self._probe_row[req.slot]))
+        self._probe_row[req.slot] = 0
+
+    def site_buffers(self) -> dict[Site, SiteBuffers]:
+        """The buffer views each site's op reads."""
+        out = {}
+        for site in self.sites:
+            i = self.rows.site_index(site)
+            out[site] = SiteBuffers(
+                index=i, rows=self.token_rows.rows, probe_rows=self.token_rows.probe_rows,
+                table=self.rows.table[i], dyn=self.rows.dyn[i], flags=self.rows.flags[i],
+                probes=self.probe_table.probes, params=self.probe_table.params,
+                gate=self.gate, score=self.score,
+            )
+        return out
 
     def info(self) -> dict[str, Any]:
         """Counters for tests, metrics and the info RPC."""
@@ -195,6 +306,8 @@ class SteeringState:
             "live_requests": len(self._requests),
             "steered_requests_live": self._num_steered,
             "requests_steered_total": self.requests_steered,
+            "probe_rows_in_use": self.probe_table.in_use,
             "vectors": sorted(self.vectors),
+            "probes": sorted(self.probes),
             "global_entries": len(self._global_entries),
         }

@@ -1,4 +1,9 @@
-"""Triton kernels for CUDA. Imported only when a CUDA tensor reaches an op."""
+"""Triton kernel of ``dynsteer::steer`` (see :mod:`.ops`). Imported only for CUDA tensors.
+
+One program per token. Monitor tokens (rare: only at their monitor site) read the stream once
+for the dot product; every token then reads ``x`` once, gathers only the table rows its
+``flags`` say are in use, and writes ``out`` once.
+"""
 
 from __future__ import annotations
 
@@ -8,37 +13,65 @@ import triton.language as tl
 
 
 @triton.jit
-def _steer_add_kernel(
-    x_ptr, rows_ptr, table_ptr, out_ptr, hidden, x_stride, out_stride, BLOCK: tl.constexpr
+def _steer_kernel(
+    x_ptr, h_ptr, out_ptr, rows_ptr, prow_ptr, table_ptr, dyn_ptr, flags_ptr, probes_ptr,
+    params_ptr, gate_ptr, score_ptr, site, hidden, x_stride, h_stride, out_stride,
+    HAS_H: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < hidden
-    row = tl.load(rows_ptr + token).to(tl.int64)
-    x = tl.load(x_ptr + token.to(tl.int64) * x_stride + offs, mask=mask, other=0.0)
-    # Row 0 is all zeros: skip its read so unsteered tokens cost one read + one write.
-    delta = tl.load(table_ptr + row * hidden + offs, mask=mask & (row != 0), other=0.0)
-    out = x.to(tl.float32) + delta
-    tl.store(out_ptr + token.to(tl.int64) * out_stride + offs, out.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    t = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + t).to(tl.int64)
+    flags = tl.load(flags_ptr + row)
+    p = tl.load(prow_ptr + t).to(tl.int64)
+    g = tl.load(gate_ptr + t)
+    monitor_site = tl.load(params_ptr + p * 3 + 2).to(tl.int32)
+    if (p != 0) & (monitor_site == site):
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < hidden
+            s = tl.load(x_ptr + t * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_H:
+                s += tl.load(h_ptr + t * h_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(probes_ptr + p * hidden + offs, mask=mask, other=0.0)
+            acc += s * w
+        score = tl.sum(acc, axis=0)
+        threshold = tl.load(params_ptr + p * 3)
+        sharpness = tl.load(params_ptr + p * 3 + 1)
+        z = sharpness * (score - threshold)
+        g = 1.0 / (1.0 + tl.exp(-z))
+        tl.store(score_ptr + t, score)
+        tl.store(gate_ptr + t, g)
+    use_static = (flags & 1) != 0
+    use_dynamic = (flags & 2) != 0
+    for start in range(0, hidden, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hidden
+        x = tl.load(x_ptr + t * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(table_ptr + row * hidden + offs, mask=mask & use_static, other=0.0)
+        dd = tl.load(dyn_ptr + row * hidden + offs, mask=mask & use_dynamic, other=0.0)
+        out = x + d + g * dd
+        tl.store(out_ptr + t * out_stride + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _block_for(hidden: int) -> int:
-    return min(4096, triton.next_power_of_2(hidden))
+    return min(2048, triton.next_power_of_2(hidden))
 
 
-def steer_add_triton(x: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """CUDA implementation of ``dynsteer::steer_add`` (see :mod:`.ops`)."""
+def steer_triton(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score,
+                 site: int) -> torch.Tensor:
+    """CUDA implementation of ``dynsteer::steer``."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if h is not None and h.stride(-1) != 1:
+        h = h.contiguous()
     tokens, hidden = x.shape
     out = torch.empty_like(x)
     if tokens == 0:
         return out
     block = _block_for(hidden)
-    grid = (tokens, triton.cdiv(hidden, block))
-    _steer_add_kernel[grid](
-        x, rows, table, out, hidden, x.stride(0), out.stride(0), BLOCK=block,
-        num_warps=4 if block <= 1024 else 8,
+    _steer_kernel[(tokens,)](
+        x, h if h is not None else x, out, rows, probe_rows, table, dyn, flags, probes, params,
+        gate, score, site, hidden, x.stride(0), (h if h is not None else x).stride(0),
+        out.stride(0), HAS_H=h is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8,
     )
     return out

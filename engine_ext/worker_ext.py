@@ -30,5 +30,15 @@ class DynsteerWorkerExtension:
     def dynsteer_set_global(self, entries: list[dict[str, Any]]) -> None:
         self._dynsteer().set_global(entries)
 
+    def dynsteer_register_probe(self, name: str, weights: list[float], threshold: float,
+                                sharpness: float) -> None:
+        self._dynsteer().register_probe(name, weights, threshold, sharpness)
+
+    def dynsteer_unregister_probe(self, name: str) -> None:
+        self._dynsteer().unregister_probe(name)
+
+    def dynsteer_telemetry(self, request_id: str) -> dict[str, Any] | None:
+        return self._dynsteer().telemetry.report(request_id)
+
     def dynsteer_info(self) -> dict[str, Any]:
         return self._dynsteer().info()

@@ -40,9 +40,7 @@ def steering_vector(path: str):
             means.append(hidden[0].mean(0))
         return torch.stack(means).mean(0)
 
-    vec = mean_stream(PIRATE) - mean_stream(PLAIN)
-    del model
-    return vec.numpy()
+    return (mean_stream(PIRATE) - mean_stream(PLAIN)).numpy()
 
 
 def main() -> None:

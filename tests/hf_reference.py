@@ -2,7 +2,9 @@
 
 ``pre_attn`` adds to the layer's input, ``post_attn`` to the attention output (so to the stream
 after the attention residual add), ``post_block`` to the layer's output; each only at the
-positions of the entry's phase (prompt positions = prefill, generated = decode).
+positions of the entry's phase (prompt positions = prefill, generated = decode). A gate reads
+the stream at its monitor site *before* that site's steering, in float64, and scales its
+entries per position at that site and every later one.
 """
 
 from __future__ import annotations
@@ -14,53 +16,89 @@ from typing import Any
 import numpy as np
 import torch
 
+HOOKS = ("pre_attn", "post_attn", "post_block")
 
-def _delta(entries: Sequence[dict[str, Any]], hook: str, layer: int, seq_len: int,
-           prompt_len: int, vectors: dict[str, Sequence[float]]) -> torch.Tensor | None:
-    out = None
+
+def _phase_mask(phase: str, seq_len: int, prompt_len: int) -> torch.Tensor:
+    mask = torch.zeros(seq_len, 1, dtype=torch.float64)
+    if phase in ("all", "prefill"):
+        mask[:prompt_len] = 1
+    if phase in ("all", "decode"):
+        mask[prompt_len:] = 1
+    return mask
+
+
+def _deltas(entries, seq_len, prompt_len, vectors) -> dict[tuple[str, int], torch.Tensor]:
+    out: dict[tuple[str, int], torch.Tensor] = {}
     for e in entries:
-        if e.get("hook", "post_block") != hook or layer not in e["layers"]:
-            continue
         vec = e["vector"]
         vec = torch.tensor(vectors[vec] if isinstance(vec, str) else vec, dtype=torch.float64)
-        mask = torch.zeros(seq_len, 1, dtype=torch.float64)
-        phase = e.get("phase", "all")
-        if phase in ("all", "prefill"):
-            mask[:prompt_len] = 1
-        if phase in ("all", "decode"):
-            mask[prompt_len:] = 1
-        add = mask * vec * float(e.get("scale", 1.0))
-        out = add if out is None else out + add
-    return None if out is None else out.to(torch.float32)
+        add = _phase_mask(e.get("phase", "all"), seq_len, prompt_len) * vec * e.get("scale", 1.0)
+        for layer in e["layers"]:
+            key = (e.get("hook", "post_block"), layer)
+            out[key] = out[key] + add if key in out else add
+    return out
+
+
+class Steerer:
+    """Static + gated deltas per site, and the gate computed at the monitor site."""
+
+    def __init__(self, entries, gate, seq_len, prompt_len, vectors, probes) -> None:
+        self.static = _deltas(entries, seq_len, prompt_len, vectors)
+        self.gated: dict[tuple[str, int], torch.Tensor] = {}
+        self.monitor = None
+        self.gates: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
+        if gate is not None:
+            self.gated = _deltas(gate["steer"], seq_len, prompt_len, vectors)
+            probe = gate["probe"]
+            probe = probes[probe] if isinstance(probe, str) else probe
+            self.w = torch.tensor(probe["weights"], dtype=torch.float64)
+            self.threshold = gate.get("threshold")
+            self.threshold = probe.get("threshold", 0.0) if self.threshold is None else \
+                self.threshold
+            self.sharpness = gate.get("sharpness") or probe.get("sharpness", 1.0)
+            self.monitor = (gate.get("hook", "post_block"), gate["layer"])
+
+    def apply(self, site: tuple[str, int], stream: torch.Tensor, x: torch.Tensor):
+        if site == self.monitor:
+            self.scores = stream[0].double() @ self.w
+            self.gates = torch.sigmoid(self.sharpness * (self.scores - self.threshold))
+        delta = self.static.get(site)
+        if site in self.gated:
+            assert self.gates is not None, "gated site before the monitor"
+            g = self.gates[:, None] * self.gated[site]
+            delta = g if delta is None else delta + g
+        return x if delta is None else x + delta.to(x.dtype)
 
 
 @contextmanager
-def steering_hooks(model: Any, entries: Sequence[dict[str, Any]], seq_len: int,
-                   prompt_len: int, vectors: dict[str, Sequence[float]] | None = None):
-    """Register forward hooks implementing ``entries`` on an HF causal LM."""
-    vectors = vectors or {}
+def steering_hooks(model, steerer: Steerer):
+    """Register forward hooks implementing ``steerer`` on an HF causal LM."""
     handles = []
+    inputs: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
-        pre = _delta(entries, "pre_attn", i, seq_len, prompt_len, vectors)
-        mid = _delta(entries, "post_attn", i, seq_len, prompt_len, vectors)
-        post = _delta(entries, "post_block", i, seq_len, prompt_len, vectors)
-        if pre is not None:
-            def pre_hook(mod, args, kwargs, d=pre):
-                if args:
-                    return (args[0] + d, *args[1:]), kwargs
-                kwargs["hidden_states"] = kwargs["hidden_states"] + d
-                return args, kwargs
-            handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        if mid is not None:
-            def attn_hook(mod, args, output, d=mid):
-                return (output[0] + d, *output[1:])
-            handles.append(layer.self_attn.register_forward_hook(attn_hook))
-        if post is not None:
-            def post_hook(mod, args, output, d=post):
-                if isinstance(output, tuple):
-                    return (output[0] + d, *output[1:])
-                return output + d
-            handles.append(layer.register_forward_hook(post_hook))
+        def pre_hook(mod, args, kwargs, i=i):
+            hs = args[0] if args else kwargs["hidden_states"]
+            hs = steerer.apply(("pre_attn", i), hs, hs)
+            inputs[i] = hs
+            if args:
+                return (hs, *args[1:]), kwargs
+            kwargs["hidden_states"] = hs
+            return args, kwargs
+
+        def attn_hook(mod, args, output, i=i):
+            out = steerer.apply(("post_attn", i), inputs[i] + output[0], output[0])
+            return (out, *output[1:])
+
+        def post_hook(mod, args, output, i=i):
+            hs = output[0] if isinstance(output, tuple) else output
+            hs = steerer.apply(("post_block", i), hs, hs)
+            return (hs, *output[1:]) if isinstance(output, tuple) else hs
+
+        handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(layer.self_attn.register_forward_hook(attn_hook))
+        handles.append(layer.register_forward_hook(post_hook))
     try:
         yield
     finally:
@@ -68,22 +106,31 @@ def steering_hooks(model: Any, entries: Sequence[dict[str, Any]], seq_len: int,
             h.remove()
 
 
-def reference_logprobs(model: Any, tokens: Sequence[int], prompt_len: int,
-                       entries: Sequence[dict[str, Any]] = (),
-                       vectors: dict[str, Sequence[float]] | None = None) -> np.ndarray:
-    """Log-probability of each token ``tokens[1:]`` given its prefix, under steering."""
+def run_reference(model: Any, tokens: Sequence[int], prompt_len: int,
+                  entries: Sequence[dict[str, Any]] = (), vectors: dict | None = None,
+                  gate: dict[str, Any] | None = None,
+                  probes: dict[str, dict] | None = None) -> tuple[np.ndarray, Steerer]:
+    """(log-probability of each token ``tokens[1:]`` given its prefix, the steerer)."""
+    steerer = Steerer(entries, gate, len(tokens), prompt_len, vectors or {}, probes or {})
     ids = torch.tensor([list(tokens)])
-    with torch.no_grad(), steering_hooks(model, entries, len(tokens), prompt_len, vectors):
+    with torch.no_grad(), steering_hooks(model, steerer):
         logits = model(ids).logits[0].double()
     logp = torch.log_softmax(logits, dim=-1)
     nxt = torch.tensor(tokens[1:])
-    return logp[torch.arange(len(tokens) - 1), nxt].numpy()
+    return logp[torch.arange(len(tokens) - 1), nxt].numpy(), steerer
+
+
+def reference_logprobs(model: Any, tokens: Sequence[int], prompt_len: int,
+                       entries: Sequence[dict[str, Any]] = (), vectors: dict | None = None,
+                       gate: dict[str, Any] | None = None,
+                       probes: dict[str, dict] | None = None) -> np.ndarray:
+    return run_reference(model, tokens, prompt_len, entries, vectors, gate, probes)[0]
 
 
 def load_hf(path: Any) -> Any:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, torch_dtype=torch.float32, attn_implementation="eager"
+        path, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()

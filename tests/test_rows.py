@@ -18,14 +18,18 @@ def table(max_rows=3):
     return RowTable(SITES, hidden_size=4, max_rows=max_rows, device=torch.device("cpu"))
 
 
+def site_rows(rows, site, part="table"):
+    return getattr(rows, part)[rows.site_index(site)]
+
+
 def test_identical_contents_share_a_row():
     rows = table()
     v = np.arange(4, dtype=np.float32)
     a = rows.acquire({("post_block", 1): v})
     b = rows.acquire({("post_block", 1): v.copy()})
     assert a == b != 0 and rows.in_use == 1
-    np.testing.assert_array_equal(rows.site_table(("post_block", 1))[a].numpy(), v)
-    assert not rows.site_table(("post_block", 0))[a].any()
+    np.testing.assert_array_equal(site_rows(rows, ("post_block", 1))[a].numpy(), v)
+    assert not site_rows(rows, ("post_block", 0))[a].any()
 
 
 def test_empty_contents_use_row_zero():
@@ -47,7 +51,7 @@ def test_released_rows_are_reused():
     rows.release(r)
     assert rows.in_use == 0
     assert rows.acquire({("pre_attn", 0): 3 * np.ones(4, np.float32)}) == r
-    assert rows.site_table(("pre_attn", 0))[r][0] == 3
+    assert site_rows(rows, ("pre_attn", 0))[r][0] == 3
 
 
 @settings(max_examples=60, deadline=None)
@@ -56,13 +60,17 @@ def test_released_rows_are_reused():
 def test_fill_matches_per_token_loop(reqs):
     """Vectorized fill == a plain loop over tokens: prompt positions take the prefill row."""
     index = TokenRows(max_tokens=128, device=torch.device("cpu"))
-    index.fill(np.full(3, 7), np.full(3, 7), np.zeros(3), np.zeros(3), np.array([9, 9, 9]))
+    index.fill(np.full(3, 7), np.full(3, 7), np.full(3, 2), np.zeros(3), np.zeros(3),
+               np.array([9, 9, 9]))
     prow, drow, plen, comp, nsch = (np.array(x) for x in zip(*reqs, strict=True))
-    index.fill(prow, drow, plen, comp, nsch)
+    probes = np.arange(len(reqs)) % 3
+    index.fill(prow, drow, probes, plen, comp, nsch)
     want = [p if c + k < pl else d for p, d, pl, c, n in reqs for k in range(n)]
-    got = index.buffer.numpy()
+    want_probe = [probes[i] for i, r in enumerate(reqs) for _ in range(r[4])]
+    got = index.rows.numpy()
     np.testing.assert_array_equal(got[: len(want)], want)
-    assert not got[len(want):].any(), "stale rows past this step's tokens (padding) must be 0"
+    np.testing.assert_array_equal(index.probe_rows.numpy()[: len(want)], want_probe)
+    assert not index.buffer.numpy()[:, len(want):].any(), "padding tokens must map to 0"
 
 
 def test_global_change_re_resolves_live_requests():
@@ -73,9 +81,9 @@ def test_global_change_re_resolves_live_requests():
     assert not state.any_steered
     state.set_global([{"vector": [1, 0, 0, 0], "layers": [1]}])
     assert state.any_steered
-    state.fill(np.array([1]), np.array([0]), np.array([3]))
-    row = int(state.token_rows.buffer[0])
-    assert row != 0 and state.rows.site_table(("post_block", 1))[row][0] == 1
+    state.fill(["a"], np.array([1]), np.array([0]), np.array([3]))
+    row = int(state.token_rows.rows[0])
+    assert row != 0 and site_rows(state.rows, ("post_block", 1))[row][0] == 1
     state.set_global([])
     assert not state.any_steered and state.rows.in_use == 0
 
@@ -86,3 +94,38 @@ def test_bad_request_runs_unsteered_instead_of_failing():
                           device=torch.device("cpu"))
     state.add_request("a", 0, {"dynsteer": {"steer": [{"vector": "gone", "layers": [0]}]}}, 2)
     assert not state.any_steered and state.has_request("a")
+
+
+def test_dynamic_rows_flag_what_they_use():
+    """Flags say which part (static, gated) a row uses at each site; unused parts stay zero."""
+    rows = table()
+    one = np.ones(4, np.float32)
+    r = rows.acquire({("pre_attn", 0): one}, {("post_block", 1): 2 * one})
+    assert site_rows(rows, ("pre_attn", 0), "flags")[r] == 1
+    assert site_rows(rows, ("post_block", 1), "flags")[r] == 2
+    assert site_rows(rows, ("post_block", 1), "dyn")[r][0] == 2
+    assert not site_rows(rows, ("post_block", 1), "table")[r].any()
+    # the same static contents without the gated part is a different row
+    assert rows.acquire({("pre_attn", 0): one}) != r
+
+
+def test_gated_request_gets_probe_row_and_telemetry():
+    """A gated request takes a probe row at its monitor site and gets a telemetry record."""
+    state = SteeringState(SITES, 4, max_rows=4, max_tokens=16, max_slots=4,
+                          device=torch.device("cpu"))
+    spec = {"dynsteer": {"gate": {"probe": {"weights": [1, 0, 0, 0], "threshold": 0.5},
+                                  "layer": 0, "hook": "post_block",
+                                  "steer": [{"vector": [0, 1, 0, 0], "layers": [1]}]}}}
+    state.add_request("g", 2, spec, prompt_len=3)
+    assert state.any_steered and state.probe_table.in_use == 1
+    state.fill(["g"], np.array([2]), np.array([0]), np.array([3]))
+    assert state.token_rows.probe_rows[:3].tolist() == [1, 1, 1]
+    params = state.probe_table.params[1].tolist()
+    assert params == [0.5, 1.0, float(state.rows.site_index(("post_block", 0)))]
+    state.gate[:3] = torch.tensor([0.2, 0.7, 0.9])
+    state.score[:3] = torch.tensor([-1.0, 1.0, 2.0])
+    state.skip_step()
+    report = state.telemetry.report("g")
+    assert report["gated_prefill"] == 2 and report["max_score"] == 2.0
+    state.remove_request("g")
+    assert state.probe_table.in_use == 0 and state.telemetry.report("g") is not None
