@@ -1,0 +1,120 @@
+"""Microbenchmark of the fused ``dynsteer::steer`` Triton kernel (GPU).
+
+For tokens in {1, 32, 256, 4096, 16384} x hidden in {2048, 4096, 8192} (bf16), every token
+steered (static + gated row) and monitored at this site: achieved bytes/s (x read twice for
+monitor tokens + out written once, counted as 3 x T x H x 2 bytes, table reads not counted) as
+a fraction of the measured device-to-device copy bandwidth (read + write of the same bytes),
+and the per-launch time at decode sizes (CUDA events, median of many launches; graph replay
+removes the Python launch cost seen here). Also an idle case (all tokens on row 0, no probe).
+
+Usage: python benchmarks/kernel_bench.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def _time_ms(fn, reps: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _graph_time_us(fn, launches: int = 200) -> float:
+    """Per-launch time of ``fn`` captured ``launches`` times in one CUDA graph."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return _time_ms(graph.replay, 20) * 1000 / launches
+
+
+def copy_bandwidth() -> float:
+    import torch
+
+    src = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() * 2 / (ms / 1000)
+
+
+def case(tokens: int, hidden: int, idle: bool) -> dict[str, Any]:
+    import torch
+
+    from dynsteer.engine_ext.triton_kernels import steer_triton
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn_like(x)
+    rows = torch.full((tokens,), 0 if idle else 1, dtype=torch.int32, device="cuda")
+    probe_rows = torch.full((tokens,), 0 if idle else 1, dtype=torch.int32, device="cuda")
+    table = torch.randn(3, hidden, device="cuda")
+    dyn = torch.randn(3, hidden, device="cuda")
+    flags = torch.tensor([0, 3, 3], dtype=torch.int32, device="cuda")
+    probes = torch.randn(2, hidden, device="cuda")
+    params = torch.tensor([[0, 0, 0], [0.0, 1.0, 0.0]], device="cuda")
+    gate = torch.zeros(tokens, device="cuda")
+    score = torch.zeros(tokens, device="cuda")
+
+    def run() -> Any:
+        return steer_triton(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate,
+                            score, 0)
+
+    ms = _time_ms(run, 50)
+    reads = 1 if idle else 3  # x (+ x and h again for the monitor's dot product)
+    moved = (reads + 1) * tokens * hidden * 2
+    out = {"tokens": tokens, "hidden": hidden, "idle": idle, "ms": ms,
+           "bytes_per_s": moved / (ms / 1000)}
+    if tokens <= 256:
+        out["graph_launch_us"] = _graph_time_us(run)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args()
+    import torch
+
+    bw = copy_bandwidth()
+    results = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "cases": []}
+    print(f"device {results['device']}, copy bandwidth {bw / 1e12:.2f} TB/s (read+write)")
+    print(f"{'tokens':>6} {'hidden':>6} {'mode':<8} {'us':>9} {'TB/s':>6} {'of copy':>8} "
+          f"{'graph us/launch':>16}")
+    for tokens in (1, 32, 256, 4096, 16384):
+        for hidden in (2048, 4096, 8192):
+            for idle in (False, True):
+                r = case(tokens, hidden, idle)
+                r["fraction_of_copy"] = r["bytes_per_s"] / bw
+                results["cases"].append(r)
+                launch = f"{r['graph_launch_us']:.2f}" if "graph_launch_us" in r else ""
+                print(f"{tokens:>6} {hidden:>6} {'idle' if idle else 'gated':<8} "
+                      f"{r['ms'] * 1000:>9.1f} {r['bytes_per_s'] / 1e12:>6.2f} "
+                      f"{r['fraction_of_copy']:>8.1%} {launch:>16}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernel_bench.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
