@@ -80,6 +80,22 @@ def test_unsteered_requests_in_mixed_batch_equal_stock_vllm(llm, plain_outputs):
     )
 
 
+GATE = {"probe": {"weights": vec(40, norm=1.0), "threshold": 0.0, "sharpness": 2.0},
+        "layer": 1, "steer": [{"vector": vec(41), "layers": [1, 2]}]}
+
+
+def test_plain_requests_batched_with_gated_and_static_equal_stock_vllm(llm, plain_outputs, hf):
+    """A batch mixing gated, statically steered and plain requests: plain ones are untouched."""
+    specs = [None, {"gate": GATE}, {"steer": STEER_A}, None]
+    outs = run(llm, PROMPTS, [params(spec=s) for s in specs])
+    for i in (0, 3):
+        assert_same(outs[i], plain_outputs[i])
+    tokens, got = logprobs_of(outs[1])
+    want = reference_logprobs(hf, tokens, len(PROMPTS[1]), gate=GATE)
+    np.testing.assert_allclose(got, want, atol=TOL)
+    assert_matches_hf(hf, outs[2], STEER_A)
+
+
 def test_scale_zero_equals_baseline(llm, plain_outputs):
     """``scale: 0`` is exactly no steering."""
     spec = {"steer": [{**STEER_A[0], "scale": 0.0}]}
@@ -139,6 +155,15 @@ BAD_SPECS = {
     "layer outside sites": (_bad(hook="pre_attn", layers=[2]), r"not a configured site"),
     "unknown field": ({"steer": [{"vector": vec(1), "layers": [1], "sclae": 2}]}, r"sclae"),
     "malformed json": ('{"steer": [', r"dynsteer: malformed JSON"),
+    "gated site before monitor": (
+        {"gate": {**GATE, "layer": 2, "steer": [{"vector": vec(1), "layers": [1]}]}},
+        r"gate.steer\[0\].layers: .* comes before the monitor site"),
+    "monitor site not configured": ({"gate": {**GATE, "hook": "post_attn"}},
+                                    r"gate.layer: monitor site .* is not a configured site"),
+    "unknown probe": ({"gate": {**GATE, "probe": "nope"}}, r"gate.probe: unknown probe name"),
+    "probe length": ({"gate": {**GATE, "probe": {"weights": [1.0]}}},
+                     r"gate.probe.weights: expected 128 floats"),
+    "bad sharpness": ({"gate": {**GATE, "sharpness": -1}}, r"gate.sharpness"),
     "not an object": ([1, 2], r"dynsteer: expected an object"),
 }
 
