@@ -6,6 +6,8 @@ and then applied on every worker through ``collective_rpc``, so all TP ranks sta
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -53,6 +55,7 @@ class Steering:
             raise ValueError("vector: contains NaN or inf")
         self._llm.collective_rpc("dynsteer_register_vector", args=(name, values.tolist()))
         self._frontend.vector_names.add(name)
+        self._frontend.registry_generation += 1
 
     def unregister_vector(self, name: str) -> None:
         """Forget a named vector; requests already admitted keep their steering."""
@@ -60,6 +63,7 @@ class Steering:
             raise ValueError(f"name: unknown vector {name!r}")
         self._llm.collective_rpc("dynsteer_unregister_vector", args=(name,))
         self._frontend.vector_names.discard(name)
+        self._frontend.registry_generation += 1
 
     def vectors(self) -> list[str]:
         """Names of the registered vectors."""
@@ -92,6 +96,7 @@ class Steering:
             args=(name, values.tolist(), float(threshold), float(sharpness)),
         )
         self._frontend.probe_names.add(name)
+        self._frontend.registry_generation += 1
 
     def unregister_probe(self, name: str) -> None:
         """Forget a named probe; requests already admitted keep their gate."""
@@ -99,6 +104,7 @@ class Steering:
             raise ValueError(f"name: unknown probe {name!r}")
         self._llm.collective_rpc("dynsteer_unregister_probe", args=(name,))
         self._frontend.probe_names.discard(name)
+        self._frontend.registry_generation += 1
 
     def probes(self) -> list[str]:
         """Names of the registered probes."""
@@ -120,10 +126,14 @@ class Steering:
         check_entries(parsed, self._frontend.shape(), prefix="steer")
         payload = [e.model_dump() for e in parsed]
         self._llm.collective_rpc("dynsteer_set_global", args=(payload,))
+        self._frontend.global_fingerprint = (
+            hashlib.blake2b(json.dumps(payload, sort_keys=True).encode(), digest_size=12)
+            .hexdigest() if payload else None)
 
     def clear_global(self) -> None:
         """Remove global steering."""
         self._llm.collective_rpc("dynsteer_set_global", args=([],))
+        self._frontend.global_fingerprint = None
 
     def info(self) -> list[dict[str, Any]]:
         """Per-worker counters (rows in use, live requests, ...)."""

@@ -7,6 +7,8 @@ The next vLLM release should be a change to this file only. What is touched, and
   plugin, or with other sites, is never reused) and sets ``worker_extension_cls``.
 * ``InputProcessor._validate_params`` (frontend): rejects a bad spec at ``generate()`` / request
   time with an error naming the field; the engine never sees it.
+* ``InputProcessor.process_inputs`` (frontend): forks the prefix-cache key of steered requests
+  through ``EngineCoreRequest.cache_salt`` (see :func:`steering_salt`).
 * Model runners' ``load_model`` (workers): wraps the decoder layers once the model exists, before
   the first forward (profile run = first trace).
 * Per-step hooks, installed on the runner *instance* only when the plugin is enabled:
@@ -18,6 +20,8 @@ The next vLLM release should be a change to this file only. What is touched, and
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -78,6 +82,10 @@ class FrontendState:
         self.sites = resolve_sites(options.sites, self.num_layers)
         self.vector_names: set[str] = set()
         self.probe_names: set[str] = set()
+        self.registry_generation = 0
+        """Bumped on every vector/probe (un)registration: named contents may have changed."""
+        self.global_fingerprint: str | None = None
+        """Fingerprint of the current global steering (None when there is none)."""
 
     def shape(self) -> ModelShape:
         return ModelShape(
@@ -125,15 +133,52 @@ def _wrap_validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
     return _validate_params
 
 
+def steering_salt(state: FrontendState, raw_spec: Any) -> str | None:
+    """Prefix-cache salt of a request: None for unsteered requests, else a fingerprint.
+
+    KV computed under steering is a deterministic function of the tokens, the request's spec,
+    the global steering and the named vectors/probes it uses. Salting with exactly those keeps
+    steered KV from ever being served to a request steered differently (or not at all), while
+    unsteered requests keep sharing blocks with each other and identically steered ones share
+    among themselves. vLLM chains block hashes, so a salt on the first block forks all of them.
+    """
+    if raw_spec is None and state.global_fingerprint is None:
+        return None
+    h = hashlib.blake2b(digest_size=12)
+    if raw_spec is not None:
+        text = raw_spec if isinstance(raw_spec, str) else json.dumps(raw_spec, sort_keys=True)
+        h.update(text.encode() if isinstance(text, str) else text)
+    h.update(f"|global={state.global_fingerprint}|registry={state.registry_generation}".encode())
+    return f"dynsteer:{h.hexdigest()}"
+
+
+def _wrap_process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+    def process_inputs(self: Any, request_id: Any, prompt: Any, params: Any, *args: Any,
+                       **kwargs: Any) -> Any:
+        request = original(self, request_id, prompt, params, *args, **kwargs)
+        state = frontend_state(self)
+        if state is not None:
+            extra = getattr(params, "extra_args", None) or {}
+            salt = steering_salt(state, extra.get(SPEC_KEY))
+            if salt is not None:
+                user = request.cache_salt
+                request.cache_salt = salt if not user else f"{user}|{salt}"
+        return request
+
+    return process_inputs
+
+
+def _patch_input_processor(module: Any) -> None:
+    _patch(module.InputProcessor, "_validate_params", _wrap_validate_params)
+    _patch(module.InputProcessor, "process_inputs", _wrap_process_inputs)
+
+
 def patch_frontend() -> None:
     """Frontend patches (cheap modules, already imported by whoever calls register())."""
     from vllm.engine.arg_utils import EngineArgs
 
     _patch(EngineArgs, "create_engine_config", _wrap_create_engine_config)
-    when_imported(
-        "vllm.v1.engine.input_processor",
-        lambda mod: _patch(mod.InputProcessor, "_validate_params", _wrap_validate_params),
-    )
+    when_imported("vllm.v1.engine.input_processor", _patch_input_processor)
 
 
 # ---- workers -----------------------------------------------------------------------------

@@ -35,8 +35,9 @@ def params(max_tokens: int = 6, spec: Any = None, **kwargs: Any) -> Any:
     from vllm import SamplingParams
 
     extra = {"dynsteer": spec} if spec is not None else None
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, prompt_logprobs=0,
-                          detokenize=False, ignore_eos=True, extra_args=extra, **kwargs)
+    kwargs.setdefault("prompt_logprobs", 0)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False,
+                          ignore_eos=True, extra_args=extra, **kwargs)
 
 
 def run(llm: Any, prompts: list[list[int]], sps: list[Any]) -> list[Any]:
