@@ -170,33 +170,46 @@ def parse_entries(raw: Any, prefix: str = "steer") -> list[SteerEntry]:
     return entries
 
 
+def _check_name(where: str, kind: str, name: str, known: Collection[str], fix: str) -> None:
+    if name not in known:
+        listed = ", ".join(sorted(known)) or "none registered"
+        raise SpecError(
+            f"{where}: unknown {kind} name {name!r} (known: {listed}); register it first or {fix}"
+        )
+
+
+def _check_length(where: str, values: list[float], shape: ModelShape) -> None:
+    if len(values) != shape.hidden_size:
+        raise SpecError(
+            f"{where}: expected {shape.hidden_size} floats (the model's hidden size), "
+            f"got {len(values)}"
+        )
+
+
+def _check_site(where: str, hook: Hook, layer: int, shape: ModelShape, what: str = "") -> None:
+    if layer >= shape.num_layers:
+        raise SpecError(
+            f"{where}: layer {layer} does not exist "
+            f"(the model has layers 0..{shape.num_layers - 1})"
+        )
+    if (hook, layer) not in shape.sites:
+        raise SpecError(
+            f"{where}: {what}({hook}, layer {layer}) is not a configured site; "
+            f"add '{hook}@{layer}' to the engine option dynsteer.sites"
+        )
+
+
 def check_entries(entries: Iterable[SteerEntry], shape: ModelShape, prefix: str) -> None:
     """Check entries against the served model; raise :class:`SpecError` on the first problem."""
     for i, entry in enumerate(entries):
         where = f"{prefix}[{i}]"
         if isinstance(entry.vector, str):
-            if entry.vector not in shape.vector_names:
-                known = ", ".join(sorted(shape.vector_names)) or "none registered"
-                raise SpecError(
-                    f"{where}.vector: unknown vector name {entry.vector!r} (known: {known}); "
-                    "register it first or pass the floats inline"
-                )
-        elif len(entry.vector) != shape.hidden_size:
-            raise SpecError(
-                f"{where}.vector: expected {shape.hidden_size} floats (the model's hidden size), "
-                f"got {len(entry.vector)}"
-            )
+            _check_name(f"{where}.vector", "vector", entry.vector, shape.vector_names,
+                        "pass the floats inline")
+        else:
+            _check_length(f"{where}.vector", entry.vector, shape)
         for layer in entry.layers:
-            if layer >= shape.num_layers:
-                raise SpecError(
-                    f"{where}.layers: layer {layer} does not exist "
-                    f"(the model has layers 0..{shape.num_layers - 1})"
-                )
-            if (entry.hook, layer) not in shape.sites:
-                raise SpecError(
-                    f"{where}.layers: ({entry.hook}, layer {layer}) is not a configured site; "
-                    f"add '{entry.hook}@{layer}' to the engine option dynsteer.sites"
-                )
+            _check_site(f"{where}.layers", entry.hook, layer, shape)
 
 
 def site_key(hook: Hook, layer: int) -> tuple[int, int]:
@@ -207,27 +220,11 @@ def site_key(hook: Hook, layer: int) -> tuple[int, int]:
 def check_gate(gate: GateSpec, shape: ModelShape, prefix: str) -> None:
     """Check a gate against the served model (probe, monitor site, gated sites' order)."""
     if isinstance(gate.probe, str):
-        if gate.probe not in shape.probe_names:
-            known = ", ".join(sorted(shape.probe_names)) or "none registered"
-            raise SpecError(
-                f"{prefix}.probe: unknown probe name {gate.probe!r} (known: {known}); "
-                "register it first or give the weights inline"
-            )
-    elif len(gate.probe.weights) != shape.hidden_size:
-        raise SpecError(
-            f"{prefix}.probe.weights: expected {shape.hidden_size} floats (the model's hidden "
-            f"size), got {len(gate.probe.weights)}"
-        )
-    if gate.layer >= shape.num_layers:
-        raise SpecError(
-            f"{prefix}.layer: layer {gate.layer} does not exist "
-            f"(the model has layers 0..{shape.num_layers - 1})"
-        )
-    if (gate.hook, gate.layer) not in shape.sites:
-        raise SpecError(
-            f"{prefix}.layer: monitor site ({gate.hook}, layer {gate.layer}) is not a configured "
-            f"site; add '{gate.hook}@{gate.layer}' to the engine option dynsteer.sites"
-        )
+        _check_name(f"{prefix}.probe", "probe", gate.probe, shape.probe_names,
+                    "give the weights inline")
+    else:
+        _check_length(f"{prefix}.probe.weights", gate.probe.weights, shape)
+    _check_site(f"{prefix}.layer", gate.hook, gate.layer, shape, what="monitor site ")
     check_entries(gate.steer, shape, f"{prefix}.steer")
     monitor = site_key(gate.hook, gate.layer)
     for i, entry in enumerate(gate.steer):

@@ -20,6 +20,23 @@ from dynsteer.engine_ext import compat
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
+def _check_name(name: str) -> None:
+    if not NAME_PATTERN.fullmatch(name):
+        raise ValueError(f"name: {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
+
+
+def _checked_vector(field: str, values: Sequence[float] | np.ndarray, hidden: int) -> list[float]:
+    """A hidden-size finite vector as a JSON-able list, or a ValueError naming ``field``."""
+    array = np.asarray(values, dtype=np.float64)
+    if array.shape != (hidden,):
+        raise ValueError(
+            f"{field}: expected {hidden} floats (the model's hidden size), got shape {array.shape}"
+        )
+    if not np.isfinite(array).all():
+        raise ValueError(f"{field}: contains NaN or inf")
+    return array.tolist()
+
+
 class Steering:
     """Control plane of one engine started with ``additional_config={"dynsteer": {...}}``."""
 
@@ -43,17 +60,9 @@ class Steering:
 
     def register_vector(self, name: str, vector: Sequence[float] | np.ndarray) -> None:
         """Register (or replace) a named vector usable as ``"vector": name`` in specs."""
-        if not NAME_PATTERN.fullmatch(name):
-            raise ValueError(f"name: {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
-        values = np.asarray(vector, dtype=np.float64)
-        if values.shape != (self.hidden_size,):
-            raise ValueError(
-                f"vector: expected {self.hidden_size} floats (the model's hidden size), "
-                f"got shape {values.shape}"
-            )
-        if not np.isfinite(values).all():
-            raise ValueError("vector: contains NaN or inf")
-        self._llm.collective_rpc("dynsteer_register_vector", args=(name, values.tolist()))
+        _check_name(name)
+        values = _checked_vector("vector", vector, self.hidden_size)
+        self._llm.collective_rpc("dynsteer_register_vector", args=(name, values))
         self._frontend.vector_names.add(name)
         self._frontend.registry_generation += 1
 
@@ -77,23 +86,15 @@ class Steering:
         ``weights=`` with ``threshold``/``sharpness``. The monitor site comes from each
         request's gate (``layer``/``hook``).
         """
-        if not NAME_PATTERN.fullmatch(name):
-            raise ValueError(f"name: {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
+        _check_name(name)
         if probe is not None:
             weights, threshold, sharpness = probe.weights, probe.threshold, probe.sharpness
-        values = np.asarray(weights, dtype=np.float64)
-        if values.shape != (self.hidden_size,):
-            raise ValueError(
-                f"weights: expected {self.hidden_size} floats (the model's hidden size), "
-                f"got shape {values.shape}"
-            )
-        if not np.isfinite(values).all():
-            raise ValueError("weights: contains NaN or inf")
+        values = _checked_vector("weights", weights, self.hidden_size)
         if not (np.isfinite(threshold) and np.isfinite(sharpness) and sharpness > 0):
             raise ValueError("threshold must be finite and sharpness finite and > 0")
         self._llm.collective_rpc(
             "dynsteer_register_probe",
-            args=(name, values.tolist(), float(threshold), float(sharpness)),
+            args=(name, values, float(threshold), float(sharpness)),
         )
         self._frontend.probe_names.add(name)
         self._frontend.registry_generation += 1
