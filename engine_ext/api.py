@@ -130,11 +130,13 @@ class Steering:
         self._frontend.global_fingerprint = (
             hashlib.blake2b(json.dumps(payload, sort_keys=True).encode(), digest_size=12)
             .hexdigest() if payload else None)
+        self._frontend.global_phase_specific = any(e.phase != "all" for e in parsed)
 
     def clear_global(self) -> None:
         """Remove global steering."""
         self._llm.collective_rpc("dynsteer_set_global", args=([],))
         self._frontend.global_fingerprint = None
+        self._frontend.global_phase_specific = False
 
     def info(self) -> list[dict[str, Any]]:
         """Per-worker counters (rows in use, live requests, ...)."""

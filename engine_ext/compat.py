@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +87,8 @@ class FrontendState:
         """Bumped on every vector/probe (un)registration: named contents may have changed."""
         self.global_fingerprint: str | None = None
         """Fingerprint of the current global steering (None when there is none)."""
+        self.global_phase_specific = False
+        """Whether global steering has prefill- or decode-only entries."""
 
     def shape(self) -> ModelShape:
         return ModelShape(
@@ -133,7 +136,18 @@ def _wrap_validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
     return _validate_params
 
 
-def steering_salt(state: FrontendState, raw_spec: Any) -> str | None:
+def _phase_specific(raw_spec: Any, state: FrontendState) -> bool:
+    """Whether any entry steers prompt and generated positions differently."""
+    if state.global_phase_specific:
+        return True
+    if raw_spec is None:
+        return False
+    spec = parse_spec(raw_spec)
+    entries = [*spec.steer, *(spec.gate.steer if spec.gate else [])]
+    return any(e.phase != "all" for e in entries)
+
+
+def steering_salt(state: FrontendState, raw_spec: Any, prompt_len: int | None) -> str | None:
     """Prefix-cache salt of a request: None for unsteered requests, else a fingerprint.
 
     KV computed under steering is a deterministic function of the tokens, the request's spec,
@@ -141,6 +155,8 @@ def steering_salt(state: FrontendState, raw_spec: Any) -> str | None:
     steered KV from ever being served to a request steered differently (or not at all), while
     unsteered requests keep sharing blocks with each other and identically steered ones share
     among themselves. vLLM chains block hashes, so a salt on the first block forks all of them.
+    With phase-specific entries the KV of a position also depends on whether it is a prompt or a
+    generated position, so the prompt length joins the fingerprint (None: unknown, no sharing).
     """
     if raw_spec is None and state.global_fingerprint is None:
         return None
@@ -149,6 +165,8 @@ def steering_salt(state: FrontendState, raw_spec: Any) -> str | None:
         text = raw_spec if isinstance(raw_spec, str) else json.dumps(raw_spec, sort_keys=True)
         h.update(text.encode() if isinstance(text, str) else text)
     h.update(f"|global={state.global_fingerprint}|registry={state.registry_generation}".encode())
+    if _phase_specific(raw_spec, state):
+        h.update(f"|prompt_len={prompt_len if prompt_len is not None else os.urandom(8)}".encode())
     return f"dynsteer:{h.hexdigest()}"
 
 
@@ -159,7 +177,9 @@ def _wrap_process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
         state = frontend_state(self)
         if state is not None:
             extra = getattr(params, "extra_args", None) or {}
-            salt = steering_salt(state, extra.get(SPEC_KEY))
+            tokens = request.prompt_token_ids
+            salt = steering_salt(state, extra.get(SPEC_KEY),
+                                 len(tokens) if tokens is not None else None)
             if salt is not None:
                 user = request.cache_salt
                 request.cache_salt = salt if not user else f"{user}|{salt}"

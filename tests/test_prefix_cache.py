@@ -104,3 +104,15 @@ def test_global_steering_forks_the_cache(llm, hf):
     finally:
         steering.clear_global()
     assert one(llm, p).num_cached_tokens > 0
+
+
+def test_phase_specific_steering_never_reuses_decode_kv_as_prompt(llm, hf):
+    """A follow-up whose prompt is a decode-steered request's prompt + output: positions that
+    were generated (decode phase) are prompt positions now, so their KV must be recomputed."""
+    decode_only = {"steer": [{"vector": vec(55), "layers": [1], "phase": "decode"}]}
+    p = prompt(5, n=2 * BLOCK - 2)
+    (first,) = run(llm, [p], [params(8, spec=decode_only, prompt_logprobs=None)])
+    follow = p + list(first.outputs[0].token_ids)
+    out = one(llm, follow, decode_only)
+    assert out.num_cached_tokens == 0
+    assert_matches_hf(hf, out, decode_only["steer"])
