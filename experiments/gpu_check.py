@@ -10,6 +10,7 @@
    captured after startup.
 
 Usage: python experiments/gpu_check.py OUT_DIR   (writes gpu_check.json)
+       VLLM_USE_V2_MODEL_RUNNER=0 python experiments/gpu_check.py OUT_DIR   (the V1 runner)
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def kernel_check() -> list[dict[str, Any]]:
 
 def _count_replays(worker: Any) -> dict[str, int]:
     """Runs inside the worker: wrap the graph manager to count FULL-graph replays."""
-    mgr = worker.model_runner.cudagraph_manager
+    runner = worker.model_runner
+    mgr = getattr(runner, "cudagraph_manager", None)
+    if mgr is None:  # the V1 runner keeps its graphs elsewhere; only the runner is reported
+        return {"runner": type(runner).__module__}
     if not hasattr(mgr, "_dynsteer_replays"):
         mgr._dynsteer_replays = 0
         original = mgr.run_fullgraph
