@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -37,8 +36,6 @@ from dynsteer.engine_ext.options import (
     options_from_additional_config,
     resolve_sites,
 )
-
-logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "dynsteer.engine_ext.worker_ext.DynsteerWorkerExtension"
 _ORIGINAL = "_dynsteer_original_"

@@ -14,7 +14,6 @@ refcount them: requests with the same config share a row.
 from __future__ import annotations
 
 import hashlib
-import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,8 +21,6 @@ import torch
 
 from dynsteer.engine_ext.ops import DYNAMIC_FLAG, STATIC_FLAG
 from dynsteer.engine_ext.options import Site
-
-logger = logging.getLogger(__name__)
 
 Contents = dict[Site, np.ndarray]
 """What a row adds at each site (float32 vectors of hidden size); absent sites add zero."""

@@ -12,7 +12,8 @@ from dynsteer.engine_ext.layers import install_sites
 from dynsteer.engine_ext.options import EngineOptions, resolve_sites
 from dynsteer.engine_ext.state import SteeringState
 
-logger = logging.getLogger(__name__)
+# Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
+logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
 
 
 class _SlotMap:

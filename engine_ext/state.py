@@ -30,7 +30,8 @@ from dynsteer.engine_ext.rows import Contents, ProbeRow, ProbeTable, RowTable, a
 from dynsteer.engine_ext.telemetry import GateTelemetry
 from dynsteer.engine_ext.token_rows import TokenRows
 
-logger = logging.getLogger(__name__)
+# Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
+logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
 
 PHASES: tuple[Literal["prefill"], Literal["decode"]] = ("prefill", "decode")
 
