@@ -5,10 +5,9 @@ The next vLLM release should be a change to this file only. What is touched, and
 * ``EngineArgs.create_engine_config`` (frontend): normalizes ``additional_config["dynsteer"]``
   (plugin version, kernel ABI: part of vLLM's compile-cache key, so a graph compiled without the
   plugin, or with other sites, is never reused) and sets ``worker_extension_cls``.
-* ``InputProcessor._validate_params`` (frontend): rejects a bad spec at ``generate()`` / request
-  time with an error naming the field; the engine never sees it.
-* ``InputProcessor.process_inputs`` (frontend): forks the prefix-cache key of steered requests
-  through ``EngineCoreRequest.cache_salt`` (see :func:`steering_salt`).
+* ``InputProcessor.process_inputs`` (frontend): rejects a bad spec at ``generate()`` / request
+  time with an error naming the field (the engine never sees it), and forks the prefix-cache
+  key of steered requests through ``EngineCoreRequest.cache_salt`` (see :func:`steering_salt`).
 * Model runners' ``load_model`` (workers): wraps the decoder layers once the model exists, before
   the first forward (profile run = first trace).
 * Per-step hooks, installed on the runner *instance* only when the plugin is enabled:
@@ -21,14 +20,19 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from dynsteer.controller.spec import SPEC_KEY, ModelShape, check_against_model, parse_spec
+from dynsteer.controller.spec import (
+    SPEC_KEY,
+    ModelShape,
+    SteeringSpec,
+    check_against_model,
+    parse_spec,
+)
 from dynsteer.engine_ext.import_hooks import when_imported
 from dynsteer.engine_ext.options import (
     CONFIG_KEY,
@@ -103,11 +107,9 @@ def frontend_state(input_processor: Any) -> FrontendState | None:
     if state is None:
         vllm_config = input_processor.vllm_config
         options = options_from_additional_config(vllm_config.additional_config)
-        if options is None:
-            return None
-        state = FrontendState(vllm_config, options)
+        state = FrontendState(vllm_config, options) if options is not None else False
         input_processor._dynsteer_frontend = state
-    return state
+    return state or None
 
 
 def input_processor_of(llm: Any) -> Any:
@@ -116,35 +118,18 @@ def input_processor_of(llm: Any) -> Any:
     return engine.input_processor
 
 
-def _wrap_validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
-    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, params, *args, **kwargs)
-        extra = getattr(params, "extra_args", None)
-        if extra and SPEC_KEY in extra:
-            state = frontend_state(self)
-            if state is None:
-                raise ValueError(
-                    f"extra_args.{SPEC_KEY}: this engine was started without dynsteer; start it "
-                    f"with additional_config={{'{CONFIG_KEY}': {{}}}}"
-                )
-            check_against_model(parse_spec(extra[SPEC_KEY]), state.shape())
-        return result
-
-    return _validate_params
-
-
-def _phase_specific(raw_spec: Any, state: FrontendState) -> bool:
+def _phase_specific(spec: SteeringSpec | None, state: FrontendState) -> bool:
     """Whether any entry steers prompt and generated positions differently."""
     if state.global_phase_specific:
         return True
-    if raw_spec is None:
+    if spec is None:
         return False
-    spec = parse_spec(raw_spec)
     entries = [*spec.steer, *(spec.gate.steer if spec.gate else [])]
     return any(e.phase != "all" for e in entries)
 
 
-def steering_salt(state: FrontendState, raw_spec: Any, prompt_len: int | None) -> str | None:
+def steering_salt(state: FrontendState, spec: SteeringSpec | None,
+                  prompt_len: int | None) -> str | None:
     """Prefix-cache salt of a request: None for unsteered requests, else a fingerprint.
 
     KV computed under steering is a deterministic function of the tokens, the request's spec,
@@ -155,28 +140,41 @@ def steering_salt(state: FrontendState, raw_spec: Any, prompt_len: int | None) -
     With phase-specific entries the KV of a position also depends on whether it is a prompt or a
     generated position, so the prompt length joins the fingerprint (None: unknown, no sharing).
     """
-    if raw_spec is None and state.global_fingerprint is None:
+    if spec is None and state.global_fingerprint is None:
         return None
     h = hashlib.blake2b(digest_size=12)
-    if raw_spec is not None:
-        text = raw_spec if isinstance(raw_spec, str) else json.dumps(raw_spec, sort_keys=True)
-        h.update(text.encode() if isinstance(text, str) else text)
+    if spec is not None:
+        h.update(spec.model_dump_json().encode())
     h.update(f"|global={state.global_fingerprint}|registry={state.registry_generation}".encode())
-    if _phase_specific(raw_spec, state):
+    if _phase_specific(spec, state):
         h.update(f"|prompt_len={prompt_len if prompt_len is not None else os.urandom(8)}".encode())
     return f"dynsteer:{h.hexdigest()}"
+
+
+def _parse_request_spec(state: FrontendState | None, params: Any) -> SteeringSpec | None:
+    """The request's spec checked against the served model (raises naming the field)."""
+    extra = getattr(params, "extra_args", None)
+    if not extra or SPEC_KEY not in extra:
+        return None
+    if state is None:
+        raise ValueError(
+            f"extra_args.{SPEC_KEY}: this engine was started without dynsteer; start it "
+            f"with additional_config={{'{CONFIG_KEY}': {{}}}}"
+        )
+    spec = parse_spec(extra[SPEC_KEY])
+    check_against_model(spec, state.shape())
+    return spec
 
 
 def _wrap_process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
     def process_inputs(self: Any, request_id: Any, prompt: Any, params: Any, *args: Any,
                        **kwargs: Any) -> Any:
-        request = original(self, request_id, prompt, params, *args, **kwargs)
         state = frontend_state(self)
+        spec = _parse_request_spec(state, params)  # before vLLM builds anything
+        request = original(self, request_id, prompt, params, *args, **kwargs)
         if state is not None:
-            extra = getattr(params, "extra_args", None) or {}
             tokens = request.prompt_token_ids
-            salt = steering_salt(state, extra.get(SPEC_KEY),
-                                 len(tokens) if tokens is not None else None)
+            salt = steering_salt(state, spec, len(tokens) if tokens is not None else None)
             if salt is not None:
                 user = request.cache_salt
                 request.cache_salt = salt if not user else f"{user}|{salt}"
@@ -186,7 +184,6 @@ def _wrap_process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _patch_input_processor(module: Any) -> None:
-    _patch(module.InputProcessor, "_validate_params", _wrap_validate_params)
     _patch(module.InputProcessor, "process_inputs", _wrap_process_inputs)
 
 
