@@ -83,29 +83,32 @@ def gated_run(request, tiny_model_dir):
     return hf, cases, dict(zip(names, outs, strict=True)), telemetry
 
 
-@pytest.mark.parametrize("case", list(base_cases()))
-def test_gated_logprobs_match_hf(gated_run, case):
-    """Prompt + decode logprobs under gated steering equal the HF hook reference."""
+def engine_and_reference(gated_run, case):
+    """(spec, tokens, engine logprobs, HF logprobs, HF steerer) of one case."""
     hf, cases, outs, _ = gated_run
     spec = cases[case]
     tokens, got = logprobs_of(outs[case])
     want, steerer = run_reference(hf, tokens, len(PROMPT), spec.get("steer", []),
                                   gate=spec["gate"], probes=REGISTERED)
+    return spec, tokens, got, want, steerer
+
+
+@pytest.mark.parametrize("case", list(base_cases()))
+def test_gated_logprobs_match_hf(gated_run, case):
+    """Prompt + decode logprobs under gated steering equal the HF hook reference."""
+    spec, tokens, got, want, steerer = engine_and_reference(gated_run, case)
     np.testing.assert_allclose(got, want, atol=TOL)
     gates = steerer.gates.numpy()
     assert (gates > 0.9).any() and (gates < 0.1).any(), "threshold should split the tokens"
-    plain = run_reference(hf, tokens, len(PROMPT), spec.get("steer", []))[0]
+    plain = run_reference(gated_run[0], tokens, len(PROMPT), spec.get("steer", []))[0]
     assert np.abs(want - plain).max() > 20 * TOL, "gated steering too weak to be checked"
 
 
 @pytest.mark.parametrize("case", list(base_cases()))
 def test_telemetry_matches_hf(gated_run, case):
     """Telemetry (gated token counts, first decode position, max score) equals HF's."""
-    hf, cases, outs, telemetry = gated_run
-    spec = cases[case]
-    tokens, _ = logprobs_of(outs[case])
-    _, steerer = run_reference(hf, tokens, len(PROMPT), spec.get("steer", []),
-                               gate=spec["gate"], probes=REGISTERED)
+    _, tokens, _, _, steerer = engine_and_reference(gated_run, case)
+    telemetry = gated_run[3]
     processed = len(tokens) - 1  # the last generated token is never fed back
     want_gates = steerer.gates.numpy()[:processed]
     report = telemetry[case]
