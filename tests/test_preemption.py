@@ -1,0 +1,53 @@
+"""A steered request that is preempted and recomputed keeps its steering (tiny KV cache)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_utils import logprobs_of, params, run, start_llm, stop_llm
+from hf_reference import load_hf, reference_logprobs
+from test_gating_reference import probe_weights
+from test_steering_reference import TOL, vec
+
+pytestmark = pytest.mark.engine
+
+BLOCK = 32
+SPECS = [
+    {"steer": [{"vector": vec(61), "layers": [1], "phase": "prefill"},
+               {"vector": vec(62), "layers": [2], "phase": "decode"}]},
+    None,
+    {"gate": {"probe": {"weights": probe_weights(63), "threshold": 0.0, "sharpness": 2.0},
+              "layer": 0, "steer": [{"vector": vec(64), "layers": [0, 2]}]}},
+    {"steer": [{"vector": vec(65), "layers": [3]}]},
+]
+
+
+@pytest.fixture(scope="module")
+def preempted_outputs(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    # 6 blocks of 32 tokens for 4 requests of 40 + 40 tokens: the scheduler must preempt.
+    llm = start_llm(path, dynsteer={}, block_size=BLOCK, num_gpu_blocks_override=6,
+                    max_model_len=128, max_num_seqs=4, disable_log_stats=False)
+    try:
+        prompts = [[1, *np.random.RandomState(i).randint(3, 500, 39).tolist()] for i in range(4)]
+        outs = run(llm, prompts, [params(40, spec=s) for s in SPECS])
+        preemptions = sum(m.value for m in llm.get_metrics()
+                          if m.name == "vllm:num_preemptions")
+    finally:
+        stop_llm(llm)
+    return load_hf(path), outs, preemptions
+
+
+@pytest.mark.parametrize("i", range(len(SPECS)))
+def test_outputs_match_hf_despite_preemption(preempted_outputs, i):
+    hf, outs, _ = preempted_outputs
+    spec = SPECS[i] or {}
+    tokens, got = logprobs_of(outs[i])
+    want = reference_logprobs(hf, tokens, len(outs[i].prompt_token_ids), spec.get("steer", []),
+                              gate=spec.get("gate"))
+    np.testing.assert_allclose(got, want, atol=TOL)
+
+
+def test_the_scheduler_did_preempt(preempted_outputs):
+    """Guard: the cache is small enough that requests were really preempted and recomputed."""
+    assert preempted_outputs[2] > 0
