@@ -130,10 +130,6 @@ class SteeringState:
             self._release(req)
             self._assign(req)
 
-    def global_entries(self) -> list[SteerEntry]:
-        """The entries of the current global steering."""
-        return list(self._global_entries)
-
     # ---- request lifecycle ---------------------------------------------------------------
     def add_request(self, req_id: str, slot: int, extra_args: Any, prompt_len: int) -> None:
         """Admit a request: resolve its spec and take its rows.
