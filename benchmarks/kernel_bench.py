@@ -1,12 +1,15 @@
 """Microbenchmark of the fused ``dynsteer::steer`` Triton kernel (GPU).
 
-For tokens in {1, 32, 256, 4096, 16384} x hidden in {2048, 4096, 8192} (bf16), every token
-steered (static + gated row) and monitored at this site: achieved bytes/s (x read twice for
-monitor tokens + out written once, counted as 3 x T x H x 2 bytes, table reads not counted) as
-a fraction of the measured device-to-device copy bandwidth (read + write of the same bytes),
-and the per-launch time. Kernel time is measured by replaying a CUDA graph of many launches
-(as vLLM runs it), so the ~40 us Python launch path of an eager call is not counted; the eager
-time of one call is reported beside it. Also an idle case (all tokens on row 0, no probe).
+For tokens in {1, 32, 256, 4096, 16384} x hidden in {2048, 4096, 8192} (bf16), three modes:
+``gated``: every token steered (static + gated row) and monitored at this site (x and h read
+for the monitor, x read again, out written: 4 x T x H x 2 bytes, table reads not counted);
+``idle``: all tokens on row 0, no probe, no capture (normal traffic: x read, out written);
+``capture``: every token captured at this site, not steered (x and h read, the fp32 capture
+row written, x read again, out written: 6 x T x H x 2 bytes). Reported: achieved bytes/s as a
+fraction of the measured device-to-device copy bandwidth (read + write of the same bytes), and
+the per-launch time. Kernel time is measured by replaying a CUDA graph of many launches (as
+vLLM runs it), so the ~40 us Python launch path of an eager call is not counted; the eager
+time of one call is reported beside it.
 
 Usage: python benchmarks/kernel_bench.py --out DIR
 """
@@ -61,15 +64,20 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / (ms / 1000)
 
 
-def case(tokens: int, hidden: int, idle: bool) -> dict[str, Any]:
+MODES = {"gated": 4, "idle": 2, "capture": 6}
+"""Mode -> bytes moved per element of x, in units of 2 bytes (bf16)."""
+
+
+def case(tokens: int, hidden: int, mode: str) -> dict[str, Any]:
     import torch
 
     from dynsteer.engine_ext.triton_kernels import steer_triton
 
+    steered = mode == "gated"
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     h = torch.randn_like(x)
-    rows = torch.full((tokens,), 0 if idle else 1, dtype=torch.int32, device="cuda")
-    probe_rows = torch.full((tokens,), 0 if idle else 1, dtype=torch.int32, device="cuda")
+    rows = torch.full((tokens,), int(steered), dtype=torch.int32, device="cuda")
+    probe_rows = torch.full((tokens,), int(steered), dtype=torch.int32, device="cuda")
     table = torch.randn(3, hidden, device="cuda")
     dyn = torch.randn(3, hidden, device="cuda")
     flags = torch.tensor([0, 3, 3], dtype=torch.int32, device="cuda")
@@ -77,16 +85,20 @@ def case(tokens: int, hidden: int, idle: bool) -> dict[str, Any]:
     params = torch.tensor([[0, 0, 0], [0.0, 1.0, 0.0]], device="cuda")
     gate = torch.zeros(tokens, device="cuda")
     score = torch.zeros(tokens, device="cuda")
+    captured = mode == "capture"
+    capture_rows = (torch.arange(1, tokens + 1, dtype=torch.int32, device="cuda") if captured
+                    else torch.zeros(tokens, dtype=torch.int32, device="cuda"))
+    capture = torch.zeros(1, tokens + 1 if captured else 1, hidden, device="cuda")
+    site_lane = torch.tensor([0 if captured else -1], dtype=torch.int32, device="cuda")
 
     def run() -> Any:
         return steer_triton(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate,
-                            score, 0)
+                            score, capture_rows, capture, site_lane, 0)
 
     eager_ms = _time_ms(run, 50)
     graph_us = _graph_time_us(run, launches=200 if tokens <= 256 else 20)
-    reads = 1 if idle else 3  # x (+ x and h again for the monitor's dot product)
-    moved = (reads + 1) * tokens * hidden * 2
-    return {"tokens": tokens, "hidden": hidden, "idle": idle, "eager_call_us": eager_ms * 1000,
+    moved = MODES[mode] * tokens * hidden * 2
+    return {"tokens": tokens, "hidden": hidden, "mode": mode, "eager_call_us": eager_ms * 1000,
             "graph_launch_us": graph_us, "bytes_per_s": moved / (graph_us / 1e6)}
 
 
@@ -99,15 +111,15 @@ def main() -> None:
     bw = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "cases": []}
     print(f"device {results['device']}, copy bandwidth {bw / 1e12:.2f} TB/s (read+write)")
-    print(f"{'tokens':>6} {'hidden':>6} {'mode':<6} {'us/launch':>10} {'TB/s':>6} "
+    print(f"{'tokens':>6} {'hidden':>6} {'mode':<7} {'us/launch':>10} {'TB/s':>6} "
           f"{'of copy':>8} {'eager us':>9}")
     for tokens in (1, 32, 256, 4096, 16384):
         for hidden in (2048, 4096, 8192):
-            for idle in (False, True):
-                r = case(tokens, hidden, idle)
+            for mode in MODES:
+                r = case(tokens, hidden, mode)
                 r["fraction_of_copy"] = r["bytes_per_s"] / bw
                 results["cases"].append(r)
-                print(f"{tokens:>6} {hidden:>6} {'idle' if idle else 'gated':<6} "
+                print(f"{tokens:>6} {hidden:>6} {mode:<7} "
                       f"{r['graph_launch_us']:>10.2f} {r['bytes_per_s'] / 1e12:>6.2f} "
                       f"{r['fraction_of_copy']:>8.1%} {r['eager_call_us']:>9.1f}")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -6,35 +6,14 @@ and then applied on every worker through ``collective_rpc``, so all TP ranks sta
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from dynsteer.controller.spec import SteerEntry, check_entries, parse_entries
+from dynsteer.controller.spec import SteerEntry
 from dynsteer.engine_ext import compat
-
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def _check_name(name: str) -> None:
-    if not NAME_PATTERN.fullmatch(name):
-        raise ValueError(f"name: {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
-
-
-def _checked_vector(field: str, values: Sequence[float] | np.ndarray, hidden: int) -> list[float]:
-    """A hidden-size finite vector as a JSON-able list, or a ValueError naming ``field``."""
-    array = np.asarray(values, dtype=np.float64)
-    if array.shape != (hidden,):
-        raise ValueError(
-            f"{field}: expected {hidden} floats (the model's hidden size), got shape {array.shape}"
-        )
-    if not np.isfinite(array).all():
-        raise ValueError(f"{field}: contains NaN or inf")
-    return array.tolist()
+from dynsteer.engine_ext.control import Change, ControlPlane
 
 
 class Steering:
@@ -48,11 +27,16 @@ class Steering:
                 "dynsteer is not enabled on this engine: pass additional_config={'dynsteer': {}}"
             )
         self._frontend = frontend
+        self._plane = ControlPlane(frontend)
+
+    def _apply(self, change: Change) -> None:
+        self._llm.collective_rpc(change.method, args=change.args)
+        change.commit()
 
     @property
     def sites(self) -> list[str]:
         """Configured sites, ``hook@layer``, in forward order."""
-        return [f"{hook}@{layer}" for hook, layer in self._frontend.sites]
+        return self._frontend.site_names()
 
     @property
     def hidden_size(self) -> int:
@@ -60,56 +44,37 @@ class Steering:
 
     def register_vector(self, name: str, vector: Sequence[float] | np.ndarray) -> None:
         """Register (or replace) a named vector usable as ``"vector": name`` in specs."""
-        _check_name(name)
-        values = _checked_vector("vector", vector, self.hidden_size)
-        self._llm.collective_rpc("dynsteer_register_vector", args=(name, values))
-        self._frontend.vector_names.add(name)
-        self._frontend.registry_generation += 1
+        self._apply(self._plane.register_vector(name, vector))
 
     def unregister_vector(self, name: str) -> None:
         """Forget a named vector; requests already admitted keep their steering."""
-        if name not in self._frontend.vector_names:
-            raise ValueError(f"name: unknown vector {name!r}")
-        self._llm.collective_rpc("dynsteer_unregister_vector", args=(name,))
-        self._frontend.vector_names.discard(name)
-        self._frontend.registry_generation += 1
+        self._apply(self._plane.unregister_vector(name))
 
     def vectors(self) -> list[str]:
         """Names of the registered vectors."""
-        return sorted(self._frontend.vector_names)
+        return sorted(self._frontend.vectors)
 
     def register_probe(self, name: str, probe: Any = None, *, weights: Any = None,
                        threshold: float = 0.0, sharpness: float = 1.0) -> None:
         """Register (or replace) a named probe usable as ``"probe": name`` in a gate.
 
-        Pass a :class:`dynsteer.probes.Probe` (its weights, threshold and sharpness are used) or
-        ``weights=`` with ``threshold``/``sharpness``. The monitor site comes from each
-        request's gate (``layer``/``hook``).
+        Pass a :class:`dynsteer.probes.Probe` (checked against the served model: fingerprint,
+        site; its weights, threshold and sharpness are used) or ``weights=`` with
+        ``threshold``/``sharpness``. The monitor site comes from each request's gate
+        (``layer``/``hook``).
         """
-        _check_name(name)
         if probe is not None:
-            weights, threshold, sharpness = probe.weights, probe.threshold, probe.sharpness
-        values = _checked_vector("weights", weights, self.hidden_size)
-        if not (np.isfinite(threshold) and np.isfinite(sharpness) and sharpness > 0):
-            raise ValueError("threshold must be finite and sharpness finite and > 0")
-        self._llm.collective_rpc(
-            "dynsteer_register_probe",
-            args=(name, values, float(threshold), float(sharpness)),
-        )
-        self._frontend.probe_names.add(name)
-        self._frontend.registry_generation += 1
+            self._apply(self._plane.register_probe_object(probe.replace(name=name)))
+            return
+        self._apply(self._plane.register_probe(name, weights, threshold, sharpness))
 
     def unregister_probe(self, name: str) -> None:
         """Forget a named probe; requests already admitted keep their gate."""
-        if name not in self._frontend.probe_names:
-            raise ValueError(f"name: unknown probe {name!r}")
-        self._llm.collective_rpc("dynsteer_unregister_probe", args=(name,))
-        self._frontend.probe_names.discard(name)
-        self._frontend.registry_generation += 1
+        self._apply(self._plane.unregister_probe(name))
 
     def probes(self) -> list[str]:
         """Names of the registered probes."""
-        return sorted(self._frontend.probe_names)
+        return sorted(self._frontend.probes)
 
     def telemetry(self, output: Any) -> dict[str, Any] | None:
         """Gate telemetry of a request (a ``RequestOutput`` or its id), None if it had no gate.
@@ -121,23 +86,35 @@ class Steering:
         request_id = output if isinstance(output, str) else output.request_id
         return self._llm.collective_rpc("dynsteer_telemetry", args=(request_id,))[0]
 
+    def capture(self, prompts: Sequence[Sequence[int] | str], sites: str | Sequence[str],
+                reduce: str = "last") -> dict[str, Any]:
+        """Residual-stream activations of ``prompts`` at ``sites``, computed by this engine.
+
+        ``prompts``: token-id lists or texts (tokenized with the engine's tokenizer). ``sites``:
+        configured sites in the site grammar (``"post_block@*"``, ``["post_attn@3"]``; hooks
+        are TransformerLens' resid_pre / resid_mid / resid_post). ``reduce``: per prompt, the
+        ``last`` prompt token or the ``mean`` over its tokens (``{site: float32 [N, H]}``), or
+        ``all`` tokens (``{site: [float32 [len_i, H], ...]}``). The stream is read before the
+        site's own steering; global steering, if set, applies. Prompts longer than the engine
+        option ``capture_tokens`` are refused; many prompts or more sites than
+        ``capture_lanes`` take several rounds and passes.
+        """
+        from dynsteer.engine_ext.capture import capture_sync
+
+        return capture_sync(self._llm, prompts, sites, reduce)
+
     def set_global(self, entries: Sequence[SteerEntry | dict[str, Any]]) -> None:
         """Steer every request with ``entries`` (added to each request's own steering)."""
-        parsed = parse_entries(list(entries), prefix="steer")
-        check_entries(parsed, self._frontend.shape(), prefix="steer")
-        payload = [e.model_dump() for e in parsed]
-        self._llm.collective_rpc("dynsteer_set_global", args=(payload,))
-        self._frontend.global_fingerprint = (
-            hashlib.blake2b(json.dumps(payload, sort_keys=True).encode(), digest_size=12)
-            .hexdigest() if payload else None)
-        self._frontend.global_phase_specific = any(e.phase != "all" for e in parsed)
+        self._apply(self._plane.set_global(entries))
 
     def clear_global(self) -> None:
         """Remove global steering."""
-        self._llm.collective_rpc("dynsteer_set_global", args=([],))
-        self._frontend.global_fingerprint = None
-        self._frontend.global_phase_specific = False
+        self._apply(self._plane.clear_global())
 
     def info(self) -> list[dict[str, Any]]:
         """Per-worker counters (rows in use, live requests, ...)."""
         return self._llm.collective_rpc("dynsteer_info")
+
+    def cache_stats(self) -> dict[str, int]:
+        """Prefix-guard counters of the engine core (blocks withheld from the prefix cache)."""
+        return compat.cache_stats(self._llm)

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 from dynsteer.engine_ext.model_cache import ModelUnavailableError, default_model_path
+from dynsteer.engine_ext.serve_cli import add_serve_command, run_serve
 
 EXIT_UNAVAILABLE = 2
 
@@ -40,7 +41,10 @@ def run_model_path(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_model_command,)
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    add_model_command,
+    add_serve_command,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +70,10 @@ def _log_progress_to_stderr() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dynsteer` console script; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # vLLM's flags: passed through, not parsed here
+        _log_progress_to_stderr()
+        return run_serve(argv[1:])
     args = build_parser().parse_args(argv)
     _log_progress_to_stderr()
     return args.handler(args)

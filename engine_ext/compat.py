@@ -7,7 +7,8 @@ The next vLLM release should be a change to this file only. What is touched, and
   plugin, or with other sites, is never reused) and sets ``worker_extension_cls``.
 * ``InputProcessor.process_inputs`` (frontend): rejects a bad spec at ``generate()`` / request
   time with an error naming the field (the engine never sees it), and forks the prefix-cache
-  key of steered requests through ``EngineCoreRequest.cache_salt`` (see :func:`steering_salt`).
+  key of steered requests through ``EngineCoreRequest.cache_salt``
+  (see ``FrontendState.steering_salt``).
 * Model runners' ``load_model`` (workers): wraps the decoder layers once the model exists, before
   the first forward (profile run = first trace).
 * Per-step hooks, installed on the runner *instance* only when the plugin is enabled:
@@ -18,9 +19,8 @@ The next vLLM release should be a change to this file only. What is touched, and
 
 from __future__ import annotations
 
+import copy
 import functools
-import hashlib
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -28,25 +28,34 @@ import numpy as np
 
 from dynsteer.controller.spec import (
     SPEC_KEY,
-    ModelShape,
+    SpecError,
     SteeringSpec,
     check_against_model,
     parse_spec,
 )
+from dynsteer.engine_ext.frontend import FrontendState
 from dynsteer.engine_ext.import_hooks import when_imported
 from dynsteer.engine_ext.options import (
     CONFIG_KEY,
-    EngineOptions,
     options_from_additional_config,
     resolve_sites,
+)
+from dynsteer.engine_ext.prefix_guard import (
+    GUARD_KEY,
+    REPORT_ATTR,
+    STATS,
+    CacheGuard,
+    fork_keys,
+    frontier,
 )
 
 WORKER_EXTENSION = "dynsteer.engine_ext.worker_ext.DynsteerWorkerExtension"
 _ORIGINAL = "_dynsteer_original_"
 
 
-def _patch(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace ``cls.name`` by ``make(original)`` once (register() may run several times)."""
+def _patch(cls: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``cls.name`` (a class or a module) by ``make(original)`` once (register() may
+    run several times)."""
     if _ORIGINAL + name in vars(cls):  # not hasattr: a patched base class must not count
         return
     original = getattr(cls, name)
@@ -73,41 +82,23 @@ def _wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., An
     return create_engine_config
 
 
-class FrontendState:
-    """What the frontend knows to validate specs: the model shape and registered names."""
-
-    def __init__(self, vllm_config: Any, options: EngineOptions) -> None:
-        model_config = vllm_config.model_config
-        self.options = options
-        self.hidden_size = model_config.get_hidden_size()
-        self.num_layers = model_config.get_total_num_hidden_layers()
-        self.sites = resolve_sites(options.sites, self.num_layers)
-        self.vector_names: set[str] = set()
-        self.probe_names: set[str] = set()
-        self.registry_generation = 0
-        """Bumped on every vector/probe (un)registration: named contents may have changed."""
-        self.global_fingerprint: str | None = None
-        """Fingerprint of the current global steering (None when there is none)."""
-        self.global_phase_specific = False
-        """Whether global steering has prefill- or decode-only entries."""
-
-    def shape(self) -> ModelShape:
-        return ModelShape(
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            sites=frozenset(self.sites),
-            vector_names=frozenset(self.vector_names),
-            probe_names=frozenset(self.probe_names),
-        )
-
-
 def frontend_state(input_processor: Any) -> FrontendState | None:
     """The dynsteer frontend state of an engine's input processor (None if not enabled)."""
     state = getattr(input_processor, "_dynsteer_frontend", None)
     if state is None:
         vllm_config = input_processor.vllm_config
         options = options_from_additional_config(vllm_config.additional_config)
-        state = FrontendState(vllm_config, options) if options is not None else False
+        state = False
+        if options is not None:
+            model_config = vllm_config.model_config
+            num_layers = model_config.get_total_num_hidden_layers()
+            state = FrontendState(
+                options=options,
+                hidden_size=model_config.get_hidden_size(),
+                num_layers=num_layers,
+                sites=resolve_sites(options.sites, num_layers),
+                architecture=next(iter(model_config.architectures or []), ""),
+            )
         input_processor._dynsteer_frontend = state
     return state or None
 
@@ -116,39 +107,6 @@ def input_processor_of(llm: Any) -> Any:
     """The InputProcessor of an offline ``LLM`` or an ``AsyncLLM`` engine client."""
     engine = getattr(llm, "llm_engine", llm)
     return engine.input_processor
-
-
-def _phase_specific(spec: SteeringSpec | None, state: FrontendState) -> bool:
-    """Whether any entry steers prompt and generated positions differently."""
-    if state.global_phase_specific:
-        return True
-    if spec is None:
-        return False
-    entries = [*spec.steer, *(spec.gate.steer if spec.gate else [])]
-    return any(e.phase != "all" for e in entries)
-
-
-def steering_salt(state: FrontendState, spec: SteeringSpec | None,
-                  prompt_len: int | None) -> str | None:
-    """Prefix-cache salt of a request: None for unsteered requests, else a fingerprint.
-
-    KV computed under steering is a deterministic function of the tokens, the request's spec,
-    the global steering and the named vectors/probes it uses. Salting with exactly those keeps
-    steered KV from ever being served to a request steered differently (or not at all), while
-    unsteered requests keep sharing blocks with each other and identically steered ones share
-    among themselves. vLLM chains block hashes, so a salt on the first block forks all of them.
-    With phase-specific entries the KV of a position also depends on whether it is a prompt or a
-    generated position, so the prompt length joins the fingerprint (None: unknown, no sharing).
-    """
-    if spec is None and state.global_fingerprint is None:
-        return None
-    h = hashlib.blake2b(digest_size=12)
-    if spec is not None:
-        h.update(spec.model_dump_json().encode())
-    h.update(f"|global={state.global_fingerprint}|registry={state.registry_generation}".encode())
-    if _phase_specific(spec, state):
-        h.update(f"|prompt_len={prompt_len if prompt_len is not None else os.urandom(8)}".encode())
-    return f"dynsteer:{h.hexdigest()}"
 
 
 def _parse_request_spec(state: FrontendState | None, params: Any) -> SteeringSpec | None:
@@ -161,9 +119,43 @@ def _parse_request_spec(state: FrontendState | None, params: Any) -> SteeringSpe
             f"extra_args.{SPEC_KEY}: this engine was started without dynsteer; start it "
             f"with additional_config={{'{CONFIG_KEY}': {{}}}}"
         )
-    spec = parse_spec(extra[SPEC_KEY])
-    check_against_model(spec, state.shape())
+    try:
+        spec = parse_spec(extra[SPEC_KEY])
+        check_against_model(spec, state.shape())
+    except ValueError as e:
+        state.counters.requests_rejected += 1
+        raise _client_error(e) from e
     return spec
+
+
+@functools.cache
+def _client_error_class() -> type[ValueError] | None:
+    """A ValueError that vLLM's server also reports as HTTP 400 with our message.
+
+    vLLM 0.32 turns any exception of a request's preprocessing into a bare HTTP 500 unless it
+    is a ``VLLMValidationError``, which is no longer a ValueError; vLLM 0.26 answers 400 for
+    ValueErrors already (None: nothing to do).
+    """
+    from vllm.exceptions import VLLMValidationError
+
+    if issubclass(VLLMValidationError, ValueError):
+        return None
+
+    class DynsteerSpecError(SpecError, VLLMValidationError):
+        def __init__(self, message: str) -> None:
+            ValueError.__init__(self, message)
+            self.parameter = SPEC_KEY
+            self.value = None
+
+        def __str__(self) -> str:
+            return str(self.args[0])
+
+    return DynsteerSpecError
+
+
+def _client_error(error: ValueError) -> ValueError:
+    cls = _client_error_class()
+    return error if cls is None else cls(str(error))
 
 
 def _wrap_process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -173,14 +165,27 @@ def _wrap_process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
         spec = _parse_request_spec(state, params)  # before vLLM builds anything
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if state is not None:
-            tokens = request.prompt_token_ids
-            salt = steering_salt(state, spec, len(tokens) if tokens is not None else None)
-            if salt is not None:
-                user = request.cache_salt
-                request.cache_salt = salt if not user else f"{user}|{salt}"
+            state.record_request(str(request_id), spec)
+            _set_cache_guard(request, state, spec)
         return request
 
     return process_inputs
+
+
+def _set_cache_guard(request: Any, state: FrontendState, spec: SteeringSpec | None) -> None:
+    """Attach the request's prefix-cache guard (see :mod:`.prefix_guard`) for the scheduler.
+
+    A fresh ``extra_args`` dict: the request's params may be a shallow copy of the caller's.
+    """
+    params = getattr(request, "sampling_params", None)
+    if params is None:
+        return
+    tokens = request.prompt_token_ids
+    guard = state.cache_guard(spec, len(tokens) if tokens is not None else 0)
+    extra = {k: v for k, v in (params.extra_args or {}).items() if k != GUARD_KEY}
+    if guard is not None:
+        extra[GUARD_KEY] = guard.model_dump()
+    params.extra_args = extra or None
 
 
 def _patch_input_processor(module: Any) -> None:
@@ -193,6 +198,123 @@ def patch_frontend() -> None:
 
     _patch(EngineArgs, "create_engine_config", _wrap_create_engine_config)
     when_imported("vllm.v1.engine.input_processor", _patch_input_processor)
+
+
+# ---- scheduler (engine core): the prefix-cache guard --------------------------------------
+_GUARD_ATTR = "_dynsteer_guard"
+_FRONTIER_ATTR = "_dynsteer_frontier"
+_WANTED_ATTR = "_dynsteer_wanted"
+
+
+def _guard_of(request: Any) -> CacheGuard | None:
+    """The request's guard, parsed once and kept on the scheduler's Request (False: none)."""
+    guard = getattr(request, _GUARD_ATTR, None)
+    if guard is None:
+        params = getattr(request, "sampling_params", None)
+        raw = (params.extra_args or {}).get(GUARD_KEY) if params is not None else None
+        guard = CacheGuard.model_validate(raw) if isinstance(raw, dict) else False
+        if guard and guard.withhold:
+            STATS.guarded_requests += 1
+        setattr(request, _GUARD_ATTR, guard)
+    return guard or None
+
+
+def _wrap_extra_keys(original: Callable[..., Any]) -> Callable[..., Any]:
+    def generate_block_hash_extra_keys(request: Any, start: int, end: int, *args: Any,
+                                       **kwargs: Any) -> Any:
+        keys, next_mm = original(request, start, end, *args, **kwargs)
+        guard = _guard_of(request)
+        extra = fork_keys(guard, start, end) if guard is not None else None
+        if extra is not None:
+            keys = (*(keys or ()), extra)
+        return keys, next_mm
+
+    return generate_block_hash_extra_keys
+
+
+def _wrap_cache_blocks(original: Callable[..., Any]) -> Callable[..., Any]:
+    def cache_blocks(self: Any, request: Any, num_computed_tokens: int, *args: Any,
+                     **kwargs: Any) -> Any:
+        guard = _guard_of(request)
+        if guard is not None and guard.withhold:
+            wanted = max(getattr(request, _WANTED_ATTR, 0), num_computed_tokens)
+            setattr(request, _WANTED_ATTR, wanted)
+            num_computed_tokens = min(num_computed_tokens, getattr(request, _FRONTIER_ATTR, 0))
+        return original(self, request, num_computed_tokens, *args, **kwargs)
+
+    return cache_blocks
+
+
+def _wrap_free(original: Callable[..., Any]) -> Callable[..., Any]:
+    def free(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        guard = _guard_of(request)
+        if guard is not None and guard.withhold:
+            block = self.coordinator.scheduler_block_size
+            kept = getattr(request, _FRONTIER_ATTR, 0) // block
+            STATS.blocks_withheld += max(0, getattr(request, _WANTED_ATTR, 0) // block - kept)
+            setattr(request, _WANTED_ATTR, 0)  # a preempted request counts again when resumed
+        return original(self, request, *args, **kwargs)
+
+    return free
+
+
+def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any,
+                           *args: Any, **kwargs: Any) -> Any:
+        report = getattr(model_runner_output, REPORT_ATTR, None)
+        if report:  # before the original: it frees requests that finish in this step
+            _apply_cache_report(self, report)
+        return original(self, scheduler_output, model_runner_output, *args, **kwargs)
+
+    return update_from_output
+
+
+def _apply_cache_report(scheduler: Any, report: dict[str, Any]) -> None:
+    """Advance each reported request's clean frontier and cache the blocks now known clean."""
+    for req_id, (processed, first_dynamic) in report.items():
+        request = scheduler.requests.get(req_id)
+        guard = _guard_of(request) if request is not None else None
+        if guard is None or not guard.withhold:
+            continue
+        STATS.reports += 1
+        clean = min(frontier(processed, first_dynamic), request.num_computed_tokens)
+        if clean > getattr(request, _FRONTIER_ATTR, 0):
+            setattr(request, _FRONTIER_ATTR, clean)
+            scheduler.kv_cache_manager.cache_blocks(request, clean)
+
+
+def _add_stats_utility(module: Any) -> None:
+    def dynsteer_cache_stats(self: Any) -> dict[str, int]:
+        """Prefix-guard counters of this engine core (a utility call for the frontend)."""
+        return dict(vars(STATS))
+
+    module.EngineCore.dynsteer_cache_stats = dynsteer_cache_stats
+
+
+def patch_scheduler() -> None:
+    """Engine-core patches of the prefix-cache guard (see :mod:`.prefix_guard`)."""
+    when_imported("vllm.v1.core.kv_cache_utils", lambda m: _patch(
+        m, "generate_block_hash_extra_keys", _wrap_extra_keys))
+    when_imported("vllm.v1.core.kv_cache_coordinator",
+                  lambda m: _patch(m.KVCacheCoordinator, "cache_blocks", _wrap_cache_blocks))
+    when_imported("vllm.v1.core.kv_cache_manager",
+                  lambda m: _patch(m.KVCacheManager, "free", _wrap_free))
+    when_imported("vllm.v1.core.sched.scheduler",
+                  lambda m: _patch(m.Scheduler, "update_from_output", _wrap_update_from_output))
+    when_imported("vllm.v1.engine.core", _add_stats_utility)
+
+
+def cache_stats(llm: Any) -> dict[str, int]:
+    """Prefix-guard counters of an offline ``LLM``'s engine core."""
+    client = llm.llm_engine.engine_core
+    if hasattr(client, "call_utility"):
+        return client.call_utility("dynsteer_cache_stats")
+    return client.engine_core.dynsteer_cache_stats()  # in-process engine core
+
+
+async def cache_stats_async(engine_client: Any) -> dict[str, int]:
+    """Prefix-guard counters of an ``AsyncLLM``'s engine core."""
+    return await engine_client.engine_core.call_utility_async("dynsteer_cache_stats")
 
 
 # ---- workers -----------------------------------------------------------------------------
@@ -259,17 +381,40 @@ def request_capacity(runner: Any) -> int:
 
 
 def install_step_hooks(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str], None],
-                       on_step: Callable[..., None]) -> None:
+                       on_step: Callable[..., None],
+                       on_output: Callable[[], dict[str, Any]]) -> None:
     """Hook the runner instance so the state sees admissions, removals and each step.
 
     ``on_add(req_id, slot_or_None, extra_args, prompt_len)`` (V1 passes None: the adapter picks
     a slot), ``on_remove(req_id)``, ``on_step(req_ids, slots_or_None, num_computed,
-    num_scheduled)``.
+    num_scheduled)``; ``on_output()`` returns the prefix-guard report that rides on the step's
+    ``ModelRunnerOutput`` to the scheduler (see :mod:`.prefix_guard`).
     """
     if is_v2_runner(runner):
         _install_v2(runner, on_add, on_remove, on_step)
     else:
         _install_v1(runner, on_add, on_remove, on_step)
+    sample_tokens = runner.sample_tokens
+
+    def _sample_tokens(*args: Any, **kwargs: Any) -> Any:
+        return _attach_report(sample_tokens(*args, **kwargs), on_output())
+
+    runner.sample_tokens = _sample_tokens
+
+
+def _attach_report(result: Any, report: dict[str, Any]) -> Any:
+    """``result`` (a ModelRunnerOutput, or an async one that makes it later) carrying
+    ``report``; a shallow copy, since vLLM reuses shared empty outputs."""
+    if not report or result is None:
+        return result
+    if hasattr(result, "get_output"):
+        get_output = result.get_output
+        result.get_output = lambda: _attach_report(get_output(), report)
+        return result
+    if hasattr(result, "sampled_token_ids"):
+        result = copy.copy(result)
+        setattr(result, REPORT_ATTR, report)
+    return result
 
 
 def _install_v1(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str], None],
@@ -326,3 +471,31 @@ def _install_v2(runner: Any, on_add: Callable[..., None], on_remove: Callable[[s
     runner.add_requests = _add_requests
     runner._remove_request = _remove_request
     runner.prepare_inputs = _prepare_inputs
+
+
+# ---- API server -------------------------------------------------------------------------
+async def collective_rpc_async(engine_client: Any, method: str, args: tuple[Any, ...],
+                               timeout: float | None = None) -> list[Any]:
+    """``AsyncLLM.collective_rpc`` (a coroutine on the API server's engine client)."""
+    return await engine_client.collective_rpc(method, timeout=timeout, args=args)
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def run_api_server(argv: list[str]) -> None:
+    """Run vLLM's OpenAI-compatible server (``python -m`` style) with ``argv``; blocks."""
+    import runpy
+    import sys
+
+    sys.argv = ["dynsteer serve", *argv]
+    try:
+        from vllm.entrypoints.launchers.api_server.entry import main  # vLLM >= 0.32
+    except ImportError:  # vLLM 0.26: the module's __main__ block is the entry point
+        runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__",
+                         alter_sys=True)
+        return
+    main()

@@ -55,6 +55,12 @@ class SiteBuffers:
     params: torch.Tensor
     gate: torch.Tensor
     score: torch.Tensor
+    capture_rows: torch.Tensor
+    """Per-token capture row (0: not captured)."""
+    capture: torch.Tensor
+    """The capture buffer ``[K, C + 1, H]`` shared by all sites."""
+    site_lane: torch.Tensor
+    """Per site: its capture lane, -1 when not captured."""
 
 
 class SiteOp(nn.Module):
@@ -64,7 +70,7 @@ class SiteOp(nn.Module):
         super().__init__()
         self.site_index = buffers.index
         for name in ("rows", "probe_rows", "table", "dyn", "flags", "probes", "params", "gate",
-                     "score"):
+                     "score", "capture_rows", "capture", "site_lane"):
             self.register_buffer(name, getattr(buffers, name), persistent=False)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,7 +78,8 @@ class SiteOp(nn.Module):
         n = x.shape[0]
         return torch.ops.dynsteer.steer(
             x, h, self.rows[:n], self.probe_rows[:n], self.table, self.dyn, self.flags,
-            self.probes, self.params, self.gate, self.score, self.site_index,
+            self.probes, self.params, self.gate, self.score, self.capture_rows[:n], self.capture,
+            self.site_lane, self.site_index,
         )
 
 

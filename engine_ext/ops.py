@@ -7,6 +7,9 @@ residual stream, so the stream is ``x + h``; ``h`` is None where ``x`` is the wh
     if p and params[p].site == site:                    (this is t's monitor site)
         score[t] = (x[t] + h[t]) · probes[p]            (fp32 accumulate)
         gate[t]  = sigmoid(params[p].sharpness * (score[t] - params[p].threshold))
+    c, lane = capture_rows[t], site_lane[site]          (0 / -1: not captured)
+    if c and lane >= 0:
+        capture[lane, c] = x[t] + h[t]                   (fp32, the stream the monitor reads)
     out[t] = x[t] + table[rows[t]] + gate[t] * dyn[rows[t]]
 
 Row 0 of ``table``/``dyn`` is zero (not steered); ``flags[row]`` says which of the two a row
@@ -14,11 +17,21 @@ uses so unused rows are never read. The monitor reads the stream *before* this s
 steering; the gate stays in the per-token ``gate`` buffer so later sites of the same forward
 use it (cross-layer gating).
 
+Capture (activations for probe training, see :mod:`.capture_buffers`) stores the same
+pre-steering stream into ``capture[K, C + 1, H]``: ``site_lane[S]`` maps each site to one of
+the K lanes (-1: this site is not being captured) and ``capture_rows[t]`` is the capture row
+of token ``t``, 0 meaning "not captured" like row 0 everywhere else, so padding tokens and a
+cleared index never write (row 0 of the buffer is never written). The buffer is float32: it
+holds exactly the fp32 sum the monitor's probes are applied to, and numpy (the consumer) has
+no bfloat16. Tokens that are not captured cost one int load.
+
 Graph safety: every input is a persistent buffer updated in place between steps; no host sync
 on CUDA, no Python state. ``gate``/``score`` are per-token scratch outputs written in place but
 *not* declared as mutated: declaring them would make functionalization copy both buffers at
 every site. Their writes are ordered by the residual stream itself (a later site's input is
-computed from an earlier site's output), which no compiler pass can reorder.
+computed from an earlier site's output), which no compiler pass can reorder. ``capture`` is
+written in place and not declared either, for the same reason (it is large); nothing in the
+graph reads it: it is read between steps, by an RPC, after the forward has finished.
 CUDA runs the Triton kernel in :mod:`.triton_kernels`; other devices run torch.
 """
 
@@ -48,9 +61,24 @@ def _monitor(x, h, probe_rows, probes, params, gate, score, site: int) -> None:
     gate[idx] = torch.sigmoid(z)
 
 
+def _capture(x, h, capture_rows, capture, site_lane, site: int) -> None:
+    lane = int(site_lane[site])  # host memory: this torch version only runs on CPU
+    if lane < 0:
+        return
+    c = capture_rows.to(torch.long)
+    idx = (c != 0).nonzero().squeeze(1)
+    if idx.numel() == 0:
+        return
+    stream = x.index_select(0, idx).to(torch.float32)
+    if h is not None:
+        stream = stream + h.index_select(0, idx).to(torch.float32)
+    capture[lane].index_copy_(0, c.index_select(0, idx), stream)
+
+
 def steer_torch(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score,
-                site: int) -> torch.Tensor:
+                capture_rows, capture, site_lane, site: int) -> torch.Tensor:
     """Plain torch version; the CPU implementation."""
+    _capture(x, h, capture_rows, capture, site_lane, site)
     _monitor(x, h, probe_rows, probes, params, gate, score, site)
     r = rows.to(torch.long)
     delta = table.index_select(0, r)
@@ -65,18 +93,20 @@ def steer_torch(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate,
 def steer(
     x: torch.Tensor, h: torch.Tensor | None, rows: torch.Tensor, probe_rows: torch.Tensor,
     table: torch.Tensor, dyn: torch.Tensor, flags: torch.Tensor, probes: torch.Tensor,
-    params: torch.Tensor, gate: torch.Tensor, score: torch.Tensor, site: int,
+    params: torch.Tensor, gate: torch.Tensor, score: torch.Tensor, capture_rows: torch.Tensor,
+    capture: torch.Tensor, site_lane: torch.Tensor, site: int,
 ) -> torch.Tensor:
-    """Monitor + static + gated steering of one site (see the module docstring)."""
+    """Capture + monitor + static + gated steering of one site (see the module docstring)."""
     if x.is_cuda:
         from dynsteer.engine_ext.triton_kernels import steer_triton
 
         return steer_triton(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate,
-                            score, site)
+                            score, capture_rows, capture, site_lane, site)
     return steer_torch(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score,
-                       site)
+                       capture_rows, capture, site_lane, site)
 
 
 @steer.register_fake
-def _steer_fake(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score, site):
+def _steer_fake(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score,
+                capture_rows, capture, site_lane, site):
     return torch.empty_like(x)

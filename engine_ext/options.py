@@ -20,7 +20,7 @@ CONFIG_KEY = "dynsteer"
 ENABLE_ENV = "DYNSTEER_ENABLE"
 """Set to 1 to enable the plugin with default options when ``additional_config`` has no key."""
 PLUGIN_VERSION = "0.1.0"
-KERNEL_ABI = 2
+KERNEL_ABI = 3
 """Bumped whenever the in-graph ops change, so compile caches of older graphs are not reused."""
 
 Site = tuple[Hook, int]
@@ -37,6 +37,13 @@ class EngineOptions(BaseModel):
     """Which (hook, layer) sites get a kernel, e.g. ``"post_block@*"`` or ``"pre_attn@0-3"``."""
     max_rows: int = Field(default=32, ge=1, le=4096)
     """Distinct steering rows in flight (one per distinct per-phase config, global included)."""
+    capture_lanes: int = Field(default=4, ge=0, le=256)
+    """Sites one activation-capture pass records at once; more sites take more passes over the
+    prompts. Costs ``capture_lanes * (capture_tokens + 1) * hidden * 4`` bytes of device
+    memory per worker (0 turns capture off and frees it)."""
+    capture_tokens: int = Field(default=1024, ge=1, le=1 << 20)
+    """Prompt tokens one capture round holds (per lane); a longer prompt cannot be captured,
+    more prompts take more rounds."""
     plugin_version: str = PLUGIN_VERSION
     """Set by the plugin; part of vLLM's compile-cache key."""
     kernel_abi: int = KERNEL_ABI
@@ -83,15 +90,24 @@ def _parse_site_item(item: str, num_layers: int | None) -> list[Site]:
     return [(hook, layer) for layer in _parse_layers(layers, num_layers)]  # type: ignore[misc]
 
 
-def resolve_sites(sites: str | list[str], num_layers: int) -> tuple[Site, ...]:
-    """All configured sites in forward order (layer, then pre_attn < post_attn < post_block)."""
+def resolve_sites(sites: str | list[str], num_layers: int,
+                  field: str = "dynsteer.sites") -> tuple[Site, ...]:
+    """All sites in forward order (layer, then pre_attn < post_attn < post_block).
+
+    Errors start with ``field``, the name the caller knows the value by.
+    """
     found: set[Site] = set()
     for item in _site_items(sites):
         try:
             found.update(_parse_site_item(item, num_layers))
         except ValueError as e:
-            raise ValueError(f"dynsteer.sites: {e}") from e
+            raise ValueError(f"{field}: {e}") from e
     return tuple(sorted(found, key=site_order))
+
+
+def site_name(site: Site) -> str:
+    """``hook@layer``, the name of one site in the site grammar (and in every API)."""
+    return f"{site[0]}@{site[1]}"
 
 
 def site_order(site: Site) -> tuple[int, int]:

@@ -23,8 +23,9 @@ def register() -> None:
     if _registered or os.environ.get(KILL_SWITCH_ENV, "") in ("1", "true", "True"):
         return
     from dynsteer.engine_ext import ops  # noqa: F401  (defines torch.ops.dynsteer.*)
-    from dynsteer.engine_ext.compat import patch_frontend, patch_workers
+    from dynsteer.engine_ext.compat import patch_frontend, patch_scheduler, patch_workers
 
     patch_frontend()
+    patch_scheduler()
     patch_workers()
     _registered = True

@@ -58,8 +58,11 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         max_tokens=compat.token_capacity(runner),
         max_slots=compat.request_capacity(runner) + 1,
         device=runner.device,
+        capture_lanes=options.capture_lanes,
+        capture_tokens=options.capture_tokens,
     )
     installed = install_sites(model, layers, state.site_buffers())
+    state.capture.installed = frozenset(installed)
     runner.dynsteer_state = state
 
     slot_map = _SlotMap()
@@ -74,15 +77,16 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
 
     def on_step(req_ids: list[str], slots: np.ndarray | None, num_computed: np.ndarray,
                 num_scheduled: np.ndarray) -> None:
-        if not state.any_steered:
+        if not state.needs_fill:
             state.skip_step()
             return
         state.fill(req_ids, slot_map.lookup(req_ids) if slots is None else slots, num_computed,
                    num_scheduled)
 
-    compat.install_step_hooks(runner, on_add, on_remove, on_step)
+    compat.install_step_hooks(runner, on_add, on_remove, on_step, state.cache_report)
     logger.info(
-        "dynsteer: %d steering sites on %s (max_rows=%d)",
-        len(installed), type(model).__name__, options.max_rows,
+        "dynsteer: %d steering sites on %s (max_rows=%d, capture %d lanes x %d tokens)",
+        len(installed), type(model).__name__, options.max_rows, options.capture_lanes,
+        options.capture_tokens,
     )
     return state

@@ -24,6 +24,7 @@ from dynsteer.controller.spec import (
     parse_entries,
     parse_spec,
 )
+from dynsteer.engine_ext.capture_buffers import CaptureBuffers
 from dynsteer.engine_ext.layers import SiteBuffers
 from dynsteer.engine_ext.options import Site
 from dynsteer.engine_ext.rows import Contents, ProbeRow, ProbeTable, RowTable, add_contents
@@ -66,6 +67,8 @@ class SteeringState:
         max_tokens: int,
         max_slots: int,
         device: torch.device,
+        capture_lanes: int = 0,
+        capture_tokens: int = 1,
     ) -> None:
         self.sites = sites
         self.hidden_size = hidden_size
@@ -77,6 +80,9 @@ class SteeringState:
         self.score = torch.zeros(max_tokens, dtype=torch.float32, device=device)
         """Per-token probe score of the step."""
         self.telemetry = GateTelemetry(self.gate, self.score)
+        self.capture = CaptureBuffers(sites, capture_lanes, capture_tokens, hidden_size,
+                                      max_slots, device)
+        """Activation capture for probe training (off, and no memory, with 0 lanes)."""
         self.vectors: dict[str, np.ndarray] = {}
         self.probes: dict[str, RegisteredProbe] = {}
         self._global_entries: list[SteerEntry] = []
@@ -157,13 +163,18 @@ class SteeringState:
         self._requests[req_id] = req
         self._prompt_len[slot] = prompt_len
         self._assign(req)
+        self.capture.admit(req_id, slot, extra_args, prompt_len)
         if self._steers(slot):
             self.requests_steered += 1
         if probe is not None:
-            self.telemetry.admit(req_id, prompt_len)
+            hook, layer = probe.site
+            dynamic_from = 0 if gated["prefill"] else (prompt_len if gated["decode"] else None)
+            self.telemetry.admit(req_id, prompt_len, site=f"{hook}@{layer}",
+                                 dynamic_from=dynamic_from)
 
     def remove_request(self, req_id: str) -> None:
-        """Release a finished (or re-added) request's rows."""
+        """Release a finished (or re-added) request's rows (capture rows wait for collect)."""
+        self.capture.detach(req_id)
         req = self._requests.pop(req_id, None)
         if req is not None:
             self._release(req)
@@ -174,14 +185,20 @@ class SteeringState:
 
     @property
     def any_steered(self) -> bool:
-        """Whether any live request uses a nonzero row (else the step needs no fill)."""
+        """Whether any live request uses a nonzero row."""
         return self._num_steered > 0
+
+    @property
+    def needs_fill(self) -> bool:
+        """Whether the step's token index must be filled (something is steered or captured)."""
+        return self._num_steered > 0 or self.capture.active
 
     # ---- per step ------------------------------------------------------------------------
     def fill(self, req_ids: list[str], slots: np.ndarray, num_computed: np.ndarray,
              num_scheduled: np.ndarray) -> None:
         """Fill the token index for one step; arrays are per request in batch order."""
         probe_rows = self._probe_row[slots]
+        capture_starts = self.capture.slot_starts(slots)
         self.token_rows.fill(
             self._prefill_row[slots],
             self._decode_row[slots],
@@ -189,7 +206,10 @@ class SteeringState:
             self._prompt_len[slots],
             num_computed,
             num_scheduled,
+            capture_starts,
         )
+        if capture_starts is not None:
+            self.capture.record(slots, capture_starts, num_computed, num_scheduled)
         spans = []
         if probe_rows.any():
             starts = np.cumsum(num_scheduled) - num_scheduled
@@ -197,6 +217,10 @@ class SteeringState:
                 spans.append((req_ids[i], int(starts[i]), int(num_scheduled[i]),
                               int(num_computed[i])))
         self.telemetry.before_step(spans, int(num_scheduled.sum()))
+
+    def cache_report(self) -> dict[str, tuple[int, int | None]]:
+        """The prefix-guard report of gated requests (see :mod:`.prefix_guard`)."""
+        return self.telemetry.cache_report()
 
     def skip_step(self) -> None:
         """A step with nothing steered: keep the index clear, fold pending telemetry."""
@@ -289,7 +313,8 @@ class SteeringState:
                 index=i, rows=self.token_rows.rows, probe_rows=self.token_rows.probe_rows,
                 table=self.rows.table[i], dyn=self.rows.dyn[i], flags=self.rows.flags[i],
                 probes=self.probe_table.probes, params=self.probe_table.params,
-                gate=self.gate, score=self.score,
+                gate=self.gate, score=self.score, capture_rows=self.token_rows.capture_rows,
+                capture=self.capture.capture, site_lane=self.capture.site_lane,
             )
         return out
 
@@ -307,4 +332,7 @@ class SteeringState:
             "vectors": sorted(self.vectors),
             "probes": sorted(self.probes),
             "global_entries": len(self._global_entries),
+            "capture_rows_in_use": self.capture.rows_in_use,
+            "tokens_monitored": dict(self.telemetry.tokens_monitored),
+            "tokens_gated": dict(self.telemetry.tokens_gated),
         }

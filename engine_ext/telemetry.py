@@ -21,11 +21,23 @@ import torch
 
 GATE_ON = 0.5
 """A token counts as gated when its gate is above this."""
+DYNAMIC_EPSILON = 1e-3
+"""A position's KV counts as dynamically steered when its gate is above this (and the gate
+steers that position's phase): below it the gated entries add under 0.1% of their vector, so
+the KV is treated as unsteered and stays shareable through the prefix cache."""
 
 
 @dataclass
 class _Record:
     prompt_len: int
+    site: str
+    """The monitor site (``hook@layer``), the label of the per-site counters."""
+    dynamic_from: int | None = None
+    """First position whose phase the gated entries steer (0, the prompt length, or None)."""
+    first_dynamic: int | None = None
+    """First position whose KV got a dynamic contribution (gate > DYNAMIC_EPSILON)."""
+    upto: int = 0
+    """Positions below this have been processed and folded in."""
     gate: np.ndarray = field(default_factory=lambda: np.full(0, np.nan, dtype=np.float32))
     score: np.ndarray = field(default_factory=lambda: np.full(0, np.nan, dtype=np.float32))
 
@@ -39,6 +51,14 @@ class _Record:
                                                              dtype=np.float32)])
         self.gate[pos0:end] = gate  # a recomputed position (preemption) overwrites
         self.score[pos0:end] = score
+        self.upto = max(self.upto, end)
+        if self.dynamic_from is not None:
+            positions = np.arange(pos0, end)
+            hot = np.flatnonzero((positions >= self.dynamic_from) & (gate > DYNAMIC_EPSILON))
+            if len(hot):
+                first = int(positions[hot[0]])
+                self.first_dynamic = (first if self.first_dynamic is None
+                                      else min(first, self.first_dynamic))
 
     def summary(self) -> dict[str, Any]:
         seen = ~np.isnan(self.gate)
@@ -74,10 +94,18 @@ class GateTelemetry:
         self._done: OrderedDict[str, _Record] = OrderedDict()
         self._uncopied: _Step | None = None
         self._in_flight: list[tuple[Any, torch.Tensor, _Step]] = []
+        self._changed: set[str] = set()
+        """Requests folded since the last :meth:`cache_report`."""
+        self.tokens_monitored: dict[str, int] = {}
+        """Per monitor site: tokens whose gate was computed (recomputed ones count again)."""
+        self.tokens_gated: dict[str, int] = {}
+        """Per monitor site: tokens whose gate was above :data:`GATE_ON`."""
 
-    def admit(self, req_id: str, prompt_len: int) -> None:
+    def admit(self, req_id: str, prompt_len: int, site: str,
+              dynamic_from: int | None = None) -> None:
         """Start (or, for a re-added request such as a resumed one, continue) a record."""
-        self._live[req_id] = self._done.pop(req_id, None) or _Record(prompt_len)
+        self._live[req_id] = (self._done.pop(req_id, None)
+                              or _Record(prompt_len, site, dynamic_from))
 
     def before_step(self, spans: list[tuple[str, int, int, int]], tokens: int) -> None:
         """Called before each forward with this step's gated requests (may be empty)."""
@@ -96,6 +124,24 @@ class GateTelemetry:
         self._done[req_id] = self._live.pop(req_id)
         while len(self._done) > self._keep:
             self._done.popitem(last=False)
+
+    def cache_report(self) -> dict[str, tuple[int, int | None]]:
+        """Per live gated request that changed: (positions processed, first dynamic position).
+
+        Called once the step's forward is queued, so the step's own gates are included when
+        they are ready (always on CPU; on GPU once the copy queued here has landed, which the
+        sampled-token read-back of the same step makes likely). The scheduler caches only
+        blocks below ``first dynamic`` (or, while none, below ``processed``).
+        """
+        self._launch_copy()
+        self._fold(wait=False)
+        report = {}
+        for req_id in self._changed:
+            record = self._live.get(req_id)
+            if record is not None:
+                report[req_id] = (record.upto, record.first_dynamic)
+        self._changed.clear()
+        return report
 
     def drain(self) -> None:
         """Fold every pending step in (waits for outstanding copies)."""
@@ -143,5 +189,12 @@ class GateTelemetry:
             for req_id, start, count, pos0 in step.spans:
                 record = self._live.get(req_id)
                 if record is not None:
-                    record.put(pos0, values[0, start:start + count],
-                               values[1, start:start + count])
+                    gates = values[0, start:start + count]
+                    record.put(pos0, gates, values[1, start:start + count])
+                    self._changed.add(req_id)
+                    self._count(record.site, gates)
+
+    def _count(self, site: str, gates: np.ndarray) -> None:
+        self.tokens_monitored[site] = self.tokens_monitored.get(site, 0) + len(gates)
+        gated = int((gates > GATE_ON).sum())
+        self.tokens_gated[site] = self.tokens_gated.get(site, 0) + gated

@@ -1,12 +1,13 @@
-"""The per-token index: which steering row and which probe row each token of the step uses.
+"""The per-token index: the steering, probe and capture row of each token of the step.
 
-A persistent ``int32[2, max_tokens]`` buffer (row 0: steering rows, row 1: probe rows) the ops
-slice with the step's token count. It is filled once per step, before the forward, from
+A persistent ``int32[3, max_tokens]`` buffer (row 0: steering rows, row 1: probe rows, row 2:
+capture rows) the ops slice with the step's token count. 0 means "none" in all three, so a
+cleared index and padding are inert. It is filled once per step, before the forward, from
 per-request values (a steering row for prompt positions, one for generated positions, one
-probe row) with vectorized numpy: no per-token or per-request Python on the hot path. Tokens
-past the step's count (CUDA-graph padding) are kept at 0. On CUDA the fill is one non-blocking
-copy from a pinned staging buffer, skipped entirely when nothing changed since the previous
-step (the common decode case) or nothing is steered.
+probe row, the first capture row of the prompt) with vectorized numpy: no per-token or
+per-request Python on the hot path. Tokens past the step's count (CUDA-graph padding) are kept
+at 0. On CUDA the fill is one non-blocking copy from a pinned staging buffer, skipped entirely
+when nothing changed since the previous step (the common decode case) or nothing is steered.
 """
 
 from __future__ import annotations
@@ -21,31 +22,36 @@ def expand_positions(num_computed: np.ndarray, num_scheduled: np.ndarray) -> np.
     return np.arange(int(num_scheduled.sum())) + np.repeat(num_computed - starts, num_scheduled)
 
 
+INDEX_ROWS = 3
+"""Rows of the index: steering row, probe row, capture row."""
+
+
 class TokenRows:
     """Owns the device index buffer the ops read and fills it each step."""
 
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.device = device
-        self.buffer = torch.zeros(2, max_tokens, dtype=torch.int32, device=device)
+        self.buffer = torch.zeros(INDEX_ROWS, max_tokens, dtype=torch.int32, device=device)
         self.rows = self.buffer[0]
         self.probe_rows = self.buffer[1]
+        self.capture_rows = self.buffer[2]
         self._on_host = device.type == "cpu"
         if self._on_host:
             self._host = [self.buffer.numpy()]
         else:
-            shape = (2, max_tokens)
+            shape = (INDEX_ROWS, max_tokens)
             self._pinned = [torch.zeros(shape, dtype=torch.int32).pin_memory() for _ in range(2)]
             self._host = [p.numpy() for p in self._pinned]
             self._events = [torch.cuda.Event(), torch.cuda.Event()]
         self._turn = 0
-        self._last = np.zeros((2, 0), dtype=np.int32)
+        self._last = np.zeros((INDEX_ROWS, 0), dtype=np.int32)
         self._dirty = 0
         """Columns [0, dirty) of the device buffer may be non-zero."""
 
     def clear(self) -> None:
         """Map every token to row 0 (touches the device only if something was set)."""
         if self._dirty:
-            self._publish(np.zeros((2, 0), dtype=np.int32))
+            self._publish(np.zeros((INDEX_ROWS, 0), dtype=np.int32))
 
     def fill(
         self,
@@ -55,21 +61,33 @@ class TokenRows:
         prompt_lens: np.ndarray,
         num_computed: np.ndarray,
         num_scheduled: np.ndarray,
+        capture_starts: np.ndarray | None = None,
     ) -> None:
         """Set this step's tokens; arrays are per request, in batch order.
 
         A token at position ``p`` uses ``prefill_rows`` when ``p < prompt_len`` and
         ``decode_rows`` otherwise; every token of a request uses its ``probe_rows`` value.
+        A prompt token of a request with a nonzero ``capture_starts`` value ``c`` is captured
+        into row ``c + p``; generated tokens never are (None: nothing is captured).
         """
         num_scheduled = num_scheduled.astype(np.int64, copy=False)
-        if np.array_equal(prefill_rows, decode_rows):
-            rows = np.repeat(prefill_rows, num_scheduled)
-        else:
-            in_prompt = expand_positions(num_computed, num_scheduled) < np.repeat(
-                prompt_lens, num_scheduled)
+        capturing = capture_starts is not None and bool(capture_starts.any())
+        by_phase = not np.array_equal(prefill_rows, decode_rows)
+        positions = in_prompt = np.zeros(0, dtype=bool)
+        if capturing or by_phase:
+            positions = expand_positions(num_computed, num_scheduled)
+            in_prompt = positions < np.repeat(prompt_lens, num_scheduled)
+        if by_phase:
             rows = np.where(in_prompt, np.repeat(prefill_rows, num_scheduled),
                             np.repeat(decode_rows, num_scheduled))
-        index = np.stack([rows, np.repeat(probe_rows, num_scheduled)]).astype(np.int32)
+        else:
+            rows = np.repeat(prefill_rows, num_scheduled)
+        if capturing:
+            starts = np.repeat(capture_starts, num_scheduled)
+            captured = np.where(in_prompt & (starts != 0), starts + positions, 0)
+        else:
+            captured = np.zeros_like(rows)
+        index = np.stack([rows, np.repeat(probe_rows, num_scheduled), captured]).astype(np.int32)
         if not index.any():
             self.clear()
         elif not np.array_equal(index, self._last):

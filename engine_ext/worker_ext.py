@@ -42,3 +42,28 @@ class DynsteerWorkerExtension:
 
     def dynsteer_info(self) -> dict[str, Any]:
         return self._dynsteer().info()
+
+    # ---- activation capture (driven by dynsteer.engine_ext.capture) ----------------------
+    def dynsteer_capture_begin(self, ticket: str, sites: list[str]) -> None:
+        """Open a capture pass: ``sites`` (``hook@layer``, at most capture_lanes) get lanes."""
+        self._dynsteer().capture.begin(ticket, sites)
+
+    def dynsteer_capture_collect(self, keys: list[str], reduce: str) -> dict[str, Any] | None:
+        """Reduced captured rows of ``keys`` (then freed); None on all but TP rank 0.
+
+        The residual stream is replicated across TP ranks, so one copy is enough; every rank
+        still frees its rows so the allocators stay identical.
+        """
+        return self._dynsteer().capture.collect(keys, reduce, reply=self._dynsteer_replies())
+
+    def dynsteer_capture_end(self, ticket: str | None = None) -> None:
+        """Close capture pass ``ticket`` (None: any): no site is captured, rows are free."""
+        self._dynsteer().capture.end(ticket)
+
+    def _dynsteer_replies(self) -> bool:
+        """Whether this worker is TP rank 0 of its pipeline stage.
+
+        vLLM's executors set ``is_driver_worker`` exactly when ``rank % tp_size == 0``
+        (multiproc, Ray; the single-process executor has one worker, the driver).
+        """
+        return bool(getattr(self, "is_driver_worker", True))

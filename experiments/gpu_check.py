@@ -6,8 +6,9 @@
    cache trap): static and gated steering (same-site and cross-layer, inline and registered
    probes, each phase) vs an HF transformers hook reference, gate telemetry vs HF, decode
    under FULL-graph replay (replays counted), global steering set then cleared returns to
-   the baseline (with a baseline re-run as the determinism yardstick), and no graph is
-   captured after startup.
+   the baseline (with a baseline re-run as the determinism yardstick), activation capture
+   (``Steering.capture``, every hook and layer, last/mean/all, several passes) vs HF streams,
+   and no graph is captured after startup.
 
 Usage: python experiments/gpu_check.py OUT_DIR   (writes gpu_check.json)
        VLLM_USE_V2_MODEL_RUNNER=0 python experiments/gpu_check.py OUT_DIR   (the V1 runner)
@@ -30,7 +31,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 def kernel_check() -> list[dict[str, Any]]:
     """Fused Triton op vs the float64 reference of tests/test_ops.py (same inputs)."""
     import torch
-    from test_ops import SITE, make_inputs, reference
+    from test_ops import SITE, capture_reference, make_inputs, reference
 
     from dynsteer.engine_ext.triton_kernels import steer_triton
 
@@ -40,9 +41,11 @@ def kernel_check() -> list[dict[str, Any]]:
             for extreme in (False, True):
                 args = make_inputs(tokens, hidden, dtype, seed=tokens + hidden, extreme=extreme)
                 want, gates, scores = reference(*args[:10])
+                want_capture = capture_reference(args[0], args[1], *args[11:])
                 cuda = [a.cuda() for a in args]
                 out = steer_triton(*cuda, SITE).cpu()
                 gate = cuda[9].cpu()
+                capture = cuda[12].cpu()
                 mon = ~torch.isnan(scores[:tokens])
                 results.append({
                     "dtype": str(dtype), "tokens": tokens, "hidden": hidden, "extreme": extreme,
@@ -54,6 +57,7 @@ def kernel_check() -> list[dict[str, Any]]:
                     if mon.any() else 0.0,
                     "finite": bool(torch.isfinite(out).all() and torch.isfinite(gate).all()),
                     "row0_untouched": bool(torch.equal(out[args[2] == 0], args[0][args[2] == 0])),
+                    "max_capture_err_vs_f64": (capture.double() - want_capture).abs().max().item(),
                 })
     return results
 
@@ -105,6 +109,36 @@ def gating_check(llm: Any, hf: Any, steering: Any) -> dict[str, Any]:
     return report
 
 
+def capture_check(hf: Any, steering: Any) -> dict[str, Any]:
+    """Activation capture vs HF streams, all hooks and layers (3 passes of the default 4 lanes).
+
+    Captures running beside steered traffic are checked on the CPU build
+    (tests/test_capture.py, AsyncLLM); the offline LLM here runs one generate at a time.
+    """
+    import numpy as np
+    from hf_reference import record_streams
+    from test_capture import PROMPTS
+
+    streams = [record_streams(hf, p) for p in PROMPTS]
+    sites = "pre_attn@*,post_attn@*,post_block@*"
+    report: dict[str, Any] = {}
+    for reduce in ("last", "mean", "all"):
+        result = steering.capture(PROMPTS, sites, reduce=reduce)
+        err = 0.0
+        for site, got in result.items():
+            hook, layer = site.split("@")
+            want = [s[(hook, int(layer))] for s in streams]
+            if reduce == "all":
+                err = max(err, max(float(np.abs(g - w).max()) for g, w in zip(got, want,
+                                                                               strict=True)))
+            else:
+                red = np.stack([w[-1] if reduce == "last" else w.mean(0) for w in want])
+                err = max(err, float(np.abs(got - red).max()))
+        report[f"max_abs_err_vs_hf_{reduce}"] = err
+    report["rows_in_use_after"] = [i["capture_rows_in_use"] for i in steering.info()]
+    return report
+
+
 def engine_check(workdir: Path) -> dict[str, Any]:
     import numpy as np
     from engine_utils import logprobs_of, params, run, start_llm, stop_llm
@@ -145,6 +179,7 @@ def engine_check(workdir: Path) -> dict[str, Any]:
 
     steering = Steering(llm)
     report["gating"] = gating_check(llm, hf, steering)
+    report["capture"] = capture_check(hf, steering)
     base = run(llm, prompts, [params(max_tokens=12) for _ in prompts])
     base2 = run(llm, prompts, [params(max_tokens=12) for _ in prompts])
     steering.set_global([{"vector": CASES["post_block-all"][0]["vector"], "layers": [1, 2]}])

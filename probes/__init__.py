@@ -8,6 +8,7 @@ from ._io import ProbeFileError
 from .calibration import calibrate_threshold
 from .probe import HOOKS, Hook, ModelFingerprint, Probe, ProbeSite, stable_sigmoid
 from .sklearn_convert import from_sklearn
+from .upload import upload
 
 __all__ = [
     "HOOKS",
@@ -19,4 +20,5 @@ __all__ = [
     "calibrate_threshold",
     "from_sklearn",
     "stable_sigmoid",
+    "upload",
 ]

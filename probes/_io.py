@@ -65,11 +65,11 @@ def atomic_write_bytes(path: str | PathLike[str], data: bytes, *, mode: int = 0o
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
     return target
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     """Persist a rename; not supported everywhere (e.g. Windows), hence best effort."""
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
     try:

@@ -31,6 +31,24 @@ def stop_llm(llm: Any) -> None:
     gc.collect()
 
 
+async def start_async_llm(path: Any, dynsteer: dict[str, Any] | None = None,
+                          **kwargs: Any) -> Any:
+    """An ``AsyncLLM`` (the API server's engine client), created inside the running loop so its
+    output handler lives there; every later call must run on that same loop."""
+    from vllm import AsyncEngineArgs, AsyncLLMEngine
+
+    args = {**ENGINE_DEFAULTS, **kwargs}
+    if dynsteer is not None:
+        args["additional_config"] = {"dynsteer": dynsteer}
+    return AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(path), **args))
+
+
+def stop_async_llm(engine: Any) -> None:
+    engine.shutdown()
+    del engine
+    gc.collect()
+
+
 def params(max_tokens: int = 6, spec: Any = None, **kwargs: Any) -> Any:
     from vllm import SamplingParams
 

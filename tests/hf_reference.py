@@ -120,6 +120,32 @@ def run_reference(model: Any, tokens: Sequence[int], prompt_len: int,
     return logp[torch.arange(len(tokens) - 1), nxt].numpy(), steerer
 
 
+class _Recorder(Steerer):
+    """Records the stream each site sees (float64, ``[seq, H]``), before the site's steering."""
+
+    def __init__(self, entries, seq_len, vectors) -> None:
+        super().__init__(entries, None, seq_len, seq_len, vectors, {})
+        self.streams: dict[tuple[str, int], np.ndarray] = {}
+
+    def apply(self, site, stream, x):
+        self.streams[site] = stream[0].double().numpy().copy()
+        return super().apply(site, stream, x)
+
+
+def record_streams(model: Any, tokens: Sequence[int], entries: Sequence[dict[str, Any]] = (),
+                   vectors: dict | None = None) -> dict[tuple[str, int], np.ndarray]:
+    """The residual stream of a forward over a prompt at every (hook, layer), ``[len, H]``.
+
+    ``pre_attn``: the layer's input; ``post_attn``: input + attention output; ``post_block``:
+    the layer's output (TransformerLens resid_pre / resid_mid / resid_post); each read before
+    that site's own steering by ``entries`` (static, every position is a prompt position).
+    """
+    recorder = _Recorder(entries, len(tokens), vectors or {})
+    with torch.no_grad(), steering_hooks(model, recorder):
+        model(torch.tensor([list(tokens)]))
+    return recorder.streams
+
+
 def reference_logprobs(model: Any, tokens: Sequence[int], prompt_len: int,
                        entries: Sequence[dict[str, Any]] = (), vectors: dict | None = None,
                        gate: dict[str, Any] | None = None,

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dynsteer.engine_ext import ops  # noqa: F401  (defines torch.ops.dynsteer.steer)
+
 SITE = 3
+LANE = 2
+SENTINEL = -1e6
+"""What capture rows hold before the op: rows the op must not write keep it."""
 
 
 def make_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, extreme: bool = False):
@@ -29,7 +34,15 @@ def make_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, extreme
     probe_rows = torch.randint(0, probes_n, (tokens,), generator=g, dtype=torch.int32)
     gate = torch.rand(tokens + 3, generator=g)  # stale values from "an earlier site"
     score = torch.zeros(tokens + 3)
-    return x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score
+    capacity = tokens + 5
+    capture = torch.full((3, capacity + 1, hidden), SENTINEL)
+    capture_rows = (torch.randperm(capacity, generator=g)[:tokens] + 1).to(torch.int32)
+    capture_rows[torch.rand(tokens, generator=g) < 0.5] = 0  # about half the tokens captured
+    site_lane = torch.full((SITE + 2,), -1, dtype=torch.int32)
+    site_lane[SITE] = LANE
+    site_lane[SITE + 1] = 0  # another site's lane: not this op's business
+    return (x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score, capture_rows,
+            capture, site_lane)
 
 
 def reference(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate):
@@ -48,6 +61,17 @@ def reference(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate):
     return out, gates, scores
 
 
+def capture_reference(x, h, capture_rows, capture, site_lane):
+    """float64 capture buffer after the op: the pre-steering stream of each captured token."""
+    want = capture.double().clone()
+    lane = int(site_lane[SITE])
+    for t in range(x.shape[0]):
+        c = int(capture_rows[t])
+        if c and lane >= 0:
+            want[lane, c] = x[t].double() + (h[t].double() if h is not None else 0)
+    return want
+
+
 CASES = [(1, 64), (7, 576), (33, 2048), (256, 4096), (4096, 64), (1024, 4096)]
 
 
@@ -56,9 +80,10 @@ CASES = [(1, 64), (7, 576), (33, 2048), (256, 4096), (4096, 64), (1024, 4096)]
 def test_steer_matches_float64(tokens, hidden, dtype):
     """Monitor, gate and both tiers against float64; row-0 tokens are untouched."""
     args = make_inputs(tokens, hidden, dtype, seed=tokens * hidden)
-    x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score = args
+    x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score = args[:11]
     want, gates, scores = reference(x, h, rows, probe_rows, table, dyn, flags, probes, params,
                                     gate)
+    want_capture = capture_reference(x, h, *args[11:])
     out = torch.ops.dynsteer.steer(*args, SITE)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want.to(dtype).double(), rtol=tol, atol=tol * 10)
@@ -69,6 +94,31 @@ def test_steer_matches_float64(tokens, hidden, dtype):
                                rtol=1e-4, atol=1e-3)
     untouched = rows == 0
     assert torch.equal(out[untouched], x[untouched])
+    torch.testing.assert_close(args[12].double(), want_capture, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_h", [True, False])
+def test_capture_stores_the_pre_steering_stream(with_h):
+    """Captured tokens store x + h (x alone without h) before steering, at this site's lane
+    only; other rows, other lanes and uncaptured tokens stay untouched."""
+    args = list(make_inputs(40, 96, torch.bfloat16, seed=11))
+    if not with_h:
+        args[1] = None
+    capture_rows, capture, site_lane = args[11:]
+    want = capture_reference(args[0], args[1], capture_rows, capture, site_lane)
+    torch.ops.dynsteer.steer(*args, SITE)
+    assert (capture_rows != 0).any() and (capture_rows == 0).any()
+    torch.testing.assert_close(capture.double(), want, rtol=0, atol=0)  # bf16 sums are exact
+    written = capture[LANE][capture_rows[capture_rows != 0].long()]
+    assert (written != SENTINEL).all()
+    assert (capture[[0, 1]] == SENTINEL).all()
+
+
+def test_site_without_lane_captures_nothing():
+    args = make_inputs(16, 64, torch.float32, seed=2)
+    args[13][SITE] = -1
+    torch.ops.dynsteer.steer(*args, SITE)
+    assert (args[12] == SENTINEL).all()
 
 
 def test_extreme_scores_saturate_without_nan():
@@ -92,21 +142,25 @@ def test_fake_impl_shapes():
 def test_compiled_graph_reads_buffers_in_place():
     """Under torch.compile (fullgraph) new buffer contents apply without retracing, and a
     gate written at the monitor site is read by a later site in the same graph."""
-    x0, h0, rows, probe_rows, table, dyn, flags, probes, params, gate, score = make_inputs(
-        8, 16, torch.float32, seed=5)
+    (x0, h0, rows, probe_rows, table, dyn, flags, probes, params, gate, score, capture_rows,
+     capture, site_lane) = make_inputs(8, 16, torch.float32, seed=5)
     rows.zero_()
     probe_rows.zero_()
+    capture_rows.zero_()
 
     @torch.compile(fullgraph=True, dynamic=True)
     def f(x, h):
         n = x.shape[0]
         y = torch.ops.dynsteer.steer(x, h, rows[:n], probe_rows[:n], table, dyn, flags, probes,
-                                     params, gate, score, SITE)
+                                     params, gate, score, capture_rows[:n], capture, site_lane,
+                                     SITE)
         return torch.ops.dynsteer.steer(y * 1.0, None, rows[:n], probe_rows[:n], table, dyn,
-                                        flags, probes, params, gate, score, SITE + 7)
+                                        flags, probes, params, gate, score, capture_rows[:n],
+                                        capture, site_lane, SITE + 1)
 
     x, h = x0[:5], h0[:5]
     assert torch.equal(f(x, h), x)
+    assert (capture == SENTINEL).all()
     rows[1] = 2  # dynamic-only row: only the gate decides
     probe_rows[1] = 1
     out = f(x, h)
@@ -114,3 +168,7 @@ def test_compiled_graph_reads_buffers_in_place():
     g = torch.sigmoid(params[1, 1] * (s - params[1, 0]))
     torch.testing.assert_close(out[1], x[1] + 2 * g * dyn[2], rtol=1e-5, atol=1e-4)
     assert torch.equal(out[0], x[0])
+    capture_rows[3] = 4  # captured at both sites: the stream before each site's own steering
+    out = f(x, h)
+    torch.testing.assert_close(capture[LANE, 4], x[3] + h[3])
+    torch.testing.assert_close(capture[0, 4], out[3])  # site SITE + 1 has lane 0; no steering

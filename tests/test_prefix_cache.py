@@ -1,7 +1,8 @@
 """Prefix caching stays on and never serves steered KV to a differently steered request.
 
-Steered requests carry a steering fingerprint in their cache salt (vLLM chains block hashes, so
-every block forks); unsteered traffic keeps sharing blocks.
+Steered requests fork their block hashes from the block holding their first steered position
+(vLLM chains block hashes, so every later block forks too); gated requests cache only blocks
+the workers reported free of dynamic steering; unsteered traffic keeps sharing blocks.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from hf_reference import load_hf, reference_logprobs
 from test_steering_reference import TOL, vec
 
 from dynsteer.engine_ext import Steering
+from dynsteer.engine_ext.telemetry import DYNAMIC_EPSILON
 
 pytestmark = pytest.mark.engine
 
 BLOCK = 32
+SEED = 1234
 PREFILL = [{"vector": vec(51), "layers": [1, 2], "phase": "prefill"}]
 GATED = {"probe": {"weights": vec(52, norm=1.0), "threshold": -1.0, "sharpness": 2.0},
          "layer": 1, "steer": [{"vector": vec(53), "layers": [2]}]}
@@ -28,8 +31,8 @@ def prompt(seed: int, n: int = 3 * BLOCK + 3) -> list[int]:
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    llm = start_llm(tiny_model_dir("llama"), dynsteer={}, enable_prefix_caching=True,
-                    block_size=BLOCK)
+    llm = start_llm(tiny_model_dir("llama"), dynsteer={"sites": "pre_attn@0,post_block@*"},
+                    enable_prefix_caching=True, block_size=BLOCK)
     yield llm
     stop_llm(llm)
 
@@ -39,10 +42,23 @@ def hf(tiny_model_dir):
     return load_hf(tiny_model_dir("llama"))
 
 
-def one(llm, tokens, spec=None):
-    """One request without prompt logprobs (vLLM never reads the prefix cache for those)."""
-    (out,) = run(llm, [tokens], [params(4, spec=spec, prompt_logprobs=None)])
+def one(llm, tokens, spec=None, max_tokens=4, cache_salt=None, seed=None):
+    """One request without prompt logprobs (vLLM never reads the prefix cache for those);
+    greedy, or sampled at temperature 1 with ``seed``."""
+    prompt = {"prompt_token_ids": tokens}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    sp = params(max_tokens, spec=spec, prompt_logprobs=None)
+    if seed is not None:
+        sp.temperature, sp.seed = 1.0, seed
+    (out,) = llm.generate([prompt], [sp], use_tqdm=False)
     return out
+
+
+def gen_logprobs(out):
+    gen = list(out.outputs[0].token_ids)
+    return gen, np.array([d[t].logprob for d, t in zip(out.outputs[0].logprobs, gen,
+                                                        strict=True)])
 
 
 def assert_matches_hf(hf, out, entries=(), gate=None):
@@ -82,12 +98,15 @@ def test_unsteered_request_does_not_hit_steered_blocks(llm, hf):
 
 
 def test_identically_steered_requests_share_blocks(llm, hf):
-    """The same spec computes the same KV, so it may be (and is) shared."""
-    p = prompt(3)
-    one(llm, p, {"gate": GATED})
-    out = one(llm, p, {"gate": GATED})
-    assert out.num_cached_tokens == (len(p) - 1) // BLOCK * BLOCK
-    assert_matches_hf(hf, out, gate=GATED)
+    """The same spec computes the same KV, so it may be (and is) shared: static entries, and a
+    gate that never fired (every block reported free of dynamic steering)."""
+    quiet = {**GATED, "probe": {**GATED["probe"], "threshold": 1e6}}
+    for i, spec in enumerate([{"steer": PREFILL}, {"gate": quiet}]):
+        p = prompt(30 + i)
+        one(llm, p, spec)
+        out = one(llm, p, spec)
+        assert out.num_cached_tokens == (len(p) - 1) // BLOCK * BLOCK, spec
+        assert_matches_hf(hf, out, spec.get("steer", ()), gate=spec.get("gate"))
 
 
 def test_global_steering_forks_the_cache(llm, hf):
@@ -108,11 +127,68 @@ def test_global_steering_forks_the_cache(llm, hf):
 
 def test_phase_specific_steering_never_reuses_decode_kv_as_prompt(llm, hf):
     """A follow-up whose prompt is a decode-steered request's prompt + output: positions that
-    were generated (decode phase) are prompt positions now, so their KV must be recomputed."""
+    were generated (decode phase) are prompt positions now, so their KV must be recomputed;
+    the blocks before the first generated position were computed unsteered and are shared."""
     decode_only = {"steer": [{"vector": vec(55), "layers": [1], "phase": "decode"}]}
     p = prompt(5, n=2 * BLOCK - 2)
     (first,) = run(llm, [p], [params(8, spec=decode_only, prompt_logprobs=None)])
     follow = p + list(first.outputs[0].token_ids)
     out = one(llm, follow, decode_only)
-    assert out.num_cached_tokens == 0
+    assert out.num_cached_tokens == len(p) // BLOCK * BLOCK
     assert_matches_hf(hf, out, decode_only["steer"])
+
+
+def test_decode_only_steering_does_not_fork_prompt_blocks(llm, hf):
+    """Decode-only steering leaves the prompt unsteered: its blocks are shared both ways with
+    unsteered requests, while the blocks holding generated (steered) positions are not."""
+    decode_only = {"steer": [{"vector": vec(56), "layers": [2], "phase": "decode"}]}
+    p = prompt(6, n=3 * BLOCK + 5)
+    one(llm, p)
+    steered = one(llm, p, decode_only, max_tokens=40)
+    assert steered.num_cached_tokens == len(p) // BLOCK * BLOCK
+    assert_matches_hf(hf, steered, decode_only["steer"])
+    follow = p + list(steered.outputs[0].token_ids)
+    out = one(llm, follow)
+    assert out.num_cached_tokens == len(p) // BLOCK * BLOCK  # not the steered decode blocks
+    assert_matches_hf(hf, out)
+
+
+def _firing_gate(llm, hf, p, max_tokens):
+    """A gate that fires first at a chosen decode position: monitor ``pre_attn@0`` (the token
+    embedding) with the embedding of a token that first appears there as the probe."""
+    plain = one(llm, p, max_tokens=max_tokens, seed=SEED)
+    tokens = p + list(plain.outputs[0].token_ids)
+    fresh = [t for t in range(len(p) + 1, len(tokens) - 1) if tokens[t] not in tokens[:t]]
+    assert fresh, "no novel generated token to gate on"
+    pos = next((t for t in fresh if 2 * BLOCK <= t < 3 * BLOCK), fresh[0])
+    embed = hf.get_input_embeddings().weight[tokens[pos]].detach().double().numpy()
+    norm2 = float(embed @ embed)
+    gate = {"probe": {"weights": embed.tolist(), "threshold": norm2 / 2,
+                      "sharpness": 50.0 / norm2},
+            "layer": 0, "hook": "pre_attn", "steer": [{"vector": vec(57), "layers": [2]}]}
+    return pos, gate
+
+
+def test_gated_follow_up_hits_only_blocks_before_the_first_dynamic_position(llm, hf):
+    """The gate fires first at decode position ``pos``; a follow-up with the same gate whose
+    prompt is the first request's prompt + output hits exactly the blocks before the one
+    holding ``pos``, and generates what a cold run (no cache hits) generates."""
+    p = prompt(7, n=2 * BLOCK - 4)
+    pos, gate = _firing_gate(llm, hf, p, max_tokens=48)
+    spec = {"gate": gate}
+    withheld_before = Steering(llm).cache_stats()["blocks_withheld"]
+    first = one(llm, p, spec, max_tokens=48, seed=SEED)
+    gates = Steering(llm).telemetry(first)["gates"]
+    assert gates[pos] > 0.5
+    assert all(g is None or g < DYNAMIC_EPSILON for g in gates[:pos])
+    stats = Steering(llm).cache_stats()
+    assert stats["blocks_withheld"] > withheld_before, stats
+    follow = p + list(first.outputs[0].token_ids)
+    warm = one(llm, follow, spec, max_tokens=6)
+    assert warm.num_cached_tokens == pos // BLOCK * BLOCK
+    cold = one(llm, follow, spec, max_tokens=6, cache_salt="cold-run")
+    assert cold.num_cached_tokens == 0
+    warm_tokens, warm_lp = gen_logprobs(warm)
+    cold_tokens, cold_lp = gen_logprobs(cold)
+    assert warm_tokens == cold_tokens
+    np.testing.assert_allclose(warm_lp, cold_lp, atol=1e-5)

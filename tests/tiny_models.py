@@ -14,12 +14,12 @@ HIDDEN = 128
 LAYERS = 4
 
 
-def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
+def make_tiny_model(arch: str, path: Path, seed: int = 0, vocab: int = VOCAB) -> Path:
     """Save a tiny random ``arch`` model (``llama``, ``qwen2`` or ``qwen3``) under ``path``."""
     import transformers
 
     common = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=LAYERS,
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=LAYERS,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
         tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
     )

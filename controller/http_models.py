@@ -1,0 +1,169 @@
+"""Request and response bodies of the ``/v1/dynsteer/`` HTTP routes.
+
+Shared by the server (FastAPI turns them into the OpenAPI schema at ``/openapi.json``) and the
+client (:mod:`dynsteer.controller.client`), so both sides agree on one contract. No vLLM import.
+Vectors travel as JSON float lists or as base64 little-endian float32 (``*_b64``); never pickles.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dynsteer.controller.spec import FiniteFloat, SteerEntry
+from dynsteer.probes import ModelFingerprint, Probe, ProbeSite
+
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+"""Names of vectors and probes: safe as file names and URL path segments."""
+
+
+def encode_f32(values: Any) -> str:
+    """Base64 of little-endian float32 (what ``*_b64`` fields carry)."""
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
+
+
+def decode_f32(field: str, text: str) -> np.ndarray:
+    """Inverse of :func:`encode_f32`; a ValueError naming ``field`` when malformed."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"{field}: not valid base64 ({e})") from e
+    if len(raw) % 4:
+        raise ValueError(f"{field}: {len(raw)} bytes is not a whole number of float32 values")
+    return np.frombuffer(raw, dtype="<f4").astype(np.float32)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class VectorIn(_Body):
+    """A named steering vector: ``vector`` (floats) or ``vector_b64`` (base64 float32)."""
+
+    name: Name
+    vector: list[FiniteFloat] | None = None
+    vector_b64: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> VectorIn:
+        if (self.vector is None) == (self.vector_b64 is None):
+            raise ValueError("give exactly one of vector (float list) or vector_b64")
+        return self
+
+    def values(self) -> np.ndarray:
+        if self.vector is not None:
+            return np.asarray(self.vector, dtype=np.float64)
+        return decode_f32("vector_b64", self.vector_b64 or "")
+
+
+class VectorOut(_Body):
+    name: Name
+    vector: list[float]
+
+
+class NameList(_Body):
+    names: list[str]
+
+
+class GlobalSteering(_Body):
+    """Entries added to every request's steering (empty: none)."""
+
+    steer: list[SteerEntry] = Field(default_factory=list)
+
+
+class ServerInfo(_Body):
+    """The served model and the plugin, as the server sees them."""
+
+    model: str
+    hidden_size: int
+    num_layers: int
+    sites: list[str]
+    max_rows: int
+    plugin_version: str
+    kernel_abi: int
+    vllm_version: str
+
+
+class Health(_Body):
+    status: str
+    workers: int
+
+
+class GateReport(_Body):
+    """Gate telemetry of one gated request (positions the engine processed)."""
+
+    tokens_monitored: int
+    gated_prefill: int
+    gated_decode: int
+    first_decode_gated: int | None
+    max_score: float | None
+    gates: list[float | None]
+
+
+class RequestReport(_Body):
+    """How a recent request was steered, and its gate telemetry when it had a gate."""
+
+    request_id: str
+    static: bool
+    gated: bool
+    telemetry: GateReport | None = None
+
+
+class Deleted(_Body):
+    deleted: str
+
+
+class ProbeUpload(_Body):
+    """A probe as :meth:`dynsteer.probes.Probe.to_json_dict` writes it (weights as a list or
+    base64 float32); checked against the served model (hidden size, site, fingerprint)."""
+
+    version: int = 1
+    name: Name
+    weights: list[FiniteFloat] | None = None
+    weights_b64: str | None = None
+    threshold: FiniteFloat = 0.0
+    sharpness: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+    site: ProbeSite
+    fingerprint: ModelFingerprint | None = None
+    metadata: dict[str, str | bool | int | FiniteFloat] = Field(default_factory=dict)
+
+    def to_probe(self) -> Probe:
+        """The :class:`Probe` (ValueError naming the problem, e.g. both or no weights)."""
+        try:
+            return Probe.from_json_dict(self.model_dump(exclude_none=True))
+        except ValidationError as e:
+            first = e.errors(include_url=False)[0]
+            field = ".".join(str(p) for p in first["loc"]) or "probe"
+            raise ValueError(f"{field}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+class ProbeSummary(_Body):
+    name: str
+    site: str
+    threshold: float
+    sharpness: float
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class ProbeList(_Body):
+    probes: list[ProbeSummary]
+
+
+class CapturedArray(_Body):
+    """One captured float32 array (base64 little-endian), as ``/v1/dynsteer/capture`` returns."""
+
+    dtype: str
+    shape: list[int]
+    data: str
+
+    def to_numpy(self) -> np.ndarray:
+        return decode_f32("data", self.data).reshape(self.shape)
+
+
+CaptureResponse = dict[str, CapturedArray | list[CapturedArray]]
+"""Per site (``hook@layer``): one ``[N, H]`` array (``last``/``mean``) or one ``[len_i, H]``
+array per prompt (``all``)."""

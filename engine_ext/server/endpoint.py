@@ -1,0 +1,65 @@
+"""The ``vllm.endpoint_plugins`` entry point: mounts dynsteer on vLLM's own API server.
+
+vLLM (0.26 and later) calls :meth:`DynsteerEndpoints.attach_router` while building the app and
+:meth:`DynsteerEndpoints.init_state` once the engine client exists. Endpoint plugins load only
+when named in ``VLLM_PLUGINS`` (``dynsteer serve`` sets it).
+"""
+
+from __future__ import annotations
+
+import logging
+from argparse import Namespace
+from typing import Any
+
+from fastapi import FastAPI
+
+from dynsteer.engine_ext import compat
+from dynsteer.engine_ext.server import probe_routes, routes
+from dynsteer.engine_ext.server.metrics import install_collector
+from dynsteer.engine_ext.server.middleware import DynsteerMiddleware
+from dynsteer.engine_ext.server.runtime import DynsteerServer
+from dynsteer.engine_ext.server.settings import ServerSettings, api_keys
+
+logger = logging.getLogger("vllm.dynsteer.server")
+
+
+def _model_name(args: Namespace) -> str:
+    served = getattr(args, "served_model_name", None)
+    if served:
+        return served[0] if isinstance(served, (list, tuple)) else str(served)
+    return str(getattr(args, "model", ""))
+
+
+class DynsteerEndpoints:
+    """Routes under ``/v1/dynsteer/``, the extra_body spec, body limits and metrics."""
+
+    name = "dynsteer"
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.settings = ServerSettings.from_env()
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(routes.router)
+        app.include_router(probe_routes.router)
+        app.add_middleware(DynsteerMiddleware, max_body_bytes=self.settings.max_body_bytes)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        if engine_client is None:  # the CPU-only render server has no engine
+            return
+        if (getattr(args, "api_server_count", 1) or 1) > 1:
+            raise RuntimeError(
+                "dynsteer: --api-server-count > 1 is not supported (each API server process "
+                "would keep its own registry and prefix-cache fingerprints); use 1")
+        frontend = compat.frontend_state(compat.input_processor_of(engine_client))
+        if frontend is None:
+            logger.warning("dynsteer: routes mounted but the engine was started without "
+                           "dynsteer; they answer 503")
+            return
+        keys = api_keys(self.settings, getattr(args, "api_key", None))
+        server = DynsteerServer(engine_client, frontend, self.settings, keys, _model_name(args))
+        await probe_routes.restore_probes(server)
+        state.dynsteer = server
+        install_collector(server)
+        logger.info("dynsteer: routes ready under /v1/dynsteer (%d sites, mutating routes %s)",
+                    len(frontend.sites), "need an API key" if keys else "are open")

@@ -1,0 +1,86 @@
+"""Prometheus metrics of dynsteer on vLLM's ``/metrics``.
+
+A custom collector in the default registry (the one vLLM's ``/metrics`` serves with one API
+server process): frontend counters are read live, worker counters (TP rank 0; every rank sees
+the same tokens) come from the refresh the middleware runs before each scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dynsteer.engine_ext.server.runtime import DynsteerServer
+
+logger = logging.getLogger("vllm.dynsteer.metrics")
+
+
+class DynsteerCollector(Collector):
+    def __init__(self, server: DynsteerServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        counters = self.server.frontend.counters
+        steered = CounterMetricFamily(
+            "dynsteer_requests_steered", "Requests admitted with steering, by kind "
+            "(static: own or global entries; gated: a probe gate)", labels=["kind"])
+        steered.add_metric(["static"], counters.requests_static)
+        steered.add_metric(["gated"], counters.requests_gated)
+        yield steered
+        yield CounterMetricFamily("dynsteer_requests_rejected",
+                                  "Requests whose steering spec failed validation",
+                                  value=counters.requests_rejected)
+        stats = self.server.worker_stats
+        for key, help_text in (
+            ("tokens_monitored", "Tokens whose gate was computed, by monitor site"),
+            ("tokens_gated", "Tokens whose gate was above 0.5, by monitor site"),
+        ):
+            family = CounterMetricFamily(f"dynsteer_{key}", help_text, labels=["site"])
+            for site, value in sorted(stats.get(key, {}).items()):
+                family.add_metric([site], value)
+            yield family
+        yield GaugeMetricFamily("dynsteer_rows_in_use", "Steering rows in use (TP rank 0)",
+                                value=stats.get("rows_in_use", 0))
+        yield GaugeMetricFamily("dynsteer_rows_capacity", "Steering rows available (max_rows)",
+                                value=self.server.frontend.options.max_rows)
+        yield CounterMetricFamily("dynsteer_rows_rejected",
+                                  "Steering configs that found no free row (ran unsteered)",
+                                  value=stats.get("rows_rejected", 0))
+        yield GaugeMetricFamily("dynsteer_steered_requests_live",
+                                "Live requests with steering on the workers",
+                                value=stats.get("steered_requests_live", 0))
+        guard = self.server.guard_stats
+        yield CounterMetricFamily(
+            "dynsteer_prefix_blocks_withheld", "Full KV blocks never put in the prefix cache "
+            "because they hold dynamically steered (or unconfirmed) KV",
+            value=guard.get("blocks_withheld", 0))
+        yield CounterMetricFamily(
+            "dynsteer_prefix_guarded_requests", "Gated requests whose blocks were cached only "
+            "once reported free of dynamic steering", value=guard.get("guarded_requests", 0))
+        yield GaugeMetricFamily("dynsteer_vectors_registered", "Named vectors",
+                                value=len(self.server.frontend.vectors))
+        yield GaugeMetricFamily("dynsteer_probes_registered", "Named probes",
+                                value=len(self.server.frontend.probes))
+        yield GaugeMetricFamily("dynsteer_global_entries", "Global steering entries",
+                                value=len(self.server.frontend.global_entries))
+
+
+_installed: DynsteerCollector | None = None
+
+
+def install_collector(server: DynsteerServer) -> None:
+    """Register the collector once per process (a re-init points it at the new server)."""
+    global _installed
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        logger.warning("dynsteer: PROMETHEUS_MULTIPROC_DIR is set (several API server "
+                       "processes); dynsteer metrics are not exported in that mode")
+        return
+    if _installed is None:
+        _installed = DynsteerCollector(server)
+        REGISTRY.register(_installed)
+    _installed.server = server

@@ -1,0 +1,101 @@
+"""``/v1/dynsteer/probes`` (upload, list, read, delete named probes) and
+``/v1/dynsteer/capture`` (activations to train them on).
+
+An upload is checked completely (body size, name, finite weights of the served hidden size, a
+configured monitor site, the training fingerprint) before anything changes; then it is written
+to the probe store (when configured, atomically) and registered on every worker, so a restarted
+server serves the same probes (see :func:`restore_probes`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, HTTPException
+
+from dynsteer.controller.http_models import (
+    CaptureResponse,
+    Deleted,
+    ProbeList,
+    ProbeSummary,
+    ProbeUpload,
+)
+from dynsteer.engine_ext.capture import CaptureArgs, capture_async, encode_result
+from dynsteer.engine_ext.server.routes import PREFIX, Mutating, Server, http_errors
+from dynsteer.engine_ext.server.runtime import DynsteerServer
+
+logger = logging.getLogger("vllm.dynsteer.server")
+
+router = APIRouter(prefix=PREFIX, tags=["dynsteer probes"])
+
+
+def _summary(info: dict) -> ProbeSummary:
+    site = info.get("site") or {}
+    return ProbeSummary(name=info["name"], site=f"{site.get('hook')}@{site.get('layer')}",
+                        threshold=info["threshold"], sharpness=info["sharpness"],
+                        metadata=info.get("metadata", {}))
+
+
+@router.post("/probes", response_model=ProbeSummary, status_code=201, dependencies=Mutating)
+async def post_probe(body: ProbeUpload, server: DynsteerServer = Server) -> ProbeSummary:
+    """Register (or replace) a probe, usable as ``"probe": name`` in a request's gate."""
+    with http_errors():
+        probe = body.to_probe()
+        change = server.plane.register_probe_object(probe)
+    if server.store is not None:
+        server.store.save(probe)
+    await server.apply(change)
+    return _summary(server.frontend.probes[probe.name])
+
+
+@router.get("/probes", response_model=ProbeList)
+async def list_probes(server: DynsteerServer = Server) -> ProbeList:
+    probes = server.frontend.probes
+    return ProbeList(probes=[_summary(probes[name]) for name in sorted(probes)])
+
+
+@router.get("/probes/{name}")
+async def get_probe(name: str, server: DynsteerServer = Server) -> dict:
+    """The probe as :meth:`dynsteer.probes.Probe.to_json_dict` (weights base64 float32)."""
+    info = server.frontend.probes.get(name)
+    if info is None:
+        raise HTTPException(404, f"name: unknown probe {name!r}")
+    return info
+
+
+@router.delete("/probes/{name}", response_model=Deleted, dependencies=Mutating)
+async def delete_probe(name: str, server: DynsteerServer = Server) -> Deleted:
+    """Forget a probe (and its stored file); requests already admitted keep their gate."""
+    with http_errors():
+        change = server.plane.unregister_probe(name)
+    await server.apply(change)
+    if server.store is not None:
+        server.store.delete(name)
+    return Deleted(deleted=name)
+
+
+async def restore_probes(server: DynsteerServer) -> None:
+    """Register every stored probe at startup; one that no longer fits is skipped, loudly."""
+    if server.store is None:
+        return
+    for probe in server.store.load_all():
+        try:
+            change = server.plane.register_probe_object(probe)
+        except ValueError as e:
+            logger.error("dynsteer: stored probe %r does not fit this model: %s", probe.name, e)
+            continue
+        await server.apply(change)
+    logger.info("dynsteer: %d probes restored from %s", len(server.frontend.probes),
+                server.store.folder)
+
+
+
+
+
+@router.post("/capture", response_model=CaptureResponse, dependencies=Mutating)
+async def capture(body: CaptureArgs, server: DynsteerServer = Server) -> dict:
+    """Residual-stream activations of prompts at sites, computed by the served engine (for
+    training probes). Runs one capture at a time; other traffic continues alongside."""
+    with http_errors():
+        result = await capture_async(server.engine, body.prompts, body.sites, body.reduce)
+    return encode_result(result)

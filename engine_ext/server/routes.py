@@ -1,0 +1,166 @@
+"""The ``/v1/dynsteer/`` routes: global steering, named vectors, info, telemetry, health.
+
+Every body and response is a pydantic model of :mod:`dynsteer.controller.http_models`, so
+``/openapi.json`` documents them. Bad input is HTTP 400 (404 for unknown names) with a message
+naming the field; the engine keeps serving. Mutating routes require the API key when one is
+configured (see :func:`require_key`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+
+from dynsteer.controller.http_models import (
+    Deleted,
+    GlobalSteering,
+    Health,
+    NameList,
+    RequestReport,
+    ServerInfo,
+    VectorIn,
+    VectorOut,
+)
+from dynsteer.engine_ext import compat
+from dynsteer.engine_ext.control import UnknownNameError
+from dynsteer.engine_ext.options import KERNEL_ABI, PLUGIN_VERSION
+from dynsteer.engine_ext.server.runtime import DynsteerServer
+
+PREFIX = "/v1/dynsteer"
+
+
+def server_of(request: Request) -> DynsteerServer:
+    """The dynsteer state of this app (503 when the engine was started without dynsteer)."""
+    server = getattr(request.app.state, "dynsteer", None)
+    if server is None:
+        raise HTTPException(503, "dynsteer is not enabled on this engine: start it with "
+                                 "`dynsteer serve` or --additional-config '{\"dynsteer\": {}}'")
+    return server
+
+
+def require_key(request: Request) -> None:
+    """Mutating routes: ``Authorization: Bearer <key>`` must match a configured key, if any."""
+    server = server_of(request)
+    if not server.api_keys:
+        return
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    digest = hashlib.sha256(token.encode()).digest()
+    ok = scheme.lower() == "bearer" and any(
+        secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest())
+        for k in server.api_keys)
+    if not ok:
+        raise HTTPException(401, "Authorization: missing or wrong API key (send "
+                                 "'Authorization: Bearer <key>')")
+
+
+@contextmanager
+def http_errors() -> Iterator[None]:
+    """Validation failures become 400 (unknown names 404) carrying the field-naming message."""
+    try:
+        yield
+    except UnknownNameError as e:
+        raise HTTPException(404, str(e)) from e
+    except ValueError as e:
+        raise HTTPException(400, str(e)) from e
+
+
+router = APIRouter(prefix=PREFIX, tags=["dynsteer"])
+Server = Depends(server_of)
+Mutating = [Depends(require_key)]
+
+
+@router.get("/health", response_model=Health)
+async def health(server: DynsteerServer = Server) -> Health:
+    """Whether every worker's steering state answers."""
+    try:
+        results = await server.rpc("dynsteer_info", timeout=10.0)
+    except Exception as e:
+        raise HTTPException(503, f"workers do not answer: {e}") from e
+    return Health(status="ok", workers=len(results))
+
+
+@router.get("/info", response_model=ServerInfo)
+async def info(server: DynsteerServer = Server) -> ServerInfo:
+    """The served model's shape, the configured sites and the versions."""
+    f = server.frontend
+    return ServerInfo(
+        model=server.model_name, hidden_size=f.hidden_size, num_layers=f.num_layers,
+        sites=f.site_names(), max_rows=f.options.max_rows, plugin_version=PLUGIN_VERSION,
+        kernel_abi=KERNEL_ABI, vllm_version=compat.vllm_version(),
+    )
+
+
+@router.get("/global", response_model=GlobalSteering)
+async def get_global(server: DynsteerServer = Server) -> GlobalSteering:
+    """The global steering every request gets."""
+    return GlobalSteering.model_validate({"steer": server.frontend.global_entries})
+
+
+@router.put("/global", response_model=GlobalSteering, dependencies=Mutating)
+async def put_global(body: GlobalSteering, server: DynsteerServer = Server) -> GlobalSteering:
+    """Replace global steering (applies to requests admitted from now on and live ones)."""
+    with http_errors():
+        change = server.plane.set_global(body.steer)
+    await server.apply(change)
+    return GlobalSteering.model_validate({"steer": server.frontend.global_entries})
+
+
+@router.delete("/global", response_model=GlobalSteering, dependencies=Mutating)
+async def delete_global(server: DynsteerServer = Server) -> GlobalSteering:
+    """Remove global steering."""
+    await server.apply(server.plane.clear_global())
+    return GlobalSteering()
+
+
+@router.post("/vectors", response_model=VectorOut, status_code=201, dependencies=Mutating)
+async def post_vector(body: VectorIn, server: DynsteerServer = Server) -> VectorOut:
+    """Register (or replace) a named vector, usable as ``"vector": name`` in specs."""
+    with http_errors():
+        change = server.plane.register_vector(body.name, body.values())
+    await server.apply(change)
+    return VectorOut(name=body.name, vector=server.frontend.vectors[body.name])
+
+
+@router.get("/vectors", response_model=NameList)
+async def list_vectors(server: DynsteerServer = Server) -> NameList:
+    return NameList(names=sorted(server.frontend.vectors))
+
+
+@router.get("/vectors/{name}", response_model=VectorOut)
+async def get_vector(name: str, server: DynsteerServer = Server) -> VectorOut:
+    values = server.frontend.vectors.get(name)
+    if values is None:
+        raise HTTPException(404, f"name: unknown vector {name!r}")
+    return VectorOut(name=name, vector=values)
+
+
+@router.delete("/vectors/{name}", response_model=Deleted, dependencies=Mutating)
+async def delete_vector(name: str, server: DynsteerServer = Server) -> Deleted:
+    """Forget a named vector; requests already admitted keep their steering."""
+    with http_errors():
+        change = server.plane.unregister_vector(name)
+    await server.apply(change)
+    return Deleted(deleted=name)
+
+
+@router.get("/requests/{request_id}", response_model=RequestReport)
+async def request_report(request_id: str, server: DynsteerServer = Server) -> RequestReport:
+    """How a recent steered request was steered, with its gate telemetry if it had a gate.
+
+    ``request_id`` is the ``id`` of the OpenAI response (``chatcmpl-...`` / ``cmpl-...``; for
+    a completion of several prompts, its first one, or ``cmpl-...-i`` for prompt ``i``).
+    The most recent steered requests are kept (bounded, see ``RECENT_REQUESTS``).
+    """
+    found = server.frontend.find_recent(request_id)
+    if found is None:
+        raise HTTPException(404, f"request_id: {request_id!r} is not a recent steered request")
+    engine_id, record = found
+    telemetry = None
+    if record.gated:
+        telemetry = (await server.rpc("dynsteer_telemetry", engine_id))[0]
+    return RequestReport.model_validate({"request_id": request_id, "static": record.static,
+                                         "gated": record.gated, "telemetry": telemetry})

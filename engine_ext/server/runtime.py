@@ -1,0 +1,66 @@
+"""The per-server state behind the dynsteer routes: engine client, frontend, control plane.
+
+Mutations run one at a time (an asyncio lock): the worker RPC first, then the frontend update,
+so the order every TP rank applies changes in is the order the frontend records them in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from dynsteer.engine_ext import compat
+from dynsteer.engine_ext.control import Change, ControlPlane
+from dynsteer.engine_ext.frontend import FrontendState
+from dynsteer.engine_ext.server.probe_store import ProbeStore
+from dynsteer.engine_ext.server.settings import ServerSettings
+
+logger = logging.getLogger("vllm.dynsteer.server")
+
+STATS_TIMEOUT_S = 5.0
+"""How long a /metrics scrape waits for the workers' counters before using the last ones."""
+
+
+class DynsteerServer:
+    """Everything the routes need, stored on ``app.state.dynsteer``."""
+
+    def __init__(self, engine_client: Any, frontend: FrontendState, settings: ServerSettings,
+                 api_keys: list[str], model_name: str) -> None:
+        self.engine = engine_client
+        self.frontend = frontend
+        self.plane = ControlPlane(frontend)
+        self.settings = settings
+        self.api_keys = api_keys
+        self.model_name = model_name
+        self.store = ProbeStore(settings.probe_store) if settings.probe_store else None
+        """Where uploaded probes persist (None: memory only)."""
+        self.worker_stats: dict[str, Any] = {}
+        """Counters of TP rank 0 as of the last refresh (every rank sees the same tokens)."""
+        self.guard_stats: dict[str, int] = {}
+        """Prefix-guard counters of the engine core as of the last refresh."""
+        self._lock = asyncio.Lock()
+
+    async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Call a ``dynsteer_*`` worker method on every worker; one result per worker."""
+        return await compat.collective_rpc_async(self.engine, method, args, timeout)
+
+    async def apply(self, change: Change) -> None:
+        """Apply a validated change on every worker, then in the frontend."""
+        async with self._lock:
+            await self.rpc(change.method, *change.args)
+            change.commit()
+
+    async def refresh_stats(self) -> None:
+        """Fetch the workers' and the engine core's counters (for /metrics); keeps the last
+        ones on failure."""
+        try:
+            results, guard = await asyncio.wait_for(asyncio.gather(
+                self.rpc("dynsteer_info"), compat.cache_stats_async(self.engine)),
+                STATS_TIMEOUT_S)
+        except Exception as e:  # a scrape must never fail because of us
+            logger.warning("dynsteer: counters unavailable: %s", e)
+            return
+        if results:
+            self.worker_stats = results[0]
+        self.guard_stats = guard

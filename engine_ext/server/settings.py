@@ -1,0 +1,58 @@
+"""Server-side settings of the dynsteer routes, read from the environment.
+
+``dynsteer serve`` turns its flags into these variables; they also work under a plain
+``vllm serve`` with ``VLLM_PLUGINS=dynsteer``. Secrets stay out of ``additional_config`` (which
+vLLM logs and hashes into its compile-cache key).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+API_KEY_ENV = "DYNSTEER_API_KEY"
+MAX_BODY_ENV = "DYNSTEER_MAX_BODY_BYTES"
+PROBE_STORE_ENV = "DYNSTEER_PROBE_STORE"
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    api_key: str | None = None
+    """Required (as ``Authorization: Bearer``) by every mutating dynsteer route when set."""
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    """Largest request body a dynsteer route accepts (HTTP 413 above)."""
+    probe_store: Path | None = None
+    """Folder where uploaded probes persist across restarts (None: in memory only)."""
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> ServerSettings:
+        env = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        if env.get(API_KEY_ENV):
+            raw["api_key"] = env[API_KEY_ENV]
+        if env.get(MAX_BODY_ENV):
+            raw["max_body_bytes"] = env[MAX_BODY_ENV]
+        if env.get(PROBE_STORE_ENV):
+            raw["probe_store"] = env[PROBE_STORE_ENV]
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            first = e.errors(include_url=False)[0]
+            name = {"api_key": API_KEY_ENV, "max_body_bytes": MAX_BODY_ENV,
+                    "probe_store": PROBE_STORE_ENV}[str(first["loc"][0])]
+            raise ValueError(f"{name}: {first['msg']}") from e
+
+
+def api_keys(settings: ServerSettings, vllm_api_key: Any) -> list[str]:
+    """Keys that may call mutating routes: ours and vLLM's ``--api-key`` (str or list)."""
+    keys = [settings.api_key] if settings.api_key else []
+    if isinstance(vllm_api_key, str):
+        vllm_api_key = [vllm_api_key]
+    keys += [k for k in vllm_api_key or () if k]
+    if os.environ.get("VLLM_API_KEY"):
+        keys.append(os.environ["VLLM_API_KEY"])
+    return keys

@@ -1,0 +1,161 @@
+"""Probes over HTTP on a real `dynsteer serve`: train on captured activations, upload, gate by
+name, bad uploads, and a restart that keeps the uploaded probes (probe store on disk)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from server_utils import Server, http, make_chat_model
+
+from dynsteer.controller.client import DynsteerClient, DynsteerHTTPError
+from dynsteer.probes import ModelFingerprint, Probe, ProbeSite, from_sklearn, upload
+
+pytestmark = pytest.mark.engine
+
+KEY = "probe-key"
+LAYER = 1
+FINGERPRINT = ModelFingerprint(architecture="LlamaForCausalLM", hidden_size=128, num_layers=4)
+POSITIVE = ["The storm hit the ship hard.", "Waves crashed over the deck.",
+            "The sailors fought the sea.", "Thunder rolled across the ocean."]
+NEGATIVE = ["I like quiet gardens.", "The cat sleeps on the sofa.",
+            "We baked bread this morning.", "The library was calm today."]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return make_chat_model(tmp_path_factory.mktemp("chat_model"))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return tmp_path_factory.mktemp("probe_store")
+
+
+@pytest.fixture(scope="module")
+def server(chat_model, store, tmp_path_factory):
+    srv = Server(chat_model, tmp_path_factory.mktemp("logs") / "serve1.log",
+                 "--dynsteer-api-key", KEY, "--dynsteer-probe-store", str(store),
+                 "--dynsteer-max-body-bytes", "200000")
+    srv.wait_ready()
+    holder = {"server": srv}
+    yield holder
+    holder["server"].stop()
+
+
+def _client(server) -> DynsteerClient:
+    return DynsteerClient(server["server"].url, api_key=KEY)
+
+
+def _capture(server, prompts, reduce):
+    return _client(server).capture(prompts, [f"post_block@{LAYER}"], reduce=reduce)[
+        f"post_block@{LAYER}"]
+
+
+@pytest.fixture(scope="module")
+def trained(server):
+    """A logistic-regression probe trained on the server's own captured activations."""
+    from sklearn.linear_model import LogisticRegression
+
+    x = _capture(server, POSITIVE + NEGATIVE, "mean")
+    y = np.array([1] * len(POSITIVE) + [0] * len(NEGATIVE))
+    estimator = LogisticRegression(C=10.0, max_iter=2000).fit(x, y)
+    probe = from_sklearn(estimator, layer=LAYER, name="storm")
+    return probe.replace(fingerprint=FINGERPRINT, sharpness=1.0)
+
+
+def _gated_completion(server, prompt: str, probe: str = "storm"):
+    spec = {"gate": {"probe": probe, "layer": LAYER,
+                     "steer": [{"vector": [0.5] * 128, "layers": [2]}]}}
+    url = server["server"].url
+    model = http("GET", url + "/v1/models")[1]["data"][0]["id"]
+    status, body = http("POST", url + "/v1/completions",
+                        {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
+                         "dynsteer": spec})
+    assert status == 200, body
+    return body["id"]
+
+
+def test_upload_list_and_read_back(server, trained):
+    summary = upload(trained, server["server"].url, api_key=KEY)
+    assert summary["name"] == "storm" and summary["site"] == f"post_block@{LAYER}"
+    client = _client(server)
+    assert [p.name for p in client.probes()] == ["storm"]
+    back = client.get_probe("storm")
+    np.testing.assert_array_equal(back.weights, trained.weights)
+    assert (back.threshold, back.fingerprint) == (trained.threshold, trained.fingerprint)
+
+
+def test_gate_by_name_matches_probe_on_captured_activations(server, trained):
+    prompt = POSITIVE[0] + " " + NEGATIVE[0]
+    request_id = _gated_completion(server, prompt)
+    report = _client(server).request(request_id)
+    gates = np.array(report.telemetry.gates, dtype=float)
+    (acts,) = _capture(server, [prompt], "all")
+    expected = trained.gate(acts)
+    np.testing.assert_allclose(gates[: len(expected)], expected, atol=2e-4)
+    assert report.telemetry.tokens_monitored >= len(expected)
+
+
+def _bad_uploads(trained: Probe) -> list[tuple[str, object, str | None, tuple[int, ...], str]]:
+    good = trained.to_json_dict()
+    nan = {**trained.to_json_dict(weights_format="list"), "name": "nan"}
+    nan["weights"][3] = math.nan
+    return [
+        ("wrong size", {**good, "name": "small",
+                        "weights_b64": Probe(name="s", weights=np.ones(3, np.float32),
+                                             site=ProbeSite(layer=1)).to_json_dict()[
+                            "weights_b64"]}, KEY, (400,), "weights have 3 entries"),
+        ("nan", nan, KEY, (400, 422), ""),
+        ("huge body", {**trained.to_json_dict(weights_format="list"), "name": "huge",
+                       "metadata": {"blob": "x" * 300000}}, KEY, (413,), "larger than"),
+        ("bad name", {**good, "name": "../../etc"}, KEY, (400, 422), "name"),
+        ("missing key", {**good, "name": "nokey"}, None, (401,), "API key"),
+        ("wrong key", {**good, "name": "nokey"}, "nope", (401,), ""),
+        ("unconfigured site", {**good, "name": "site", "site": {"layer": 1, "hook": "pre_attn"}},
+         KEY, (400,), "pre_attn@1 is not a configured site"),
+        ("layer out of range", {**good, "name": "deep", "site": {"layer": 9}}, KEY, (400,),
+         "site.layer 9 is out of range"),
+        ("layer not served", {**good, "name": "deep", "site": {"layer": 9}, "fingerprint": None},
+         KEY, (400,), "site.layer: 9 does not exist"),
+        ("other model", {**good, "name": "other", "fingerprint": {
+            "architecture": "Qwen3ForCausalLM", "hidden_size": 128, "num_layers": 4}}, KEY,
+         (400,), "fingerprint: architecture"),
+        ("both weights", {**good, "name": "both", "weights": [0.0] * 128}, KEY, (400, 422),
+         "exactly one"),
+    ]
+
+
+def test_bad_uploads_are_4xx_and_change_nothing(server, trained, store):
+    url = server["server"].url + "/v1/dynsteer/probes"
+    files_before = sorted(p.name for p in store.iterdir())
+    for label, body, key, statuses, fragment in _bad_uploads(trained):
+        raw = json.dumps(body).encode()  # json.dumps writes NaN as a bare token
+        status, answer = http("POST", url, raw=raw, api_key=key)
+        assert status in statuses, (label, answer)
+        assert fragment in json.dumps(answer), (label, answer)
+    assert [p.name for p in _client(server).probes()] == ["storm"]
+    assert sorted(p.name for p in store.iterdir()) == files_before
+    with pytest.raises(DynsteerHTTPError) as info:
+        DynsteerClient(server["server"].url).delete_probe("storm")
+    assert info.value.status == 401
+
+
+def test_restart_serves_the_same_probes(server, trained, chat_model, store, tmp_path_factory):
+    upload(trained.replace(name="storm2", threshold=trained.threshold + 1.0),
+           server["server"].url, api_key=KEY)
+    _client(server).delete_probe("storm2")
+    server["server"].stop()
+    (store / ".storm.safetensors.deadbeef.tmp").write_bytes(b"interrupted write")
+    restarted = Server(chat_model, tmp_path_factory.mktemp("logs") / "serve2.log",
+                       "--dynsteer-api-key", KEY, "--dynsteer-probe-store", str(store))
+    server["server"] = restarted
+    restarted.wait_ready()
+    client = _client(server)
+    assert [p.name for p in client.probes()] == ["storm"]
+    np.testing.assert_array_equal(client.get_probe("storm").weights, trained.weights)
+    assert not (store / ".storm.safetensors.deadbeef.tmp").exists()
+    report = client.request(_gated_completion(server, POSITIVE[1]))
+    assert report.gated and report.telemetry.tokens_monitored > 0

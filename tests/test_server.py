@@ -1,0 +1,250 @@
+"""`dynsteer serve` end to end: a real CPU vLLM server on loopback, the openai client, our routes.
+
+One server and one offline engine (the reference) are shared by the module; both use the same
+tiny Llama with the embedded model's tokenizer, greedy decoding and seed 0.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from engine_utils import start_llm, stop_llm
+from server_utils import Server, http, make_chat_model
+
+from dynsteer.controller.client import DynsteerClient, DynsteerHTTPError
+from dynsteer.controller.http_models import encode_f32
+
+pytestmark = pytest.mark.engine
+
+KEY = "test-key"
+MESSAGES = [{"role": "user", "content": "Tell me a story about the sea."}]
+MAX_TOKENS = 8
+RNG = np.random.default_rng(7)
+VECTOR = (RNG.standard_normal(128) * 4).tolist()
+STATIC = {"steer": [{"vector": VECTOR, "layers": [1, 2]}]}
+GATED = {"gate": {"probe": {"weights": VECTOR, "threshold": 0.0}, "layer": 0,
+                  "steer": [{"vector": VECTOR, "layers": [2], "scale": 2.0}]}}
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return make_chat_model(tmp_path_factory.mktemp("chat_model"))
+
+
+@pytest.fixture(scope="module")
+def server(chat_model, tmp_path_factory):
+    srv = Server(chat_model, tmp_path_factory.mktemp("server") / "serve.log",
+                 "--dynsteer-api-key", KEY, "--dynsteer-max-body-bytes", "65536")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(chat_model, server):
+    """The reference: the same model in an offline ``LLM`` (started while the server boots)."""
+    llm = start_llm(chat_model, dynsteer={}, skip_tokenizer_init=False, max_num_seqs=8)
+    server.wait_ready()
+    yield llm
+    stop_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def openai_client(server, offline):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def client(server, offline):
+    return DynsteerClient(server.url, api_key=KEY)
+
+
+def chat(openai_client, **extra):
+    model = openai_client.models.list().data[0].id
+    response = openai_client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0, seed=0,
+        **({"extra_body": extra} if extra else {}))
+    return response.id, response.choices[0].message.content
+
+
+def offline_chat(llm, spec=None):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, seed=0,
+                        extra_args={"dynsteer": spec} if spec is not None else None)
+    out = llm.chat([MESSAGES], sp, use_tqdm=False)[0]
+    return out.outputs[0].text, out
+
+
+def test_openapi_lists_the_routes(server, offline):
+    status, schema = http("GET", server.url + "/openapi.json")
+    assert status == 200
+    paths = set(schema["paths"])
+    for path in ("/v1/dynsteer/health", "/v1/dynsteer/info", "/v1/dynsteer/global",
+                 "/v1/dynsteer/vectors", "/v1/dynsteer/vectors/{name}",
+                 "/v1/dynsteer/requests/{request_id}"):
+        assert path in paths, path
+    assert "VectorIn" in schema["components"]["schemas"]
+    assert set(schema["paths"]["/v1/dynsteer/global"]) >= {"get", "put", "delete"}
+
+
+def test_info_describes_the_model(client):
+    info = client.info()
+    assert (info.hidden_size, info.num_layers) == (128, 4)
+    assert info.sites == [f"post_block@{i}" for i in range(4)]
+    assert info.vllm_version and info.plugin_version
+
+
+def test_steered_chat_both_ways_equals_offline(openai_client, offline):
+    _, plain = chat(openai_client)
+    _, via_xargs = chat(openai_client, vllm_xargs={"dynsteer": json.dumps(STATIC)})
+    _, via_body = chat(openai_client, dynsteer=STATIC)
+    assert via_xargs == via_body
+    assert via_body != plain
+    assert offline_chat(offline, STATIC)[0] == via_body
+    assert offline_chat(offline)[0] == plain
+
+
+def test_completions_route_takes_the_spec(openai_client, server):
+    model = openai_client.models.list().data[0].id
+
+    def complete(**extra):
+        r = openai_client.completions.create(model=model, prompt="The sea is", max_tokens=6,
+                                             temperature=0.0, extra_body=extra or None)
+        return r.choices[0].text
+
+    assert complete(dynsteer=STATIC) == complete(vllm_xargs={"dynsteer": json.dumps(STATIC)})
+    assert complete(dynsteer=STATIC) != complete()
+
+
+def test_global_steering_changes_outputs_and_returns_to_baseline(openai_client, client):
+    _, before = chat(openai_client)
+    _, as_spec = chat(openai_client, dynsteer=STATIC)
+    state = client.set_global(STATIC["steer"])
+    assert len(state.steer) == 1 and client.get_global().steer[0].layers == [1, 2]
+    _, steered = chat(openai_client)
+    client.clear_global()
+    _, after = chat(openai_client)
+    assert steered != before and steered == as_spec
+    assert after == before
+    assert client.get_global().steer == []
+
+
+def test_named_vector_round_trip(openai_client, client):
+    client.register_vector("sea", VECTOR)
+    assert "sea" in client.vectors()
+    np.testing.assert_allclose(client.get_vector("sea"), np.float32(VECTOR), rtol=0, atol=0)
+    by_name = {"steer": [{"vector": "sea", "layers": [1, 2]}]}
+    inline = {"steer": [{"vector": np.float32(VECTOR).tolist(), "layers": [1, 2]}]}
+    assert chat(openai_client, dynsteer=by_name)[1] == chat(openai_client, dynsteer=inline)[1]
+    client.delete_vector("sea")
+    with pytest.raises(Exception, match=r"dynsteer\.steer\[0\]\.vector"):
+        chat(openai_client, dynsteer=by_name)
+
+
+def test_gated_request_telemetry_matches_offline(openai_client, client, offline):
+    from dynsteer.engine_ext import Steering
+
+    request_id, text = chat(openai_client, dynsteer=GATED)
+    report = client.request(request_id)
+    assert report.gated and not report.static
+    expected_text, out = offline_chat(offline, GATED)
+    expected = Steering(offline).telemetry(out)
+    assert text == expected_text
+    got = report.telemetry
+    assert got.tokens_monitored == expected["tokens_monitored"] > 0
+    assert got.gated_prefill == expected["gated_prefill"]
+    assert got.gated_decode == expected["gated_decode"]
+    np.testing.assert_allclose(np.array(got.gates, dtype=float),
+                               np.array(expected["gates"], dtype=float), atol=1e-4)
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    pattern = re.escape(name) + (re.escape("{" + labels + "}") if labels else "") + r" (\S+)"
+    found = re.search(pattern, text)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_metrics_move(openai_client, server):
+    def scrape():
+        status, text = http("GET", server.url + "/metrics")
+        assert status == 200
+        return text
+
+    before = scrape()
+    chat(openai_client, dynsteer=GATED)
+    chat(openai_client, dynsteer=STATIC)
+    after = scrape()
+    for name, labels in (("dynsteer_requests_steered_total", 'kind="gated"'),
+                         ("dynsteer_requests_steered_total", 'kind="static"'),
+                         ("dynsteer_tokens_monitored_total", 'site="post_block@0"')):
+        assert _metric(after, name, labels) > _metric(before, name, labels), (name, labels)
+    assert "dynsteer_rows_capacity 32.0" in after
+    assert "dynsteer_prefix_guarded_requests_total" in after
+
+
+BAD_ROUTE_CALLS = [
+    # (method, path, body or raw bytes, api key, status, message fragment)
+    ("PUT", "/global", b"{not json", KEY, (400, 422), ""),
+    ("PUT", "/global", {"steer": [{"vector": [1.0, 2.0], "layers": [1]}]}, KEY, (400,),
+     "steer[0].vector: expected 128 floats"),
+    ("PUT", "/global", {"steer": [{"vector": VECTOR, "layers": [9]}]}, KEY, (400,), "layers"),
+    ("PUT", "/global", {"steer": []}, None, (401,), "API key"),
+    ("PUT", "/global", {"steer": []}, "wrong", (401,), ""),
+    ("POST", "/vectors", {"name": "v", "vector": [1.0]}, KEY, (400,), "expected 128 floats"),
+    ("POST", "/vectors", {"name": "v", "vector_b64": "@@@"}, KEY, (400,), "vector_b64"),
+    ("POST", "/vectors", {"name": "bad name!", "vector": VECTOR}, KEY, (400, 422), "name"),
+    ("POST", "/vectors", {"name": "v", "vector": VECTOR, "vector_b64": encode_f32(VECTOR)},
+     KEY, (400, 422), "exactly one"),
+    ("POST", "/vectors", {"name": "v", "vector": VECTOR}, None, (401,), ""),
+    ("POST", "/vectors", {"name": "big", "vector": [0.5] * 20000}, KEY, (413,), "larger than"),
+    ("DELETE", "/vectors/nope", None, KEY, (404,), "unknown vector 'nope'"),
+    ("GET", "/vectors/nope", None, None, (404,), "unknown vector"),
+    ("GET", "/requests/chatcmpl-nope", None, None, (404,), "not a recent steered request"),
+]
+
+
+@pytest.mark.parametrize("method,path,body,key,statuses,fragment", BAD_ROUTE_CALLS)
+def test_route_errors_are_4xx_with_a_message(server, offline, method, path, body, key,
+                                             statuses, fragment):
+    raw = body if isinstance(body, bytes) else None
+    status, answer = http(method, server.url + "/v1/dynsteer" + path,
+                          None if raw else body, raw=raw, api_key=key)
+    assert status in statuses, answer
+    assert fragment in json.dumps(answer).replace("\\", ""), answer
+
+
+@pytest.mark.parametrize("spec,fragment", [
+    ({"steer": [{"vector": [1.0], "layers": [1]}]}, "dynsteer.steer[0].vector"),
+    ({"steer": [{"vector": "unknown", "layers": [1]}]}, "unknown"),
+    ({"gate": {"probe": "nope", "layer": 0, "steer": [{"vector": VECTOR, "layers": [1]}]}},
+     "dynsteer.gate.probe"),
+    ("{broken", "malformed JSON"),
+])
+def test_bad_specs_are_400_naming_the_field(openai_client, spec, fragment):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(openai_client, dynsteer=spec)
+    assert fragment in str(info.value)
+
+
+def test_spec_given_twice_is_rejected(openai_client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="give it once"):
+        chat(openai_client, dynsteer=STATIC, vllm_xargs={"dynsteer": json.dumps(STATIC)})
+
+
+def test_server_keeps_serving_after_errors(openai_client, client):
+    assert client.health().status == "ok"
+    assert chat(openai_client)[1]
+    with pytest.raises(DynsteerHTTPError) as info:
+        DynsteerClient(client.base_url).set_global([])
+    assert info.value.status == 401
