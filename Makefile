@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.dynsteer-installed
 
-.PHONY: install demo test lint gpukit
+.PHONY: install demo serve-demo test lint gpukit
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,6 +22,9 @@ install: $(STAMP)
 
 demo: install
 	$(PY) experiments/demo.py
+
+serve-demo: install
+	$(PY) experiments/serve_demo.py
 
 test: install
 	$(VENV)/bin/ruff check .

@@ -186,6 +186,9 @@ def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
         from dynsteer.engine_ext.model_cache import default_model_path
 
         model = str(default_model_path())
+        # A 135M model: on the CPU build a 2 GiB KV cache, not 92% of the host's memory
+        # (the variable is ignored on GPUs).
+        environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         if _option_value(rest, "--served-model-name") is None:
             rest = [*rest, "--served-model-name", DEFAULT_SERVED_NAME]
     if model is not None:

@@ -5,17 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from tiny_models import make_tiny_model
 
-STARTUP_TIMEOUT_S = 420
+from dynsteer.controller.launch import ServerProcess
 
 
 def make_chat_model(path: Path, tokenizer_dir: Path | None = None) -> Path:
@@ -32,56 +29,21 @@ def make_chat_model(path: Path, tokenizer_dir: Path | None = None) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+STARTUP_TIMEOUT_S = 420
 
 
-class Server:
-    """One `dynsteer serve` subprocess; its log is kept for failure messages."""
+class Server(ServerProcess):
+    """`dynsteer serve MODEL` for tests: the tiny model's settings, fp32, seed 0."""
 
     def __init__(self, model: Path, log: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        cmd = [sys.executable, "-m", "dynsteer.engine_ext.cli", "serve", str(model),
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-               "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0", *extra]
+        args = [str(model), "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs",
+                "8", "--seed", "0", *extra]
         if os.environ.get("DYNSTEER_TEST_GPU_MEMORY"):
-            cmd += ["--gpu-memory-utilization", os.environ["DYNSTEER_TEST_GPU_MEMORY"]]
-        self._log_file = open(log, "wb")  # noqa: SIM115  (closed in stop())
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     env=env)
+            args += ["--gpu-memory-utilization", os.environ["DYNSTEER_TEST_GPU_MEMORY"]]
+        super().__init__(args, log, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"dynsteer serve exited ({self.proc.returncode}):\n"
-                                   f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/dynsteer/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"dynsteer serve not ready in {STARTUP_TIMEOUT_S} s:\n"
-                           f"{self.log_tail()}")
-
-    def log_tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log_file.close()
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        super().wait_ready(timeout)
 
 
 def http(method: str, url: str, body: Any = None, *, raw: bytes | None = None,

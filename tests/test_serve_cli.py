@@ -30,8 +30,10 @@ def test_model_and_vllm_flags_pass_through(monkeypatch):
 
 def test_no_model_serves_the_embedded_default(monkeypatch, tmp_path):
     monkeypatch.setattr("dynsteer.engine_ext.model_cache.default_model_path", lambda: tmp_path)
-    argv = prepare(["--port", "9000"], {})
+    env: dict[str, str] = {}
+    argv = prepare(["--port", "9000"], env)
     assert argv[:2] == ["--model", str(tmp_path)]
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert argv[argv.index("--served-model-name") + 1] == serve_cli.DEFAULT_SERVED_NAME
     assert prepare(["--model", "/x"], {})[:2] == ["--model", "/x"]
 
