@@ -8,7 +8,12 @@
    the openai client both ways, bad specs are 400 naming the field, global steering, gate
    telemetry and /metrics. Runs tests/test_server.py's functions against a GPU server.
 
+The prefix checks run with async scheduling on (the next step is scheduled before this
+step's output is processed).
+
 Usage: python experiments/gpu_serving_check.py OUT_DIR TOKENIZER_DIR  (writes gpu_serving.json)
+       DYNSTEER_CHECK_ONLY=prefix ...   (prefix-guard checks only, e.g. with
+       VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner)
 """
 
 from __future__ import annotations
@@ -49,8 +54,12 @@ def prefix_checks(work: Path) -> list[dict[str, Any]]:
 
     path = make_tiny_model("llama", work / "tiny_llama")
     llm = start_llm(path, dynsteer={"sites": "pre_attn@0,post_block@*"},
-                    enable_prefix_caching=True, block_size=t.BLOCK, gpu_memory_utilization=0.25)
+                    enable_prefix_caching=True, block_size=t.BLOCK, gpu_memory_utilization=0.25,
+                    async_scheduling=True)
     hf = load_hf(path)
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    print(json.dumps({"async_scheduling": scheduler.async_scheduling}), flush=True)
+    assert scheduler.async_scheduling, "the guard must be checked under async scheduling"
     try:
         return [_run(name, getattr(t, name), llm, hf) for name in (
             "test_prefill_steered_request_does_not_hit_unsteered_blocks",
@@ -117,9 +126,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         report["prefix_guard"] = prefix_checks(work)
-        report["serving"] = serving_checks(work, tokenizer_dir)
-    report["all_ok"] = all(r["ok"] for k in ("prefix_guard", "serving") for r in report[k])
-    (out / "gpu_serving.json").write_text(json.dumps(report, indent=2))
+        if os.environ.get("DYNSTEER_CHECK_ONLY") != "prefix":
+            report["serving"] = serving_checks(work, tokenizer_dir)
+    parts = [k for k in ("prefix_guard", "serving") if k in report]
+    report["all_ok"] = all(r["ok"] for k in parts for r in report[k])
+    name = "gpu_serving.json" if "serving" in report else "gpu_prefix.json"
+    (out / name).write_text(json.dumps(report, indent=2))
     print("ALL OK" if report["all_ok"] else "FAILURES", flush=True)
 
 
