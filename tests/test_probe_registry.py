@@ -143,6 +143,19 @@ def test_bad_uploads_are_4xx_and_change_nothing(server, trained, store):
     assert info.value.status == 401
 
 
+@pytest.mark.parametrize("body,key,status,fragment", [
+    ({"prompts": ["hi"], "sites": ["pre_attn@1"]}, KEY, 400, "pre_attn@1"),
+    ({"prompts": ["hi"], "sites": ["post_block@1"], "reduce": "max"}, KEY, 400, "reduce"),
+    ({"prompts": [], "sites": ["post_block@1"]}, KEY, 400, "prompts"),
+    ({"prompts": ["hi"], "sites": ["post_block@1"]}, None, 401, "API key"),
+])
+def test_capture_errors_are_4xx(server, body, key, status, fragment):
+    code, answer = http("POST", server["server"].url + "/v1/dynsteer/capture", body,
+                        api_key=key)
+    assert code == status, answer
+    assert fragment in json.dumps(answer), answer
+
+
 def test_restart_serves_the_same_probes(server, trained, chat_model, store, tmp_path_factory):
     upload(trained.replace(name="storm2", threshold=trained.threshold + 1.0),
            server["server"].url, api_key=KEY)
