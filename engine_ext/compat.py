@@ -6,15 +6,24 @@ The next vLLM release should be a change to this file only. What is touched, and
   (plugin version, kernel ABI: part of vLLM's compile-cache key, so a graph compiled without the
   plugin, or with other sites, is never reused) and sets ``worker_extension_cls``.
 * ``InputProcessor.process_inputs`` (frontend): rejects a bad spec at ``generate()`` / request
-  time with an error naming the field (the engine never sees it), and forks the prefix-cache
-  key of steered requests through ``EngineCoreRequest.cache_salt``
-  (see ``FrontendState.steering_salt``).
+  time with an error naming the field (the engine never sees it; HTTP 400 on the server), and
+  attaches the request's prefix-cache guard (``FrontendState.cache_guard``) to its params.
+* Engine core, the prefix-cache guard (:mod:`.prefix_guard`):
+  ``kv_cache_utils.generate_block_hash_extra_keys`` (fork the hashes at the first steered
+  block), ``KVCacheCoordinator.cache_blocks`` (clamp gated requests to their clean frontier),
+  ``Scheduler.update_from_output`` (apply the workers' report, cache newly clean blocks),
+  ``KVCacheManager.free`` (count withheld blocks), ``EngineCore.dynsteer_cache_stats`` (a
+  utility call for the counters).
 * Model runners' ``load_model`` (workers): wraps the decoder layers once the model exists, before
   the first forward (profile run = first trace).
 * Per-step hooks, installed on the runner *instance* only when the plugin is enabled:
   V1 (``GPUModelRunner`` / ``CPUModelRunner``): ``_update_states`` + ``_prepare_inputs``;
   V2 (``vllm.v1.worker.gpu.model_runner``): ``add_requests`` + ``_remove_request`` +
-  ``prepare_inputs``.
+  ``prepare_inputs``; both: ``sample_tokens`` (the guard report rides on its output).
+* API server: ``AsyncLLM.collective_rpc`` / the engine-core utility call, vLLM's exception
+  classes (a spec error must be a ``VLLMValidationError`` to become HTTP 400) and its server
+  entry point (``dynsteer serve``); the routes themselves use vLLM's public endpoint-plugin
+  entry point.
 """
 
 from __future__ import annotations

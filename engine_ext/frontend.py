@@ -1,7 +1,7 @@
 """What the frontend process knows about steering: model shape, registry, recent requests.
 
 One :class:`FrontendState` lives next to each engine's input processor (offline ``LLM`` or the
-API server's ``AsyncLLM``). It validates specs, computes the prefix-cache salt of each request,
+API server's ``AsyncLLM``). It validates specs, computes the prefix-cache guard of each request,
 mirrors what was registered on the workers (so the HTTP routes can list and return it without a
 round trip) and keeps a bounded record of recent steered requests plus counters for metrics.
 It has no vLLM import: :mod:`.compat` builds it from the engine config.
