@@ -14,12 +14,8 @@ from __future__ import annotations
 import os
 import time
 
-LAYER = 8
-SCALE = 1.0
-PIRATE = ["Arr matey, where be the treasure?", "Ahoy! Hoist the sails, ye scallywags!",
-          "Shiver me timbers, the rum be gone!", "Avast, ye landlubber, walk the plank!"]
-PLAIN = ["Excuse me, where is the treasure?", "Hello! Please raise the sails, everyone.",
-         "Oh dear, the rum is gone.", "Stop, you newcomer, and leave the ship."]
+from pirate import LAYER, PIRATE, PLAIN, SCALE
+
 PROMPTS = ["Tell me about your day.", "What is the best way to learn programming?"]
 
 

@@ -18,12 +18,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-LAYER = 8
-SCALE = 1.0
-PIRATE = ["Arr matey, where be the treasure?", "Ahoy! Hoist the sails, ye scallywags!",
-          "Shiver me timbers, the rum be gone!", "Avast, ye landlubber, walk the plank!"]
-PLAIN = ["Excuse me, where is the treasure?", "Hello! Please raise the sails, everyone.",
-         "Oh dear, the rum is gone.", "Stop, you newcomer, and leave the ship."]
+from pirate import LAYER, PIRATE, PLAIN, SCALE
+
 QUESTION = [{"role": "user", "content": "Tell me about your day."}]
 
 
