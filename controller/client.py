@@ -56,6 +56,10 @@ def _error_message(body: bytes) -> str:
     return json.dumps(data)
 
 
+def _replace_query(replace: bool) -> str:
+    return "?replace=true" if replace else ""
+
+
 class DynsteerClient:
     """Calls one server's dynsteer routes; every method raises :class:`DynsteerHTTPError`."""
 
@@ -101,9 +105,11 @@ class DynsteerClient:
         self.call("DELETE", "/global")
 
     # ---- named vectors ------------------------------------------------------------------
-    def register_vector(self, name: str, vector: Any) -> None:
-        """Register (or replace) a vector; sent as base64 float32."""
-        self.call("POST", "/vectors", {"name": name, "vector_b64": encode_f32(vector)})
+    def register_vector(self, name: str, vector: Any, *, replace: bool = False) -> None:
+        """Register a vector, sent as base64 float32 (HTTP 409 when the name is taken, unless
+        ``replace``)."""
+        self.call("POST", "/vectors" + _replace_query(replace),
+                  {"name": name, "vector_b64": encode_f32(vector)})
 
     def vectors(self) -> list[str]:
         return list(self.call("GET", "/vectors")["names"])
@@ -120,9 +126,11 @@ class DynsteerClient:
         return RequestReport.model_validate(self.call("GET", f"/requests/{request_id}"))
 
     # ---- probes -------------------------------------------------------------------------
-    def upload_probe(self, probe: Probe) -> ProbeSummary:
-        """Register (or replace) ``probe`` under its name; the server checks it fits."""
-        return ProbeSummary.model_validate(self.call("POST", "/probes", probe.to_json_dict()))
+    def upload_probe(self, probe: Probe, *, replace: bool = False) -> ProbeSummary:
+        """Register ``probe`` under its name; the server checks it fits (HTTP 409 when the name
+        is taken, unless ``replace``)."""
+        return ProbeSummary.model_validate(
+            self.call("POST", "/probes" + _replace_query(replace), probe.to_json_dict()))
 
     def probes(self) -> list[ProbeSummary]:
         return ProbeList.model_validate(self.call("GET", "/probes")).probes

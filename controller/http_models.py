@@ -15,10 +15,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dynsteer.controller.spec import FiniteFloat, SteerEntry
-from dynsteer.probes import ModelFingerprint, Probe, ProbeSite
+from dynsteer.probes import NAME_PATTERN, ModelFingerprint, Probe, ProbeSite
 
-Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-"""Names of vectors and probes: safe as file names and URL path segments."""
+Name = Annotated[str, Field(strict=True, pattern=f"^{NAME_PATTERN.pattern}$")]
+"""Names of vectors and probes (:data:`dynsteer.probes.NAME_RULE`): safe as file names and URL
+path segments, never hidden files."""
 
 
 def encode_f32(values: Any) -> str:
@@ -126,7 +127,7 @@ class ProbeUpload(_Body):
     weights: list[FiniteFloat] | None = None
     weights_b64: str | None = None
     threshold: FiniteFloat = 0.0
-    sharpness: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+    sharpness: Annotated[FiniteFloat, Field(gt=0)] = 1.0
     site: ProbeSite
     fingerprint: ModelFingerprint | None = None
     metadata: dict[str, str | bool | int | FiniteFloat] = Field(default_factory=dict)

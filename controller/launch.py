@@ -37,8 +37,11 @@ class ServerProcess:
         self.log = Path(log)
         self._log_file: IO[bytes] = open(self.log, "wb")  # noqa: SIM115  (closed in stop())
         cmd = [sys.executable, "-m", "dynsteer.engine_ext.cli", "serve", *args]
+        # Its own session and process group: a signal meant for the caller's group (Ctrl-C in a
+        # terminal) does not reach the engine processes directly, so they exit only when the
+        # server does, as they would in production (a kill -9 of the server included).
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         """Block until ``/v1/dynsteer/health`` answers 200; raise with the log tail if the

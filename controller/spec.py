@@ -14,11 +14,23 @@ e.g. ``dynsteer.steer[0].vector: expected 576 floats (the model's hidden size), 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+import re
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dynsteer.controller.limits import (
+    DEFAULT_MAX_STEER_NORM,
+    FLOAT32_MAX,
+    FiniteFloat,
+    SpecError,
+    check_probe_numbers,
+    check_steer_magnitude,
+    float_error_message,
+)
 
 Hook = Literal["pre_attn", "post_attn", "post_block"]
 """Residual-stream sites of a decoder layer (TransformerLens: resid_pre, resid_mid, resid_post)."""
@@ -31,11 +43,19 @@ Phase = Literal["all", "prefill", "decode"]
 SPEC_KEY = "dynsteer"
 """Key of the spec in ``SamplingParams.extra_args`` (and of the top-level body field)."""
 
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of JSON arrays and objects accepted in a spec given as JSON text, and in a
+request body that carries one (a full spec needs 5 levels). Deeper input is a
+:class:`SpecError` before ``json.loads`` sees it (its recursion would fail far deeper)."""
 
+MAX_ENTRIES = 64
+"""Most steer entries in one list (``steer``, ``gate.steer``, global steering)."""
 
-class SpecError(ValueError):
-    """A steering spec that cannot be served; the message names the field and the fix."""
+MAX_LAYERS = 1024
+"""Most layers in one entry's ``layers`` list."""
+
+Layer = Annotated[int, Field(strict=True, ge=0)]
+"""A decoder layer index (a JSON integer; never a string or a boolean)."""
 
 
 class SteerEntry(BaseModel):
@@ -45,7 +65,7 @@ class SteerEntry(BaseModel):
 
     vector: list[FiniteFloat] | str
     """The vector (hidden-size floats) or the name of a registered vector."""
-    layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    layers: list[Layer] = Field(min_length=1, max_length=MAX_LAYERS)
     """Decoder layers (0-based) to steer; each (layer, hook) must be a configured site."""
     hook: Hook = "post_block"
     """Where in the layer: ``pre_attn``, ``post_attn`` or ``post_block``."""
@@ -68,7 +88,7 @@ class InlineProbe(BaseModel):
     """Hidden-size weights; ``score = stream · weights`` (fp32 accumulate)."""
     threshold: FiniteFloat = 0.0
     """Score at which the gate is 0.5."""
-    sharpness: FiniteFloat = Field(default=1.0, gt=0)
+    sharpness: Annotated[FiniteFloat, Field(gt=0)] = 1.0
     """Slope of the sigmoid: ``gate = sigmoid(sharpness * (score - threshold))``."""
 
 
@@ -79,15 +99,15 @@ class GateSpec(BaseModel):
 
     probe: str | InlineProbe
     """A registered probe name, or an inline probe."""
-    layer: Annotated[int, Field(ge=0)]
+    layer: Layer
     """Layer of the monitor site."""
     hook: Hook = "post_block"
     """Hook of the monitor site; the stream is read *before* this site's own steering."""
     threshold: FiniteFloat | None = None
     """Overrides the probe's threshold."""
-    sharpness: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    sharpness: Annotated[FiniteFloat, Field(gt=0)] | None = None
     """Overrides the probe's sharpness."""
-    steer: list[SteerEntry] = Field(min_length=1)
+    steer: list[SteerEntry] = Field(min_length=1, max_length=MAX_ENTRIES)
     """Entries scaled per token by the gate; their sites must be at or after the monitor."""
 
 
@@ -98,7 +118,7 @@ class SteeringSpec(BaseModel):
 
     version: Literal[1] = 1
     """Schema version; only 1 exists."""
-    steer: list[SteerEntry] = Field(default_factory=list)
+    steer: list[SteerEntry] = Field(default_factory=list, max_length=MAX_ENTRIES)
     """Static steering entries; they add to each other and to global steering."""
     gate: GateSpec | None = None
     """Optional probe-gated dynamic steering."""
@@ -112,8 +132,13 @@ class ModelShape:
     num_layers: int
     sites: frozenset[tuple[Hook, int]]
     """Configured (hook, layer) sites; only these have a kernel."""
-    vector_names: Collection[str] = ()
+    vector_norms: Mapping[str, float] = field(default_factory=dict)
+    """Registered vectors by name: their L2 norm (what ``scale`` is checked against)."""
     probe_names: Collection[str] = ()
+    max_steer_norm: float = DEFAULT_MAX_STEER_NORM
+    """Largest ``‖scale · vector‖`` of one entry (engine option ``max_steer_norm``)."""
+    dtype_max: float = FLOAT32_MAX
+    """Largest finite value of the model's dtype."""
 
 
 def _field_path(loc: Iterable[Any], prefix: str) -> str:
@@ -123,12 +148,51 @@ def _field_path(loc: Iterable[Any], prefix: str) -> str:
     return path
 
 
+def validation_message(errors: Sequence[Any], prefix: str = "") -> str:
+    """``field.path[i]: what is wrong`` for the first of pydantic's ``errors()`` (also used for
+    the HTTP bodies of the dynsteer routes, so every way in words an error the same)."""
+    first = errors[0]
+    # Drop pydantic's union branch labels ("list[...]", "str") and FastAPI's "body".
+    loc = [p for p in first["loc"]
+           if not (isinstance(p, str) and ("[" in p or p in ("str", "float", "body")))]
+    return f"{_field_path(loc, prefix).lstrip('.')}: {float_error_message(first)}"
+
+
 def _from_validation_error(err: ValidationError, prefix: str) -> SpecError:
-    first = err.errors(include_url=False)[0]
-    loc = list(first["loc"])
-    # Drop pydantic's union branch labels ("list[...]", "str") from the path.
-    loc = [p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("str", "float")))]
-    return SpecError(f"{_field_path(loc, prefix)}: {first['msg']}")
+    return SpecError(validation_message(err.errors(include_url=False), prefix))
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = np.zeros(256, np.int8)
+_BRACKET_STEP[list(b"[{")] = 1
+_BRACKET_STEP[list(b"]}")] = -1
+_DEPTH_CHUNK = 1 << 20
+
+
+def json_depth(text: str | bytes, limit: int | None = None) -> int:
+    """Deepest nesting of arrays and objects in JSON ``text`` (``[]`` is 1, a scalar 0).
+
+    A byte scan, not a parse: strings (escaped quotes included) are skipped, brackets counted.
+    With ``limit``, it stops once the depth exceeds ``limit``.
+    """
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKET),
+                             np.uint8)
+    depth = deepest = 0
+    for start in range(0, len(brackets), _DEPTH_CHUNK):
+        levels = np.cumsum(_BRACKET_STEP[brackets[start:start + _DEPTH_CHUNK]],
+                           dtype=np.int64) + depth
+        deepest, depth = max(deepest, int(levels.max())), int(levels[-1])
+        if limit is not None and deepest > limit:
+            break
+    return deepest
+
+
+def check_json_depth(text: str | bytes, prefix: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """Raise :class:`SpecError` naming ``prefix`` when ``text`` nests deeper than ``limit``."""
+    if json_depth(text, limit) > limit:
+        raise SpecError(f"{prefix}: JSON nested deeper than {limit} levels")
 
 
 def parse_spec(raw: Any, prefix: str = SPEC_KEY) -> SteeringSpec:
@@ -136,6 +200,7 @@ def parse_spec(raw: Any, prefix: str = SPEC_KEY) -> SteeringSpec:
     if isinstance(raw, SteeringSpec):
         return raw
     if isinstance(raw, (str, bytes)):
+        check_json_depth(raw, prefix)
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -152,12 +217,15 @@ def parse_spec(raw: Any, prefix: str = SPEC_KEY) -> SteeringSpec:
 def parse_entries(raw: Any, prefix: str = "steer") -> list[SteerEntry]:
     """Parse a list of steer entries (the body of global steering)."""
     if isinstance(raw, (str, bytes)):
+        check_json_depth(raw, prefix)
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError as e:
             raise SpecError(f"{prefix}: malformed JSON ({e.msg} at position {e.pos})") from e
     if not isinstance(raw, list):
         raise SpecError(f"{prefix}: expected a list of steer entries")
+    if len(raw) > MAX_ENTRIES:
+        raise SpecError(f"{prefix}: at most {MAX_ENTRIES} steer entries, got {len(raw)}")
     entries = []
     for i, item in enumerate(raw):
         if isinstance(item, SteerEntry):
@@ -178,12 +246,15 @@ def _check_name(where: str, kind: str, name: str, known: Collection[str], fix: s
         )
 
 
-def _check_length(where: str, values: list[float], shape: ModelShape) -> None:
+def _checked_vector(where: str, values: list[float], shape: ModelShape) -> np.ndarray:
+    """The floats (already checked finite in float32 by the model) as a float32 vector of the
+    hidden size (SpecError naming ``where``)."""
     if len(values) != shape.hidden_size:
         raise SpecError(
             f"{where}: expected {shape.hidden_size} floats (the model's hidden size), "
             f"got {len(values)}"
         )
+    return np.asarray(values, dtype=np.float32)
 
 
 def _check_site(where: str, hook: Hook, layer: int, shape: ModelShape, what: str = "") -> None:
@@ -204,10 +275,13 @@ def check_entries(entries: Iterable[SteerEntry], shape: ModelShape, prefix: str)
     for i, entry in enumerate(entries):
         where = f"{prefix}[{i}]"
         if isinstance(entry.vector, str):
-            _check_name(f"{where}.vector", "vector", entry.vector, shape.vector_names,
+            _check_name(f"{where}.vector", "vector", entry.vector, shape.vector_norms,
                         "pass the floats inline")
+            norm = shape.vector_norms[entry.vector]
         else:
-            _check_length(f"{where}.vector", entry.vector, shape)
+            vector = _checked_vector(f"{where}.vector", entry.vector, shape)
+            norm = float(np.linalg.norm(vector.astype(np.float64)))
+        check_steer_magnitude(where, norm, entry.scale, shape.max_steer_norm, shape.dtype_max)
         for layer in entry.layers:
             _check_site(f"{where}.layers", entry.hook, layer, shape)
 
@@ -223,7 +297,10 @@ def check_gate(gate: GateSpec, shape: ModelShape, prefix: str) -> None:
         _check_name(f"{prefix}.probe", "probe", gate.probe, shape.probe_names,
                     "give the weights inline")
     else:
-        _check_length(f"{prefix}.probe.weights", gate.probe.weights, shape)
+        probe = gate.probe
+        weights = _checked_vector(f"{prefix}.probe.weights", probe.weights, shape)
+        check_probe_numbers(f"{prefix}.probe.", probe.threshold, probe.sharpness, weights)
+    check_probe_numbers(f"{prefix}.", gate.threshold or 0.0, gate.sharpness or 1.0)
     _check_site(f"{prefix}.layer", gate.hook, gate.layer, shape, what="monitor site ")
     check_entries(gate.steer, shape, f"{prefix}.steer")
     monitor = site_key(gate.hook, gate.layer)

@@ -42,9 +42,11 @@ class Steering:
     def hidden_size(self) -> int:
         return self._frontend.hidden_size
 
-    def register_vector(self, name: str, vector: Sequence[float] | np.ndarray) -> None:
-        """Register (or replace) a named vector usable as ``"vector": name`` in specs."""
-        self._apply(self._plane.register_vector(name, vector))
+    def register_vector(self, name: str, vector: Sequence[float] | np.ndarray, *,
+                        replace: bool = False) -> None:
+        """Register a named vector usable as ``"vector": name`` in specs; a name that is taken
+        raises :class:`~dynsteer.engine_ext.control.ConflictError` unless ``replace``."""
+        self._apply(self._plane.register_vector(name, vector, replace=replace))
 
     def unregister_vector(self, name: str) -> None:
         """Forget a named vector; requests already admitted keep their steering."""
@@ -55,8 +57,10 @@ class Steering:
         return sorted(self._frontend.vectors)
 
     def register_probe(self, name: str, probe: Any = None, *, weights: Any = None,
-                       threshold: float = 0.0, sharpness: float = 1.0) -> None:
-        """Register (or replace) a named probe usable as ``"probe": name`` in a gate.
+                       threshold: float = 0.0, sharpness: float = 1.0,
+                       replace: bool = False) -> None:
+        """Register a named probe usable as ``"probe": name`` in a gate (a taken name raises
+        :class:`~dynsteer.engine_ext.control.ConflictError` unless ``replace``).
 
         Pass a :class:`dynsteer.probes.Probe` (checked against the served model: fingerprint,
         site; its weights, threshold and sharpness are used) or ``weights=`` with
@@ -64,9 +68,11 @@ class Steering:
         (``layer``/``hook``).
         """
         if probe is not None:
-            self._apply(self._plane.register_probe_object(probe.replace(name=name)))
+            self._apply(self._plane.register_probe_object(probe.replace(name=name),
+                                                          replace=replace))
             return
-        self._apply(self._plane.register_probe(name, weights, threshold, sharpness))
+        self._apply(self._plane.register_probe(name, weights, threshold, sharpness,
+                                               replace=replace))
 
     def unregister_probe(self, name: str) -> None:
         """Forget a named probe; requests already admitted keep their gate."""

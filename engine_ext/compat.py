@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from dynsteer.controller.spec import (
     SPEC_KEY,
@@ -107,6 +108,7 @@ def frontend_state(input_processor: Any) -> FrontendState | None:
                 num_layers=num_layers,
                 sites=resolve_sites(options.sites, num_layers),
                 architecture=next(iter(model_config.architectures or []), ""),
+                dtype_max=float(torch.finfo(model_config.dtype).max),
             )
         input_processor._dynsteer_frontend = state
     return state or None

@@ -10,19 +10,21 @@ offline API (:class:`dynsteer.engine_ext.api.Steering`) runs changes with the bl
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any
 
 import numpy as np
 
+from dynsteer.controller.limits import (
+    as_float32_vector,
+    check_probe_numbers,
+    check_steer_magnitude,
+)
 from dynsteer.controller.spec import SteerEntry, check_entries, parse_entries
 from dynsteer.engine_ext.frontend import FrontendState
-from dynsteer.probes import ModelFingerprint, Probe
-
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-"""Names of vectors and probes (safe as file names and URL path segments)."""
+from dynsteer.probes import NAME_PATTERN, NAME_RULE, ModelFingerprint, Probe
 
 
 class ControlError(ValueError):
@@ -36,25 +38,26 @@ class UnknownNameError(ControlError, KeyError):
         return str(self.args[0])
 
 
+class ConflictError(ControlError):
+    """The name is taken (and replacing was not asked for) or the registry is full (HTTP 409)."""
+
+
 def check_name(name: str, field: str = "name") -> str:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise ControlError(f"{field}: {name!r} must match [A-Za-z0-9_.-]{{1,64}}")
+        raise ControlError(f"{field}: {name!r} is not a valid name (use {NAME_RULE})")
     return name
 
 
-def checked_vector(field: str, values: Sequence[float] | np.ndarray, hidden: int) -> list[float]:
-    """A hidden-size finite vector as a JSON-able list, or a ControlError naming ``field``."""
-    try:
-        array = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError) as e:
-        raise ControlError(f"{field}: expected {hidden} floats ({e})") from e
-    if array.shape != (hidden,):
-        raise ControlError(
-            f"{field}: expected {hidden} floats (the model's hidden size), got shape {array.shape}"
-        )
-    if not np.isfinite(array).all():
-        raise ControlError(f"{field}: contains NaN or inf")
-    return array.tolist()
+def _check_room(kind: str, name: str, registry: dict[str, Any], limit: int, option: str,
+                replace: bool) -> None:
+    """A new name fits in a registry of at most ``limit``; a taken one needs ``replace``."""
+    if name in registry:
+        if not replace:
+            raise ConflictError(f"name: a {kind} named {name!r} is already registered; "
+                                "replace it explicitly (replace=true) or pick another name")
+    elif len(registry) >= limit:
+        raise ConflictError(f"name: {len(registry)} {kind}s are registered, the limit "
+                            f"(engine option dynsteer.{option}); delete one or raise the limit")
 
 
 @dataclass(frozen=True)
@@ -72,14 +75,22 @@ class ControlPlane:
     def __init__(self, frontend: FrontendState) -> None:
         self.frontend = frontend
 
-    def register_vector(self, name: str, vector: Sequence[float] | np.ndarray) -> Change:
-        """Register (or replace) a named vector usable as ``"vector": name`` in specs."""
+    def register_vector(self, name: str, vector: Sequence[float] | np.ndarray,
+                        replace: bool = False) -> Change:
+        """Register a named vector usable as ``"vector": name`` in specs (an existing name
+        only with ``replace``); checked like an inline vector of scale 1."""
+        f = self.frontend
         check_name(name)
-        values = checked_vector("vector", vector, self.frontend.hidden_size)
+        array = as_float32_vector("vector", vector, f.hidden_size)
+        norm = float(np.linalg.norm(array.astype(np.float64)))
+        check_steer_magnitude("vector", norm, 1.0, f.options.max_steer_norm, f.dtype_max)
+        _check_room("vector", name, f.vectors, f.options.max_vectors, "max_vectors", replace)
+        values = array.tolist()
 
         def commit() -> None:
-            self.frontend.vectors[name] = values
-            self.frontend.registry_generation += 1
+            f.vectors[name] = values
+            f.vector_norms[name] = norm
+            f.registry_generation += 1
 
         return Change("dynsteer_register_vector", (name, values), commit)
 
@@ -90,22 +101,28 @@ class ControlPlane:
 
         def commit() -> None:
             self.frontend.vectors.pop(name, None)
+            self.frontend.vector_norms.pop(name, None)
             self.frontend.registry_generation += 1
 
         return Change("dynsteer_unregister_vector", (name,), commit)
 
     def register_probe(self, name: str, weights: Sequence[float] | np.ndarray, threshold: float,
-                       sharpness: float, description: dict[str, Any] | None = None) -> Change:
-        """Register (or replace) a named probe usable as ``"probe": name`` in a gate.
+                       sharpness: float, description: dict[str, Any] | None = None,
+                       replace: bool = False) -> Change:
+        """Register a named probe usable as ``"probe": name`` in a gate (an existing name only
+        with ``replace``); checked like an inline probe.
 
         ``description`` (the probe's JSON form, weights included) is what listing routes return.
         """
+        f = self.frontend
         check_name(name)
-        values = checked_vector("weights", weights, self.frontend.hidden_size)
-        if not np.isfinite(threshold):
-            raise ControlError("threshold: must be finite")
-        if not (np.isfinite(sharpness) and sharpness > 0):
-            raise ControlError("sharpness: must be finite and > 0")
+        array = as_float32_vector("weights", weights, f.hidden_size)
+        for field, value in (("threshold", threshold), ("sharpness", sharpness)):
+            if isinstance(value, bool) or not isinstance(value, Real):
+                raise ControlError(f"{field}: expected a number, got {type(value).__name__}")
+        check_probe_numbers("", float(threshold), float(sharpness), array)
+        _check_room("probe", name, f.probes, f.options.max_probes, "max_probes", replace)
+        values = array.tolist()
         info = dict(description or {})
         info.update(name=name, threshold=float(threshold), sharpness=float(sharpness))
 
@@ -116,7 +133,7 @@ class ControlPlane:
         return Change("dynsteer_register_probe", (name, values, float(threshold),
                                                   float(sharpness)), commit)
 
-    def register_probe_object(self, probe: Probe) -> Change:
+    def register_probe_object(self, probe: Probe, replace: bool = False) -> Change:
         """Register a :class:`~dynsteer.probes.Probe` under its name, after checking that it
         was trained on this model (fingerprint) at a site this engine monitors."""
         f = self.frontend
@@ -134,7 +151,7 @@ class ControlPlane:
             if problems:
                 raise ControlError("fingerprint: " + "; ".join(problems))
         return self.register_probe(probe.name, probe.weights, probe.threshold, probe.sharpness,
-                                   probe.to_json_dict())
+                                   probe.to_json_dict(), replace=replace)
 
     def unregister_probe(self, name: str) -> Change:
         """Forget a named probe; requests already admitted keep their gate."""

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynsteer.controller.limits import FLOAT32_MAX
 from dynsteer.controller.spec import ModelShape, SteeringSpec
 from dynsteer.engine_ext.options import EngineOptions, Site
 from dynsteer.engine_ext.prefix_guard import CacheGuard
@@ -53,8 +54,12 @@ class FrontendState:
     sites: tuple[Site, ...]
     architecture: str = ""
     """The served model class (``config.architectures[0]``), for probe fingerprints."""
+    dtype_max: float = FLOAT32_MAX
+    """Largest finite value of the model's dtype (steering must not overflow it)."""
     vectors: dict[str, list[float]] = field(default_factory=dict)
     """Registered vectors (mirrors the workers)."""
+    vector_norms: dict[str, float] = field(default_factory=dict)
+    """L2 norm of each registered vector (specs' ``scale`` is checked against it)."""
     probes: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Registered probes as their JSON description (mirrors the workers)."""
     global_entries: list[dict[str, Any]] = field(default_factory=list)
@@ -82,8 +87,10 @@ class FrontendState:
             hidden_size=self.hidden_size,
             num_layers=self.num_layers,
             sites=frozenset(self.sites),
-            vector_names=frozenset(self.vectors),
+            vector_norms=self.vector_norms,
             probe_names=frozenset(self.probes),
+            max_steer_norm=self.options.max_steer_norm,
+            dtype_max=self.dtype_max,
         )
 
     def site_names(self) -> list[str]:

@@ -6,16 +6,24 @@ residual stream, so the stream is ``x + h``; ``h`` is None where ``x`` is the wh
     p = probe_rows[t]                                   (0: no probe)
     if p and params[p].site == site:                    (this is t's monitor site)
         score[t] = (x[t] + h[t]) · probes[p]            (fp32 accumulate)
-        gate[t]  = sigmoid(params[p].sharpness * (score[t] - params[p].threshold))
+        gate[t]  = sigmoid(params[p].sharpness * (score[t] - params[p].threshold))   (NaN: 0)
     c, lane = capture_rows[t], site_lane[site]          (0 / -1: not captured)
     if c and lane >= 0:
         capture[lane, c] = x[t] + h[t]                   (fp32, the stream the monitor reads)
-    out[t] = x[t] + table[rows[t]] + gate[t] * dyn[rows[t]]
+    y = x[t] + table[rows[t]] + gate[t] * dyn[rows[t]]      (fp32)
+    out[t] = y where |y| <= limit, else x[t]                (element-wise; NaN fails the test)
 
 Row 0 of ``table``/``dyn`` is zero (not steered); ``flags[row]`` says which of the two a row
 uses so unused rows are never read. The monitor reads the stream *before* this site's
 steering; the gate stays in the per-token ``gate`` buffer so later sites of the same forward
 use it (cross-layer gating).
+
+The last line is the data plane's own defence against bad numbers (every value was already
+checked when it entered, see :mod:`dynsteer.controller.limits`): ``limit`` is
+``STREAM_ABS_LIMIT`` or the largest finite value of ``x``'s dtype, whichever is smaller, so no
+steered element ever leaves the op as NaN, inf or large enough to overflow the next norm. Such
+activations would otherwise reach KV blocks that vLLM later hands to other requests, and
+corrupt *their* outputs. An element the model itself made non-finite is passed through as is.
 
 Capture (activations for probe training, see :mod:`.capture_buffers`) stores the same
 pre-steering stream into ``capture[K, C + 1, H]``: ``site_lane[S]`` maps each site to one of
@@ -39,6 +47,8 @@ from __future__ import annotations
 
 import torch
 
+from dynsteer.controller.limits import STREAM_ABS_LIMIT
+
 OP_NAMESPACE = "dynsteer"
 STATIC_FLAG = 1
 DYNAMIC_FLAG = 2
@@ -58,7 +68,7 @@ def _monitor(x, h, probe_rows, probes, params, gate, score, site: int) -> None:
     s = (stream * probes.index_select(0, pi)).sum(-1)
     z = params[pi, PARAM_SHARPNESS] * (s - params[pi, PARAM_THRESHOLD])
     score[idx] = s
-    gate[idx] = torch.sigmoid(z)
+    gate[idx] = torch.nan_to_num(torch.sigmoid(z), nan=0.0)
 
 
 def _capture(x, h, capture_rows, capture, site_lane, site: int) -> None:
@@ -84,9 +94,15 @@ def steer_torch(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate,
     delta = table.index_select(0, r)
     if bool(((flags.index_select(0, r) & DYNAMIC_FLAG) != 0).any()):
         delta = delta + gate[: x.shape[0], None] * dyn.index_select(0, r)
-    if x.dtype == torch.float32:
-        return x + delta
-    return (x.to(torch.float32) + delta).to(x.dtype)
+    x32 = x.to(torch.float32)
+    y = x32 + delta
+    y = torch.where(y.abs() <= stream_limit(x.dtype), y, x32)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def stream_limit(dtype: torch.dtype) -> float:
+    """Largest magnitude a steered element may have (see the module docstring)."""
+    return min(STREAM_ABS_LIMIT, float(torch.finfo(dtype).max))
 
 
 @torch.library.custom_op(f"{OP_NAMESPACE}::steer", mutates_args=())
@@ -101,7 +117,7 @@ def steer(
         from dynsteer.engine_ext.triton_kernels import steer_triton
 
         return steer_triton(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate,
-                            score, capture_rows, capture, site_lane, site)
+                            score, capture_rows, capture, site_lane, site, stream_limit(x.dtype))
     return steer_torch(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score,
                        capture_rows, capture, site_lane, site)
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from dynsteer.controller.limits import DEFAULT_MAX_STEER_NORM
 from dynsteer.controller.spec import HOOKS, Hook, site_key
 
 CONFIG_KEY = "dynsteer"
@@ -20,7 +21,7 @@ CONFIG_KEY = "dynsteer"
 ENABLE_ENV = "DYNSTEER_ENABLE"
 """Set to 1 to enable the plugin with default options when ``additional_config`` has no key."""
 PLUGIN_VERSION = "0.1.0"
-KERNEL_ABI = 3
+KERNEL_ABI = 4
 """Bumped whenever the in-graph ops change, so compile caches of older graphs are not reused."""
 
 Site = tuple[Hook, int]
@@ -37,6 +38,13 @@ class EngineOptions(BaseModel):
     """Which (hook, layer) sites get a kernel, e.g. ``"post_block@*"`` or ``"pre_attn@0-3"``."""
     max_rows: int = Field(default=32, ge=1, le=4096)
     """Distinct steering rows in flight (one per distinct per-phase config, global included)."""
+    max_steer_norm: float = Field(default=DEFAULT_MAX_STEER_NORM, gt=0, le=1e12)
+    """Largest ``‖scale · vector‖`` (L2) one steering entry may add, checked for every spec,
+    global entry and registered vector (HTTP 400 / ValueError above it)."""
+    max_vectors: int = Field(default=256, ge=0, le=65536)
+    """Named vectors that may be registered at once (a full registry answers HTTP 409)."""
+    max_probes: int = Field(default=256, ge=0, le=65536)
+    """Named probes that may be registered at once (a full registry answers HTTP 409)."""
     capture_lanes: int = Field(default=4, ge=0, le=256)
     """Sites one activation-capture pass records at once; more sites take more passes over the
     prompts. Costs ``capture_lanes * (capture_tokens + 1) * hidden * 4`` bytes of device

@@ -20,9 +20,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dynsteer.engine_ext.options import CONFIG_KEY, EngineOptions
+from dynsteer.engine_ext.parent_watch import ENV as EXIT_WITH_PARENT_ENV
 from dynsteer.engine_ext.server.settings import (
     API_KEY_ENV,
     MAX_BODY_ENV,
+    MAX_REQUEST_ENV,
     PROBE_STORE_ENV,
     ServerSettings,
 )
@@ -31,6 +33,7 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 _OURS = {  # flag -> environment variable read by the server (ServerSettings)
     "--dynsteer-api-key": API_KEY_ENV,
     "--dynsteer-max-body-bytes": MAX_BODY_ENV,
+    "--dynsteer-max-request-bytes": MAX_REQUEST_ENV,
     "--dynsteer-probe-store": PROBE_STORE_ENV,
 }
 _CONFIG_FLAG = "--dynsteer-config"
@@ -66,10 +69,13 @@ Every flag of `vllm serve` works (--host, --port, --api-key, --max-model-len, ..
 
 dynsteer flags:
   {_CONFIG_FLAG} FILE     YAML or JSON: {{"engine": {{sites, max_rows, ...}},
-                             "server": {{api_key, max_body_bytes, probe_store}}}}
+                             "server": {{api_key, max_body_bytes, max_request_bytes,
+                                         probe_store}}}}
   --dynsteer-api-key KEY     key required by mutating dynsteer routes (vLLM's --api-key
                              also works, and then guards every /v1 route)
   --dynsteer-max-body-bytes N  largest body a dynsteer route accepts (default 16 MiB)
+  --dynsteer-max-request-bytes N  largest body of any other POST/PUT/PATCH, vLLM's
+                             completion routes included (default 32 MiB; HTTP 413 above)
   --dynsteer-probe-store DIR   folder where uploaded probes persist across restarts
   -h, --help                 this help, then vLLM's
 """
@@ -172,7 +178,7 @@ def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
     config = load_config(ours[_CONFIG_FLAG]) if _CONFIG_FLAG in ours else ConfigFile()
     settings = config.server.model_dump(exclude_defaults=True)
     for key, env in (("api_key", API_KEY_ENV), ("max_body_bytes", MAX_BODY_ENV),
-                     ("probe_store", PROBE_STORE_ENV)):
+                     ("max_request_bytes", MAX_REQUEST_ENV), ("probe_store", PROBE_STORE_ENV)):
         if key in settings:
             environ[env] = str(settings[key])
     for flag, env in _OURS.items():
@@ -195,6 +201,8 @@ def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
         rest = ["--model", model, *rest]
     engine = config.engine.model_dump(exclude_defaults=True) if _CONFIG_FLAG in ours else {}
     environ["VLLM_PLUGINS"] = plugin_allowlist(environ.get("VLLM_PLUGINS"))
+    # EngineCore and workers exit when this process dies, even by kill -9 (parent_watch).
+    environ.setdefault(EXIT_WITH_PARENT_ENV, "1")
     return _with_additional_config(rest, engine)
 
 

@@ -277,9 +277,19 @@ class SteeringState:
             self._prefill_row, self._decode_row, self._prompt_len, self._probe_row = grown
 
     def _assign(self, req: _Request) -> None:
+        gated = req.gated
+        if req.probe is not None:
+            probe_row = self.probe_table.acquire(req.probe)
+            if probe_row is None:
+                # Without a monitor the token's gate buffer holds another token's gate: the
+                # gated tier must not be read at all.
+                logger.warning("dynsteer: all probe rows are in use; a request runs without "
+                               "its gate (raise dynsteer.max_rows)")
+                gated = {p: {} for p in PHASES}
+            self._probe_row[req.slot] = probe_row or 0
         for phase, target in zip(PHASES, (self._prefill_row, self._decode_row), strict=True):
             static = add_contents(self._global[phase], req.own[phase])
-            row = self.rows.acquire(static, req.gated[phase])
+            row = self.rows.acquire(static, gated[phase])
             if row is None:
                 logger.warning(
                     "dynsteer: all %d steering rows are in use; a request runs unsteered in %s "
@@ -287,11 +297,6 @@ class SteeringState:
                 )
                 row = 0
             target[req.slot] = row
-        if req.probe is not None:
-            probe_row = self.probe_table.acquire(req.probe)
-            if probe_row is None:
-                logger.warning("dynsteer: all probe rows are in use; a gate is not monitored")
-            self._probe_row[req.slot] = probe_row or 0
         if self._steers(req.slot):
             self._num_steered += 1
 

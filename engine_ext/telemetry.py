@@ -70,9 +70,14 @@ class _Record:
             "gated_prefill": int((on & (pos < self.prompt_len)).sum()),
             "gated_decode": len(decode_on),
             "first_decode_gated": int(decode_on[0] - self.prompt_len) if len(decode_on) else None,
-            "max_score": float(np.nanmax(self.score)) if seen.any() else None,
+            "max_score": _json_float(np.nanmax(self.score)) if seen.any() else None,
             "gates": [None if np.isnan(g) else float(g) for g in self.gate],
         }
+
+
+def _json_float(value: float) -> float | None:
+    """``value``, or None when JSON cannot carry it (an overflowing score is inf)."""
+    return float(value) if np.isfinite(value) else None
 
 
 @dataclass

@@ -21,7 +21,7 @@ import triton.language as tl
 def _steer_kernel(
     x_ptr, h_ptr, out_ptr, rows_ptr, prow_ptr, table_ptr, dyn_ptr, flags_ptr, probes_ptr,
     params_ptr, gate_ptr, score_ptr, crow_ptr, capture_ptr, site_lane_ptr, site, hidden,
-    x_stride, h_stride, out_stride, lane_stride,
+    x_stride, h_stride, out_stride, lane_stride, limit,
     HAS_H: tl.constexpr, BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -46,6 +46,7 @@ def _steer_kernel(
         sharpness = tl.load(params_ptr + p * 3 + 1)
         z = sharpness * (score - threshold)
         g = 1.0 / (1.0 + tl.exp(-z))
+        g = tl.where(g == g, g, 0.0)  # a NaN stream or score must not gate anything
         tl.store(score_ptr + t, score)
         tl.store(gate_ptr + t, g)
     use_static = (flags & 1) != 0
@@ -57,6 +58,8 @@ def _steer_kernel(
         d = tl.load(table_ptr + row * hidden + offs, mask=mask & use_static, other=0.0)
         dd = tl.load(dyn_ptr + row * hidden + offs, mask=mask & use_dynamic, other=0.0)
         out = x + d + g * dd
+        # Never write NaN, inf or an overflowing steered value (see ops.py); NaN fails <=.
+        out = tl.where(tl.abs(out) <= limit, out, x)
         tl.store(out_ptr + t * out_stride + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
     # Last, so the branch delays none of the loads above; x is intact (``out`` is never ``x``).
     # Only captured tokens read the lane table.
@@ -77,7 +80,7 @@ def _block_for(hidden: int) -> int:
 
 
 def steer_triton(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score,
-                 capture_rows, capture, site_lane, site: int) -> torch.Tensor:
+                 capture_rows, capture, site_lane, site: int, limit: float) -> torch.Tensor:
     """CUDA implementation of ``dynsteer::steer`` (``capture``: contiguous float32)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -91,7 +94,7 @@ def steer_triton(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate
     _steer_kernel[(tokens,)](
         x, h if h is not None else x, out, rows, probe_rows, table, dyn, flags, probes, params,
         gate, score, capture_rows, capture, site_lane, site, hidden, x.stride(0),
-        (h if h is not None else x).stride(0), out.stride(0), capture.stride(0),
+        (h if h is not None else x).stride(0), out.stride(0), capture.stride(0), limit,
         HAS_H=h is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8,
     )
     return out

@@ -9,6 +9,12 @@
    the baseline (with a baseline re-run as the determinism yardstick), activation capture
    (``Steering.capture``, every hook and layer, last/mean/all, several passes) vs HF streams,
    and no graph is captured after startup.
+3. Input safety (issue 10): the kernel never writes NaN/inf/overflowing steered values
+   (poisoned rows of tests/test_ops.py), and overflowing rows written straight into the workers
+   (bypassing validation) change neither those requests nor the ones after them, under graphs.
+
+Every figure is compared with a bound in :func:`verdicts`; the script prints the failed checks
+and exits 1 if any failed.
 
 Usage: python experiments/gpu_check.py OUT_DIR   (writes gpu_check.json)
        VLLM_USE_V2_MODEL_RUNNER=0 python experiments/gpu_check.py OUT_DIR   (the V1 runner)
@@ -33,7 +39,7 @@ def kernel_check() -> list[dict[str, Any]]:
     import torch
     from test_ops import SITE, capture_reference, make_inputs, reference
 
-    from dynsteer.engine_ext.triton_kernels import steer_triton
+    from dynsteer.engine_ext import ops  # noqa: F401  (defines torch.ops.dynsteer.steer)
 
     results = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -43,7 +49,7 @@ def kernel_check() -> list[dict[str, Any]]:
                 want, gates, scores = reference(*args[:10])
                 want_capture = capture_reference(args[0], args[1], *args[11:])
                 cuda = [a.cuda() for a in args]
-                out = steer_triton(*cuda, SITE).cpu()
+                out = torch.ops.dynsteer.steer(*cuda, SITE).cpu()
                 gate = cuda[9].cpu()
                 capture = cuda[12].cpu()
                 mon = ~torch.isnan(scores[:tokens])
@@ -60,6 +66,62 @@ def kernel_check() -> list[dict[str, Any]]:
                     "max_capture_err_vs_f64": (capture.double() - want_capture).abs().max().item(),
                 })
     return results
+
+
+def poison_kernel_check() -> list[dict[str, Any]]:
+    """The Triton op on tests/test_ops.py's overflowing rows: finite, poisoned rows untouched,
+    NaN scores gate nothing."""
+    import torch
+    from test_ops import SITE, poison_inputs
+
+    from dynsteer.engine_ext import ops
+
+    results = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        args = [a.cuda() if isinstance(a, torch.Tensor) else a
+                for a in poison_inputs(64, 4096, dtype, seed=3)]
+        out = torch.ops.dynsteer.steer(*args, SITE)
+        x, rows, probe_rows, gate = args[0], args[2], args[3], args[9][:64]
+        results.append({
+            "dtype": str(dtype),
+            "finite_and_bounded": bool(torch.isfinite(out).all()
+                                       and (out.float().abs() <= ops.stream_limit(dtype)).all()),
+            "poisoned_rows_untouched": bool(torch.equal(out[rows == 1], x[rows == 1])),
+            "nan_scores_gate_zero": bool((gate[probe_rows == 1] == 0).all()),
+        })
+    return results
+
+
+def poison_engine_check(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """Overflowing rows written with the raw worker RPC: outputs stay the baseline's."""
+    import numpy as np
+    from engine_utils import logprobs_of, params, run
+
+    def same(outs: list[Any], ref: list[Any]) -> bool:
+        return all(list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+                   and float(np.abs(logprobs_of(a)[1] - logprobs_of(b)[1]).max()) < 1e-4
+                   for a, b in zip(outs, ref, strict=True))
+
+    base = run(llm, prompts, [params(max_tokens=12) for _ in prompts])
+    report: dict[str, Any] = {}
+    poisons = {"inf_row": [{"vector": [1e30] * 128, "layers": [1, 2], "scale": 1e30}],
+               "huge_finite_row": [{"vector": [1e30] * 128, "layers": [1]}]}
+    try:
+        for name, entries in poisons.items():
+            llm.collective_rpc("dynsteer_set_global", args=(entries,))
+            report[f"{name}_outputs_equal_baseline"] = same(
+                run(llm, prompts, [params(max_tokens=12) for _ in prompts]), base)
+    finally:
+        llm.collective_rpc("dynsteer_set_global", args=([],))
+    report["later_outputs_equal_baseline"] = same(
+        run(llm, prompts, [params(max_tokens=12) for _ in prompts]), base)
+    try:
+        run(llm, prompts[:1], [params(spec={"steer": [
+            {"vector": [1e20] * 128, "layers": [1], "scale": 1e20}]})])
+        report["hostile_spec_rejected"] = False
+    except ValueError as e:
+        report["hostile_spec_rejected"] = "max_steer_norm" in str(e)
+    return report
 
 
 def _count_replays(worker: Any) -> dict[str, int]:
@@ -199,9 +261,46 @@ def engine_check(workdir: Path) -> dict[str, Any]:
             float(np.abs(logprobs_of(a)[1] - logprobs_of(b)[1]).max())
             for a, b in zip(base2, base, strict=True)],
     }
+    report["poison"] = poison_engine_check(llm, prompts)
     report["after"] = llm.collective_rpc(_count_replays)[0]
     stop_llm(llm)
     return report
+
+
+def verdicts(result: dict[str, Any]) -> dict[str, bool]:
+    """Each check against its bound (GPU fp32 itself differs from HF by ~1e-4)."""
+    checks: dict[str, bool] = {}
+    for k in result["kernel"]:
+        tag = f"kernel {k['dtype']} {k['tokens']}x{k['hidden']} extreme={k['extreme']}"
+        fp32 = k["dtype"] == "torch.float32"
+        checks[f"{tag}: error vs float64"] = k["max_rel_err_vs_f64"] <= (1e-4 if fp32 else 8e-3)
+        checks[f"{tag}: gates"] = k["max_gate_err"] <= 1e-4
+        checks[f"{tag}: finite, row 0 untouched"] = k["finite"] and k["row0_untouched"]
+        checks[f"{tag}: capture"] = k["max_capture_err_vs_f64"] <= 1e-4
+    for k in result["poison_kernel"]:
+        for name in ("finite_and_bounded", "poisoned_rows_untouched", "nan_scores_gate_zero"):
+            checks[f"poison kernel {k['dtype']}: {name}"] = k[name]
+    engine = result["engine"]
+    for name, e in engine["hf_reference"].items():
+        checks[f"static {name} vs HF"] = e["max_abs_err_vs_hf"] <= 2e-3
+    for name, e in engine["gating"].items():
+        checks[f"gated {name} vs HF"] = e["max_abs_err_vs_hf"] <= 2e-3
+        checks[f"gated {name} gates vs HF"] = e["max_gate_err_vs_hf"] <= 5e-3
+    for name, err in engine["capture"].items():
+        if name.startswith("max_abs_err"):
+            checks[f"capture {name}"] = err <= 2e-3
+    checks["capture rows freed"] = not any(engine["capture"]["rows_in_use_after"])
+    checks["baseline equals the plain engine"] = engine["baseline_equals_plain_engine_tokens"]
+    checks["global steering changes outputs"] = min(engine["global"]["changed"]) > 1e-2
+    checks["global cleared returns to baseline"] = all(
+        engine["global"]["cleared_tokens_equal_baseline"])
+    for name, ok in engine["poison"].items():
+        checks[f"poison engine: {name}"] = bool(ok)
+    before, after = engine["before"], engine["after"]
+    if "replays" in after:
+        checks["FULL graphs replayed"] = after["replays"] > before["replays"]
+        checks["no graph captured after startup"] = after["graphs"] == before["graphs"]
+    return checks
 
 
 def main() -> None:
@@ -212,12 +311,20 @@ def main() -> None:
     t0 = time.time()
     result: dict[str, Any] = {"vllm": vllm.__version__}
     result["kernel"] = kernel_check()
+    result["poison_kernel"] = poison_kernel_check()
     with tempfile.TemporaryDirectory() as tmp:
         result["engine"] = engine_check(Path(tmp))
     result["seconds"] = time.time() - t0
+    checks = verdicts(result)
+    result["checks"] = checks
+    result["failed"] = [name for name, ok in checks.items() if not ok]
     text = json.dumps(result, indent=2)
     print(text)
     (out_dir / "gpu_check.json").write_text(text)
+    print(f"{len(checks) - len(result['failed'])}/{len(checks)} checks passed")
+    if result["failed"]:
+        print("FAILED:", *result["failed"], sep="\n  ")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,23 @@ Imports numpy and pydantic only (safetensors when saving/loading files, scikit-l
 
 from ._io import ProbeFileError
 from .calibration import calibrate_threshold
-from .probe import HOOKS, Hook, ModelFingerprint, Probe, ProbeSite, stable_sigmoid
+from .probe import (
+    HOOKS,
+    NAME_PATTERN,
+    NAME_RULE,
+    Hook,
+    ModelFingerprint,
+    Probe,
+    ProbeSite,
+    stable_sigmoid,
+)
 from .sklearn_convert import from_sklearn
 from .upload import upload
 
 __all__ = [
     "HOOKS",
+    "NAME_PATTERN",
+    "NAME_RULE",
     "Hook",
     "ModelFingerprint",
     "Probe",

@@ -7,8 +7,10 @@ garbage files fail with a message that says what is wrong.
 
 File layout (safetensors): one tensor ``weights`` (F32, shape ``[hidden_size]``) and string
 metadata ``{"format": "dynsteer.probe", "format_version": "1", "probe": <JSON header>,
-"weights_sha256": <hex>}``. The checksum exists because safetensors itself does not detect a
-flipped byte in the tensor data, and a silently corrupted probe would steer the wrong tokens.
+"weights_sha256": <hex>}``; registered steering vectors use the same layout with
+``"format": "dynsteer.vector"`` and a ``"vector"`` header. The checksum exists because
+safetensors itself does not detect a flipped byte in the tensor data, and a silently corrupted
+probe would steer the wrong tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-FORMAT_NAME = "dynsteer.probe"
 FORMAT_VERSION = 1
 TENSOR_KEY = "weights"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -103,21 +104,25 @@ def _weights_sha256(weights: NDArray[np.float32]) -> str:
 
 
 def write_probe_file(
-    path: str | PathLike[str], weights: NDArray[np.float32], header: dict[str, Any]
+    path: str | PathLike[str], weights: NDArray[np.float32], header: dict[str, Any],
+    kind: str = "probe",
 ) -> Path:
-    """Serialise ``weights`` and the JSON ``header`` as a safetensors file, atomically."""
+    """Serialise ``weights`` and the JSON ``header`` as a safetensors file, atomically.
+
+    ``kind`` (``probe`` or ``vector``) names the format (``dynsteer.<kind>``) and the metadata
+    key of the header."""
     st = _safetensors_numpy()
     metadata = {
-        "format": FORMAT_NAME,
+        "format": f"dynsteer.{kind}",
         "format_version": str(FORMAT_VERSION),
-        "probe": json.dumps(header, sort_keys=True, allow_nan=False, separators=(",", ":")),
+        kind: json.dumps(header, sort_keys=True, allow_nan=False, separators=(",", ":")),
         "weights_sha256": _weights_sha256(weights),
     }
     data = st.save({TENSOR_KEY: np.ascontiguousarray(weights, dtype=_LE_F32)}, metadata=metadata)
     return atomic_write_bytes(path, data)
 
 
-def _read_metadata(data: bytes, where: str) -> dict[str, Any]:
+def _read_metadata(data: bytes, where: str, kind: str) -> dict[str, Any]:
     """Parse the safetensors header by hand to give precise errors for non-probe files."""
     if len(data) < 8:
         raise ProbeFileError(
@@ -138,10 +143,11 @@ def _read_metadata(data: bytes, where: str) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise ProbeFileError(f"{where}: not a safetensors probe file (header is not an object)")
     meta = header.get("__metadata__")
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+    expected = f"dynsteer.{kind}"
+    if not isinstance(meta, dict) or meta.get("format") != expected:
         raise ProbeFileError(
-            f"{where}: a safetensors file but not a dynsteer probe (metadata 'format' is "
-            f"{(meta or {}).get('format')!r}, expected {FORMAT_NAME!r}); save probes with "
+            f"{where}: a safetensors file but not a dynsteer {kind} (metadata 'format' is "
+            f"{(meta or {}).get('format')!r}, expected {expected!r}); save probes with "
             "Probe.save()"
         )
     version = meta.get("format_version")
@@ -153,7 +159,8 @@ def _read_metadata(data: bytes, where: str) -> dict[str, Any]:
     return meta
 
 
-def read_probe_file(path: str | PathLike[str]) -> tuple[NDArray[np.float32], dict[str, Any]]:
+def read_probe_file(path: str | PathLike[str],
+                    kind: str = "probe") -> tuple[NDArray[np.float32], dict[str, Any]]:
     """Read a file written by :func:`write_probe_file`: (read-only weights, JSON header).
 
     The whole file is read once and both parts come from the same bytes, so a concurrent
@@ -161,7 +168,7 @@ def read_probe_file(path: str | PathLike[str]) -> tuple[NDArray[np.float32], dic
     """
     where = os.fspath(path)
     data = Path(path).read_bytes()
-    meta = _read_metadata(data, where)
+    meta = _read_metadata(data, where, kind)
     try:
         tensors = _safetensors_numpy().load(data)
     except Exception as e:  # safetensors raises its own (Rust) error type
@@ -181,11 +188,11 @@ def read_probe_file(path: str | PathLike[str]) -> tuple[NDArray[np.float32], dic
             f"{where}: weights checksum mismatch (the file is corrupt); re-export the probe"
         )
     try:
-        header = json.loads(meta.get("probe", ""))
+        header = json.loads(meta.get(kind, ""))
     except json.JSONDecodeError as e:
-        raise ProbeFileError(f"{where}: probe metadata is not JSON: {e}") from e
+        raise ProbeFileError(f"{where}: {kind} metadata is not JSON: {e}") from e
     if not isinstance(header, dict):
-        raise ProbeFileError(f"{where}: probe metadata must be a JSON object")
+        raise ProbeFileError(f"{where}: {kind} metadata must be a JSON object")
     weights = weights.astype(np.float32)  # native byte order, owned copy
     weights.setflags(write=False)
     return weights, header

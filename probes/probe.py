@@ -35,8 +35,10 @@ controller, so that the probe format has no dependency beyond numpy and pydantic
 
 HOOKS: tuple[Hook, ...] = ("pre_attn", "post_attn", "post_block")
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-"""Probe names end up in file names, URLs and metric labels, so they are kept to a safe alphabet."""
+NAME_RULE = "1-64 characters from A-Z a-z 0-9 _ . -, not starting with '.'"
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+"""Names of probes and vectors end up in file names, URLs and metric labels, so they are kept to
+a safe alphabet; a leading dot is refused (``.``, ``..`` and hidden files)."""
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 MetadataValue = str | bool | int | FiniteFloat
@@ -104,7 +106,7 @@ class Probe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     name: str
-    """Registry name, ``[A-Za-z0-9_.-]{1,64}``; used in file names, URLs and metric labels."""
+    """Registry name (:data:`NAME_RULE`); used in file names, URLs and metric labels."""
     weights: np.ndarray
     """The direction ``w``, float32 of shape ``(hidden_size,)``; finite and non-empty."""
     threshold: FiniteFloat = 0.0
@@ -125,7 +127,7 @@ class Probe(BaseModel):
     def _check_name(cls, value: str) -> str:
         if not NAME_PATTERN.fullmatch(value):
             raise ValueError(
-                f"probe name {value!r} is invalid: use 1-64 characters from A-Z a-z 0-9 _ . -"
+                f"probe name {value!r} is invalid: use {NAME_RULE}"
             )
         return value
 

@@ -186,3 +186,73 @@ def test_rows_are_released_after_requests_finish(llm):
     info = Steering(llm).info()[0]
     assert info["rows_in_use"] == 0
     assert info["live_requests"] <= 1
+
+
+HOSTILE = {
+    # The hostile-client probe's request: every number passed the old checks.
+    "1e20 x 1e20": ({"steer": [{"vector": [1e20] * 128, "layers": [1], "scale": 1e20}]},
+                    r"steer\[0\]: ‖scale · vector‖ = .* exceeds the engine's max_steer_norm"),
+    "1e39 (inf in fp32)": (_bad(vector=[1e39] * 128),
+                           r"steer\[0\]\.vector\[0\]: 1e\+39 is not finite in float32"),
+    "1e39 scale": (_bad(scale=1e39), r"steer\[0\]\.scale: 1e\+39 is not finite in float32"),
+    "numeric strings": (_bad(vector=["1.0"] * 128), r"steer\[0\]\.vector\[0\]"),
+    "booleans": (_bad(vector=[True] * 128), r"steer\[0\]\.vector\[0\]"),
+    "string layer": (_bad(layers=["1"]), r"steer\[0\]\.layers\[0\]"),
+    "huge probe weights": ({"gate": {**GATE, "probe": {"weights": [1e30] * 128}}},
+                           r"gate\.probe\.weights: magnitudes must be at most"),
+    "huge threshold": ({"gate": {**GATE, "threshold": 1e30}}, r"gate\.threshold"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_request_is_rejected_and_later_requests_are_unchanged(llm, plain_outputs,
+                                                                       case):
+    """Numbers that would overflow where they are used are refused with the field named; the
+    unrelated requests after them are exactly stock vLLM's."""
+    spec, message = HOSTILE[case]
+    with pytest.raises(ValueError, match=message):
+        run(llm, PROMPTS[:1], [params(spec=spec)])
+    for out, ref in zip(run(llm, PROMPTS, [params() for _ in PROMPTS]), plain_outputs,
+                        strict=True):
+        assert_same(out, ref)
+
+
+def test_one_value_one_error_on_every_path(llm):
+    """The same unusable value gets the same error, field named, on every way in."""
+    steering = Steering(llm)
+    fragment = "1e+39 is not finite in float32"
+    with pytest.raises(ValueError, match=r"dynsteer\.steer\[0\]\.vector\[0\]: 1e\+39") as e:
+        run(llm, PROMPTS[:1], [params(spec=_bad(vector=[1e39] * 128))])
+    assert fragment in str(e.value)
+    for call, field in ((lambda: steering.set_global(_bad(vector=[1e39] * 128)["steer"]),
+                         "steer[0].vector[0]"),
+                        (lambda: steering.register_vector("big", [1e39] * 128), "vector[0]"),
+                        (lambda: steering.register_probe("big", weights=[1e39] * 128),
+                         "weights[0]")):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value).startswith(f"{field}: {fragment}"), str(e.value)
+    assert "big" not in steering.vectors() and "big" not in steering.probes()
+    assert Steering(llm).info()[0]["global_entries"] == 0
+
+
+def test_data_plane_drops_overflowing_steering(llm, plain_outputs):
+    """Defence in depth: rows that reach the workers unchecked (here written with the raw
+    worker RPC, bypassing the frontend) cannot push NaN, inf or overflowing values into the
+    stream, so neither the steered requests nor the ones after them (which reuse their KV
+    blocks) change. Before the op's guard, the later requests came back NaN."""
+    poisons = [
+        [{"vector": [1e30] * 128, "layers": [1, 2], "scale": 1e30}],  # inf in the fp32 row
+        [{"vector": [1e30] * 128, "layers": [1]}],  # finite, but overflows the next norm
+    ]
+    try:
+        for entries in poisons:
+            llm.collective_rpc("dynsteer_set_global", args=(entries,))
+            for out, ref in zip(run(llm, PROMPTS, [params() for _ in PROMPTS]), plain_outputs,
+                                strict=True):
+                assert_same(out, ref)
+    finally:
+        llm.collective_rpc("dynsteer_set_global", args=([],))
+    for out, ref in zip(run(llm, PROMPTS, [params() for _ in PROMPTS]), plain_outputs,
+                        strict=True):
+        assert_same(out, ref)

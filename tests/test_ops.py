@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynsteer.engine_ext import ops  # noqa: F401  (defines torch.ops.dynsteer.steer)
+from dynsteer.engine_ext import ops  # defines torch.ops.dynsteer.steer
 
 SITE = 3
 LANE = 2
@@ -127,6 +127,37 @@ def test_extreme_scores_saturate_without_nan():
     gate = args[9]
     assert torch.isfinite(out).all() and torch.isfinite(gate).all()
     assert ((gate >= 0) & (gate <= 1)).all()
+
+
+def poison_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int):
+    """Inputs whose rows overflow on purpose: row 1 holds inf, NaN and 1e30 (finite but far
+    past the stream limit), probe 1 scores NaN; other rows are ordinary."""
+    args = list(make_inputs(tokens, hidden, dtype, seed))
+    table, probes = args[4], args[7]
+    table[1, 0], table[1, 1], table[1, 2:] = float("inf"), float("nan"), 1e30
+    probes[1, 0], probes[1, 1] = float("inf"), float("-inf")  # score inf - inf = NaN
+    args[0][:, :2], args[1][:, :2] = 1, 0
+    return args
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_overflowing_rows_leave_the_stream_finite(dtype):
+    """The op never writes NaN, inf or a value past the stream limit: such elements keep their
+    unsteered value, other elements and rows are steered as usual, NaN gates count as 0."""
+    args = poison_inputs(64, 128, dtype, seed=3)
+    x, rows = args[0], args[2]
+    out = torch.ops.dynsteer.steer(*args, SITE)
+    assert torch.isfinite(out).all()
+    assert (out.float().abs() <= ops.stream_limit(dtype)).all()
+    poisoned = rows == 1
+    assert poisoned.any()
+    assert torch.equal(out[poisoned], x[poisoned])  # every element of row 1 overflowed
+    gate, probe_rows = args[9][:64], args[3]
+    nan_scored = probe_rows == 1
+    assert nan_scored.any() and torch.isnan(args[10][:64][nan_scored]).all()
+    assert (gate[nan_scored] == 0).all()
+    fine = rows == 3
+    assert fine.any() and not torch.equal(out[fine], x[fine])
 
 
 def test_fake_impl_shapes():

@@ -103,6 +103,7 @@ def _bad_uploads(trained: Probe) -> list[tuple[str, object, str | None, tuple[in
     good = trained.to_json_dict()
     nan = {**trained.to_json_dict(weights_format="list"), "name": "nan"}
     nan["weights"][3] = math.nan
+    list_weights = trained.to_json_dict(weights_format="list")
     return [
         ("wrong size", {**good, "name": "small",
                         "weights_b64": Probe(name="s", weights=np.ones(3, np.float32),
@@ -125,6 +126,14 @@ def _bad_uploads(trained: Probe) -> list[tuple[str, object, str | None, tuple[in
          (400,), "fingerprint: architecture"),
         ("both weights", {**good, "name": "both", "weights": [0.0] * 128}, KEY, (400, 422),
          "exactly one"),
+        ("inf in fp32", {**list_weights, "name": "big", "weights": [1e39] * 128}, KEY, (400,),
+         "weights[0]: 1e+39 is not finite in float32"),
+        ("huge weights", {**list_weights, "name": "big", "weights": [1e30] * 128}, KEY, (400,),
+         "weights: magnitudes must be at most"),
+        ("huge threshold", {**good, "name": "big", "threshold": 1e30}, KEY, (400,),
+         "threshold: must be finite and at most"),
+        ("string weights", {**list_weights, "name": "big", "weights": ["1"] * 128}, KEY, (400,),
+         "weights[0]"),
     ]
 
 
@@ -156,10 +165,27 @@ def test_capture_errors_are_4xx(server, body, key, status, fragment):
     assert fragment in json.dumps(answer), answer
 
 
-def test_restart_serves_the_same_probes(server, trained, chat_model, store, tmp_path_factory):
+def test_duplicate_upload_is_409_unless_replacing(server, trained):
+    url = server["server"].url
+    with pytest.raises(DynsteerHTTPError) as taken:
+        upload(trained, url, api_key=KEY)
+    assert taken.value.status == 409 and "already registered" in taken.value.message
+    assert upload(trained, url, api_key=KEY, replace=True)["name"] == "storm"
+    for name in (".hidden", "..", "."):
+        status, answer = http("POST", url + "/v1/dynsteer/probes",
+                              {**trained.to_json_dict(), "name": name}, api_key=KEY)
+        assert status == 400 and "name" in json.dumps(answer), (name, answer)
+
+
+def test_restart_serves_the_same_probes_and_vectors(server, trained, chat_model, store,
+                                                    tmp_path_factory):
     upload(trained.replace(name="storm2", threshold=trained.threshold + 1.0),
            server["server"].url, api_key=KEY)
     _client(server).delete_probe("storm2")
+    vector = np.random.default_rng(5).standard_normal(128).astype(np.float32)
+    _client(server).register_vector("calm", vector)
+    _client(server).register_vector("gone", vector)
+    _client(server).delete_vector("gone")
     server["server"].stop()
     (store / ".storm.safetensors.deadbeef.tmp").write_bytes(b"interrupted write")
     restarted = Server(chat_model, tmp_path_factory.mktemp("logs") / "serve2.log",
@@ -169,6 +195,8 @@ def test_restart_serves_the_same_probes(server, trained, chat_model, store, tmp_
     client = _client(server)
     assert [p.name for p in client.probes()] == ["storm"]
     np.testing.assert_array_equal(client.get_probe("storm").weights, trained.weights)
+    assert client.vectors() == ["calm"]
+    np.testing.assert_array_equal(np.float32(client.get_vector("calm")), vector)
     assert not (store / ".storm.safetensors.deadbeef.tmp").exists()
     report = client.request(_gated_completion(server, POSITIVE[1]))
     assert report.gated and report.telemetry.tokens_monitored > 0

@@ -138,6 +138,10 @@ def test_global_steering_changes_outputs_and_returns_to_baseline(openai_client, 
 
 def test_named_vector_round_trip(openai_client, client):
     client.register_vector("sea", VECTOR)
+    with pytest.raises(DynsteerHTTPError) as taken:
+        client.register_vector("sea", VECTOR)
+    assert taken.value.status == 409 and "replace" in taken.value.message
+    client.register_vector("sea", VECTOR, replace=True)
     assert "sea" in client.vectors()
     np.testing.assert_allclose(client.get_vector("sea"), np.float32(VECTOR), rtol=0, atol=0)
     by_name = {"steer": [{"vector": "sea", "layers": [1, 2]}]}
@@ -206,7 +210,24 @@ BAD_ROUTE_CALLS = [
     ("POST", "/vectors", {"name": "big", "vector": [0.5] * 20000}, KEY, (413,), "larger than"),
     ("DELETE", "/vectors/nope", None, KEY, (404,), "unknown vector 'nope'"),
     ("GET", "/vectors/nope", None, None, (404,), "unknown vector"),
-    ("GET", "/requests/chatcmpl-nope", None, None, (404,), "not a recent steered request"),
+    ("GET", "/requests/chatcmpl-nope", None, KEY, (404,), "not a recent steered request"),
+    ("GET", "/requests/chatcmpl-nope", None, None, (401,), "API key"),
+    # One unusable value, one answer on every path (the hostile-client probe got 200 / 500).
+    ("PUT", "/global", {"steer": [{"vector": [1e39] * 128, "layers": [1]}]}, KEY, (400,),
+     "steer[0].vector[0]: 1e+39 is not finite in float32"),
+    ("POST", "/vectors", {"name": "v", "vector": [1e39] * 128}, KEY, (400,),
+     "vector[0]: 1e+39 is not finite in float32"),
+    ("POST", "/vectors", {"name": "v", "vector_b64": encode_f32([np.inf] * 128)}, KEY, (400,),
+     "vector[0]: inf is not finite in float32"),
+    ("POST", "/vectors", {"name": "v", "vector": [1e4] * 128}, KEY, (400,), "max_steer_norm"),
+    ("PUT", "/global", {"steer": [{"vector": VECTOR, "layers": [1], "scale": 1e20}]}, KEY,
+     (400,), "max_steer_norm"),
+    ("POST", "/vectors", {"name": "v", "vector": ["1.0"] * 128}, KEY, (400,), "vector[0]"),
+    ("POST", "/vectors", {"name": "v", "vector": [True] * 128}, KEY, (400,), "vector[0]"),
+    ("PUT", "/global", {"steer": [{"vector": VECTOR, "layers": [True]}]}, KEY, (400,),
+     "steer[0].layers[0]"),
+    ("POST", "/vectors", {"name": ".hidden", "vector": VECTOR}, KEY, (400,), "name"),
+    ("POST", "/vectors", {"name": "..", "vector": VECTOR}, KEY, (400,), "name"),
 ]
 
 
@@ -222,6 +243,10 @@ def test_route_errors_are_4xx_with_a_message(server, offline, method, path, body
 
 @pytest.mark.parametrize("spec,fragment", [
     ({"steer": [{"vector": [1.0], "layers": [1]}]}, "dynsteer.steer[0].vector"),
+    ({"steer": [{"vector": [1e39] * 128, "layers": [1]}]},
+     "dynsteer.steer[0].vector[0]: 1e+39 is not finite in float32"),
+    ({"steer": [{"vector": [1e20] * 128, "layers": [1], "scale": 1e20}]},
+     "dynsteer.steer[0]: ‖scale · vector‖"),
     ({"steer": [{"vector": "unknown", "layers": [1]}]}, "unknown"),
     ({"gate": {"probe": "nope", "layer": 0, "steer": [{"vector": VECTOR, "layers": [1]}]}},
      "dynsteer.gate.probe"),
@@ -240,6 +265,18 @@ def test_spec_given_twice_is_rejected(openai_client):
 
     with pytest.raises(openai.BadRequestError, match="give it once"):
         chat(openai_client, dynsteer=STATIC, vllm_xargs={"dynsteer": json.dumps(STATIC)})
+
+
+def test_unsupported_route_and_deep_spec_are_400(server):
+    server.wait_ready()
+    status, answer = http("POST", server.url + "/v1/responses",
+                          {"model": "m", "input": "hi", "dynsteer": STATIC})
+    assert status == 400, answer
+    assert "not supported on /v1/responses" in answer["error"]["message"]
+    deep = '{"model": "m", "messages": [], "dynsteer": ' + "[" * 2000 + "]" * 2000 + "}"
+    status, answer = http("POST", server.url + "/v1/chat/completions", raw=deep.encode())
+    assert status == 400, answer
+    assert answer["error"]["message"] == "dynsteer: JSON nested deeper than 64 levels"
 
 
 def test_server_keeps_serving_after_errors(openai_client, client):

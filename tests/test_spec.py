@@ -16,7 +16,7 @@ from dynsteer.controller.spec import (
 
 SHAPE = ModelShape(hidden_size=4, num_layers=3,
                    sites=frozenset({("post_block", 0), ("post_block", 1), ("pre_attn", 2)}),
-                   vector_names={"calm"})
+                   vector_norms={"calm": 1.0})
 
 
 def test_defaults():

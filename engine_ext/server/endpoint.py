@@ -11,13 +11,14 @@ import logging
 from argparse import Namespace
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from dynsteer.engine_ext import compat
 from dynsteer.engine_ext.server import probe_routes, routes
 from dynsteer.engine_ext.server.metrics import install_collector
 from dynsteer.engine_ext.server.middleware import DynsteerMiddleware
-from dynsteer.engine_ext.server.runtime import DynsteerServer
+from dynsteer.engine_ext.server.runtime import DynsteerServer, WorkerError
 from dynsteer.engine_ext.server.settings import ServerSettings, api_keys
 
 logger = logging.getLogger("vllm.dynsteer.server")
@@ -28,6 +29,12 @@ def _model_name(args: Namespace) -> str:
     if served:
         return served[0] if isinstance(served, (list, tuple)) else str(served)
     return str(getattr(args, "model", ""))
+
+
+async def _worker_error(request: Request, exc: Exception) -> JSONResponse:
+    """A failed worker call: 503 with our message only (the details went to the log)."""
+    return JSONResponse({"error": {"message": str(exc), "type": "ServiceUnavailable",
+                                   "code": 503}}, status_code=503)
 
 
 class DynsteerEndpoints:
@@ -42,7 +49,9 @@ class DynsteerEndpoints:
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(routes.router)
         app.include_router(probe_routes.router)
-        app.add_middleware(DynsteerMiddleware, max_body_bytes=self.settings.max_body_bytes)
+        app.add_exception_handler(WorkerError, _worker_error)
+        app.add_middleware(DynsteerMiddleware, max_body_bytes=self.settings.max_body_bytes,
+                           max_request_bytes=self.settings.max_request_bytes)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         if engine_client is None:  # the CPU-only render server has no engine
@@ -58,7 +67,7 @@ class DynsteerEndpoints:
             return
         keys = api_keys(self.settings, getattr(args, "api_key", None))
         server = DynsteerServer(engine_client, frontend, self.settings, keys, _model_name(args))
-        await probe_routes.restore_probes(server)
+        await probe_routes.restore_registry(server)
         state.dynsteer = server
         install_collector(server)
         logger.info("dynsteer: routes ready under /v1/dynsteer (%d sites, mutating routes %s)",

@@ -3,23 +3,39 @@
 * ``POST /v1/chat/completions`` and ``/v1/completions`` with a top-level ``dynsteer`` object
   (OpenAI clients' ``extra_body``): the object moves into ``vllm_xargs["dynsteer"]`` as JSON,
   the path vLLM already carries into ``SamplingParams.extra_args``, so both ways of passing a
-  spec meet the same validation. Bodies without the ``"dynsteer"`` bytes pass untouched.
-* Bodies of ``/v1/dynsteer/`` routes are capped (HTTP 413) before anything parses them.
+  spec meet the same validation. Every other POST with a top-level ``dynsteer`` object is HTTP
+  400 naming the routes that take it (vLLM would ignore the unknown field and answer
+  unsteered). Bodies without the ``"dynsteer"`` bytes pass untouched (one byte search); bodies
+  with them are first checked to nest at most ``MAX_JSON_DEPTH`` levels (HTTP 400 above).
+* Request bodies are capped before anything parses them (HTTP 413, from Content-Length, then
+  while reading): ``max_body_bytes`` on ``/v1/dynsteer/`` routes, ``max_request_bytes`` on
+  every other POST, PUT and PATCH (vLLM's routes, completions included).
 * ``GET /metrics`` first refreshes the workers' counters, so a scrape sees current values.
+
+Error bodies carry our message only, in vLLM's ``{"error": {...}}`` shape.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dynsteer.controller.spec import SPEC_KEY
+from dynsteer.controller.spec import MAX_JSON_DEPTH, SPEC_KEY, SpecError, check_json_depth
 from dynsteer.engine_ext.server.routes import PREFIX
+from dynsteer.engine_ext.server.settings import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    MAX_BODY_ENV,
+    MAX_REQUEST_ENV,
+)
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+"""The routes that take a spec (top-level ``dynsteer`` or ``vllm_xargs["dynsteer"]``)."""
+BODY_METHODS = ("POST", "PUT", "PATCH")
 _MARKER = f'"{SPEC_KEY}"'.encode()
+_ERROR_TYPES = {400: "BadRequestError", 413: "RequestTooLargeError"}
 
 
 class BodyTooLarge(Exception):
@@ -27,7 +43,7 @@ class BodyTooLarge(Exception):
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "BadRequestError",
+    return JSONResponse({"error": {"message": message, "type": _ERROR_TYPES[status],
                                    "code": status}}, status_code=status)
 
 
@@ -44,7 +60,7 @@ async def _read_body(receive: Receive, limit: int | None) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             break
-    return b"".join(chunks)
+    return b"".join(chunks)  # one chunk: that very object, no copy
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -61,20 +77,25 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def move_spec_to_xargs(body: bytes) -> bytes:
-    """The body with a top-level ``dynsteer`` object moved to ``vllm_xargs["dynsteer"]``.
+def _with_spec(body: bytes) -> dict[str, Any] | None:
+    """The body's JSON object when it has a top-level ``dynsteer`` key, else None.
 
-    Raises ValueError when the spec is given both ways. Anything not a JSON object is returned
-    unchanged (vLLM reports it).
+    Raises :class:`SpecError` (a ValueError) when a body carrying the ``"dynsteer"`` bytes
+    nests deeper than ``MAX_JSON_DEPTH``. Anything not a JSON object is None (vLLM reports it).
     """
     if _MARKER not in body:
-        return body
+        return None
+    check_json_depth(body, SPEC_KEY)
     try:
         data = json.loads(body)
+    except RecursionError:
+        raise SpecError(f"{SPEC_KEY}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError:
-        return body
-    if not isinstance(data, dict) or SPEC_KEY not in data:
-        return body
+        return None
+    return data if isinstance(data, dict) and SPEC_KEY in data else None
+
+
+def _moved(body: bytes, data: dict[str, Any]) -> bytes:
     spec = data.pop(SPEC_KEY)
     xargs = data.get("vllm_xargs") or {}
     if not isinstance(xargs, dict):
@@ -87,6 +108,31 @@ def move_spec_to_xargs(body: bytes) -> bytes:
     return json.dumps(data).encode()
 
 
+def move_spec_to_xargs(body: bytes) -> bytes:
+    """The body with a top-level ``dynsteer`` object moved to ``vllm_xargs["dynsteer"]``.
+
+    Raises ValueError when the spec is given both ways, or nests too deep. Anything not a
+    JSON object is returned unchanged (vLLM reports it).
+    """
+    data = _with_spec(body)
+    return body if data is None else _moved(body, data)
+
+
+def rewrite_body(path: str, body: bytes) -> bytes:
+    """``body`` as the app should see it on ``POST path`` (outside ``/v1/dynsteer/``).
+
+    Completion routes get the spec moved into ``vllm_xargs``; on any other route a top-level
+    ``dynsteer`` key is a ValueError naming the supported routes.
+    """
+    data = _with_spec(body)
+    if data is None:
+        return body
+    if path.rstrip("/") in COMPLETION_PATHS:
+        return _moved(body, data)
+    raise SpecError(f"{SPEC_KEY}: not supported on {path}; send steered requests to "
+                    f"{' or '.join(COMPLETION_PATHS)} (top-level \"{SPEC_KEY}\" or vllm_xargs)")
+
+
 def _with_length(scope: Scope, length: int) -> Scope:
     headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
     headers.append((b"content-length", str(length).encode()))
@@ -94,9 +140,11 @@ def _with_length(scope: Scope, length: int) -> Scope:
 
 
 class DynsteerMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.max_request_bytes = max_request_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -104,21 +152,20 @@ class DynsteerMiddleware:
             return
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         method = scope["method"]
-        if path.startswith(PREFIX) and method in ("POST", "PUT", "PATCH"):
-            await self._capped(scope, receive, send)
-        elif path in COMPLETION_PATHS and method == "POST":
-            await self._completion(scope, receive, send)
-        else:
+        if method not in BODY_METHODS:
             if path == "/metrics" and method == "GET":
                 server = getattr(scope["app"].state, "dynsteer", None)
                 if server is not None:
                     await server.refresh_stats()
             await self.app(scope, receive, send)
-
-    async def _capped(self, scope: Scope, receive: Receive, send: Send) -> None:
-        limit = self.max_body_bytes
-        too_large = _error(413, f"body: larger than {limit} bytes (raise "
-                                "DYNSTEER_MAX_BODY_BYTES / --dynsteer-max-body-bytes)")
+            return
+        ours = path.startswith(PREFIX)
+        if ours:
+            limit, setting = self.max_body_bytes, f"{MAX_BODY_ENV} / --dynsteer-max-body-bytes"
+        else:
+            limit = self.max_request_bytes
+            setting = f"{MAX_REQUEST_ENV} / --dynsteer-max-request-bytes"
+        too_large = _error(413, f"body: larger than {limit} bytes (raise {setting})")
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await too_large(scope, receive, send)
@@ -128,15 +175,12 @@ class DynsteerMiddleware:
         except BodyTooLarge:
             await too_large(scope, receive, send)
             return
+        if not ours and method == "POST":
+            try:
+                new_body = rewrite_body(path, body)
+            except ValueError as e:
+                await _error(400, str(e))(scope, receive, send)
+                return
+            if new_body is not body:
+                scope, body = _with_length(scope, len(new_body)), new_body
         await self.app(scope, _replay(body, receive), send)
-
-    async def _completion(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _read_body(receive, None)
-        try:
-            new_body = move_spec_to_xargs(body)
-        except ValueError as e:
-            await _error(400, str(e))(scope, receive, send)
-            return
-        if new_body is not body:
-            scope = _with_length(scope, len(new_body))
-        await self.app(scope, _replay(new_body, receive), send)

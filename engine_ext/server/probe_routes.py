@@ -2,9 +2,10 @@
 ``/v1/dynsteer/capture`` (activations to train them on).
 
 An upload is checked completely (body size, name, finite weights of the served hidden size, a
-configured monitor site, the training fingerprint) before anything changes; then it is written
-to the probe store (when configured, atomically) and registered on every worker, so a restarted
-server serves the same probes (see :func:`restore_probes`).
+configured monitor site, the training fingerprint, a free name or ``?replace=true``, room in the
+registry) before anything changes; then it is written to the store (when configured,
+atomically) and registered on every worker, so a restarted server serves the same probes and
+vectors (see :func:`restore_registry`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,18 @@ from dynsteer.controller.http_models import (
     ProbeUpload,
 )
 from dynsteer.engine_ext.capture import CaptureArgs, capture_async, encode_result
-from dynsteer.engine_ext.server.routes import PREFIX, Mutating, Server, http_errors
+from dynsteer.engine_ext.server.routes import (
+    PREFIX,
+    DynsteerRoute,
+    Guarded,
+    Server,
+    http_errors,
+)
 from dynsteer.engine_ext.server.runtime import DynsteerServer
 
 logger = logging.getLogger("vllm.dynsteer.server")
 
-router = APIRouter(prefix=PREFIX, tags=["dynsteer probes"])
+router = APIRouter(prefix=PREFIX, tags=["dynsteer probes"], route_class=DynsteerRoute)
 
 
 def _summary(info: dict) -> ProbeSummary:
@@ -36,14 +43,16 @@ def _summary(info: dict) -> ProbeSummary:
                         metadata=info.get("metadata", {}))
 
 
-@router.post("/probes", response_model=ProbeSummary, status_code=201, dependencies=Mutating)
-async def post_probe(body: ProbeUpload, server: DynsteerServer = Server) -> ProbeSummary:
-    """Register (or replace) a probe, usable as ``"probe": name`` in a request's gate."""
+@router.post("/probes", response_model=ProbeSummary, status_code=201, dependencies=Guarded)
+async def post_probe(body: ProbeUpload, replace: bool = False,
+                     server: DynsteerServer = Server) -> ProbeSummary:
+    """Register a probe, usable as ``"probe": name`` in a request's gate (409 when the name is
+    taken, unless ``?replace=true``)."""
     with http_errors():
         probe = body.to_probe()
-        change = server.plane.register_probe_object(probe)
+        change = server.plane.register_probe_object(probe, replace=replace)
     if server.store is not None:
-        server.store.save(probe)
+        server.store.save_probe(probe)
     await server.apply(change)
     return _summary(server.frontend.probes[probe.name])
 
@@ -63,36 +72,41 @@ async def get_probe(name: str, server: DynsteerServer = Server) -> dict:
     return info
 
 
-@router.delete("/probes/{name}", response_model=Deleted, dependencies=Mutating)
+@router.delete("/probes/{name}", response_model=Deleted, dependencies=Guarded)
 async def delete_probe(name: str, server: DynsteerServer = Server) -> Deleted:
     """Forget a probe (and its stored file); requests already admitted keep their gate."""
     with http_errors():
         change = server.plane.unregister_probe(name)
     await server.apply(change)
     if server.store is not None:
-        server.store.delete(name)
+        server.store.delete_probe(name)
     return Deleted(deleted=name)
 
 
-async def restore_probes(server: DynsteerServer) -> None:
-    """Register every stored probe at startup; one that no longer fits is skipped, loudly."""
+async def restore_registry(server: DynsteerServer) -> None:
+    """Register every stored vector and probe at startup; one that no longer fits this model
+    (or these engine options) is skipped, loudly."""
     if server.store is None:
         return
-    for probe in server.store.load_all():
+    for name, values in server.store.load_vectors():
+        try:
+            change = server.plane.register_vector(name, values)
+        except ValueError as e:
+            logger.error("dynsteer: stored vector %r does not fit this model: %s", name, e)
+            continue
+        await server.apply(change)
+    for probe in server.store.load_probes():
         try:
             change = server.plane.register_probe_object(probe)
         except ValueError as e:
             logger.error("dynsteer: stored probe %r does not fit this model: %s", probe.name, e)
             continue
         await server.apply(change)
-    logger.info("dynsteer: %d probes restored from %s", len(server.frontend.probes),
-                server.store.folder)
+    logger.info("dynsteer: %d vectors and %d probes restored from %s",
+                len(server.frontend.vectors), len(server.frontend.probes), server.store.folder)
 
 
-
-
-
-@router.post("/capture", response_model=CaptureResponse, dependencies=Mutating)
+@router.post("/capture", response_model=CaptureResponse, dependencies=Guarded)
 async def capture(body: CaptureArgs, server: DynsteerServer = Server) -> dict:
     """Residual-stream activations of prompts at sites, computed by the served engine (for
     training probes). Runs one capture at a time; other traffic continues alongside."""

@@ -2,18 +2,24 @@
 
 Every body and response is a pydantic model of :mod:`dynsteer.controller.http_models`, so
 ``/openapi.json`` documents them. Bad input is HTTP 400 (404 for unknown names) with a message
-naming the field; the engine keeps serving. Mutating routes require the API key when one is
-configured (see :func:`require_key`).
+naming the field; the engine keeps serving. Routes that change state or return another client's
+data (request telemetry, capture) require the API key when one is configured (see
+:func:`require_key`). Registering a name that exists is HTTP 409 unless ``?replace=true``; a full
+registry is 409 too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 
 from dynsteer.controller.http_models import (
     Deleted,
@@ -25,8 +31,9 @@ from dynsteer.controller.http_models import (
     VectorIn,
     VectorOut,
 )
+from dynsteer.controller.spec import validation_message
 from dynsteer.engine_ext import compat
-from dynsteer.engine_ext.control import UnknownNameError
+from dynsteer.engine_ext.control import ConflictError, UnknownNameError
 from dynsteer.engine_ext.options import KERNEL_ABI, PLUGIN_VERSION
 from dynsteer.engine_ext.server.runtime import DynsteerServer
 
@@ -43,7 +50,7 @@ def server_of(request: Request) -> DynsteerServer:
 
 
 def require_key(request: Request) -> None:
-    """Mutating routes: ``Authorization: Bearer <key>`` must match a configured key, if any."""
+    """Guarded routes: ``Authorization: Bearer <key>`` must match a configured key, if any."""
     server = server_of(request)
     if not server.api_keys:
         return
@@ -59,18 +66,42 @@ def require_key(request: Request) -> None:
 
 @contextmanager
 def http_errors() -> Iterator[None]:
-    """Validation failures become 400 (unknown names 404) carrying the field-naming message."""
+    """Validation failures become 400 (unknown names 404, taken names and full registries 409)
+    carrying the field-naming message."""
     try:
         yield
     except UnknownNameError as e:
         raise HTTPException(404, str(e)) from e
+    except ConflictError as e:
+        raise HTTPException(409, str(e)) from e
     except ValueError as e:
         raise HTTPException(400, str(e)) from e
 
 
-router = APIRouter(prefix=PREFIX, tags=["dynsteer"])
+class DynsteerRoute(APIRoute):
+    """Bodies that fail their pydantic model answer HTTP 400 worded like every other dynsteer
+    error (``steer[0].vector[0]: 1e+39 is not finite in float32``), whatever the server's own
+    handler for validation errors does with other routes."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as e:
+                message = validation_message(list(e.errors()))
+                return JSONResponse({"error": {"message": message, "type": "BadRequestError",
+                                               "param": message.partition(":")[0],
+                                               "code": 400}}, status_code=400)
+
+        return handle
+
+
+router = APIRouter(prefix=PREFIX, tags=["dynsteer"], route_class=DynsteerRoute)
 Server = Depends(server_of)
-Mutating = [Depends(require_key)]
+Guarded = [Depends(require_key)]
+"""Routes that change state or reveal other clients' data."""
 
 
 @router.get("/health", response_model=Health)
@@ -100,7 +131,7 @@ async def get_global(server: DynsteerServer = Server) -> GlobalSteering:
     return GlobalSteering.model_validate({"steer": server.frontend.global_entries})
 
 
-@router.put("/global", response_model=GlobalSteering, dependencies=Mutating)
+@router.put("/global", response_model=GlobalSteering, dependencies=Guarded)
 async def put_global(body: GlobalSteering, server: DynsteerServer = Server) -> GlobalSteering:
     """Replace global steering (applies to requests admitted from now on and live ones)."""
     with http_errors():
@@ -109,18 +140,23 @@ async def put_global(body: GlobalSteering, server: DynsteerServer = Server) -> G
     return GlobalSteering.model_validate({"steer": server.frontend.global_entries})
 
 
-@router.delete("/global", response_model=GlobalSteering, dependencies=Mutating)
+@router.delete("/global", response_model=GlobalSteering, dependencies=Guarded)
 async def delete_global(server: DynsteerServer = Server) -> GlobalSteering:
     """Remove global steering."""
     await server.apply(server.plane.clear_global())
     return GlobalSteering()
 
 
-@router.post("/vectors", response_model=VectorOut, status_code=201, dependencies=Mutating)
-async def post_vector(body: VectorIn, server: DynsteerServer = Server) -> VectorOut:
-    """Register (or replace) a named vector, usable as ``"vector": name`` in specs."""
+@router.post("/vectors", response_model=VectorOut, status_code=201, dependencies=Guarded)
+async def post_vector(body: VectorIn, replace: bool = False,
+                      server: DynsteerServer = Server) -> VectorOut:
+    """Register a named vector, usable as ``"vector": name`` in specs (409 when the name is
+    taken, unless ``?replace=true``). Persisted in the store when one is configured."""
     with http_errors():
-        change = server.plane.register_vector(body.name, body.values())
+        values = body.values()
+        change = server.plane.register_vector(body.name, values, replace=replace)
+    if server.store is not None:
+        server.store.save_vector(body.name, values)
     await server.apply(change)
     return VectorOut(name=body.name, vector=server.frontend.vectors[body.name])
 
@@ -138,16 +174,18 @@ async def get_vector(name: str, server: DynsteerServer = Server) -> VectorOut:
     return VectorOut(name=name, vector=values)
 
 
-@router.delete("/vectors/{name}", response_model=Deleted, dependencies=Mutating)
+@router.delete("/vectors/{name}", response_model=Deleted, dependencies=Guarded)
 async def delete_vector(name: str, server: DynsteerServer = Server) -> Deleted:
     """Forget a named vector; requests already admitted keep their steering."""
     with http_errors():
         change = server.plane.unregister_vector(name)
     await server.apply(change)
+    if server.store is not None:
+        server.store.delete_vector(name)
     return Deleted(deleted=name)
 
 
-@router.get("/requests/{request_id}", response_model=RequestReport)
+@router.get("/requests/{request_id}", response_model=RequestReport, dependencies=Guarded)
 async def request_report(request_id: str, server: DynsteerServer = Server) -> RequestReport:
     """How a recent steered request was steered, with its gate telemetry if it had a gate.
 

@@ -13,13 +13,17 @@ from typing import Any
 from dynsteer.engine_ext import compat
 from dynsteer.engine_ext.control import Change, ControlPlane
 from dynsteer.engine_ext.frontend import FrontendState
-from dynsteer.engine_ext.server.probe_store import ProbeStore
+from dynsteer.engine_ext.server.registry_store import RegistryStore
 from dynsteer.engine_ext.server.settings import ServerSettings
 
 logger = logging.getLogger("vllm.dynsteer.server")
 
 STATS_TIMEOUT_S = 5.0
 """How long a /metrics scrape waits for the workers' counters before using the last ones."""
+
+
+class WorkerError(RuntimeError):
+    """A worker RPC failed (HTTP 503 with this message; the details are in the log)."""
 
 
 class DynsteerServer:
@@ -33,8 +37,8 @@ class DynsteerServer:
         self.settings = settings
         self.api_keys = api_keys
         self.model_name = model_name
-        self.store = ProbeStore(settings.probe_store) if settings.probe_store else None
-        """Where uploaded probes persist (None: memory only)."""
+        self.store = RegistryStore(settings.probe_store) if settings.probe_store else None
+        """Where registered probes and vectors persist (None: memory only)."""
         self.worker_stats: dict[str, Any] = {}
         """Counters of TP rank 0 as of the last refresh (every rank sees the same tokens)."""
         self.guard_stats: dict[str, int] = {}
@@ -42,8 +46,17 @@ class DynsteerServer:
         self._lock = asyncio.Lock()
 
     async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        """Call a ``dynsteer_*`` worker method on every worker; one result per worker."""
-        return await compat.collective_rpc_async(self.engine, method, args, timeout)
+        """Call a ``dynsteer_*`` worker method on every worker; one result per worker.
+
+        A failure is logged with its details and raised as :class:`WorkerError`, whose message
+        is safe to show a client (no RPC or traceback wording).
+        """
+        try:
+            return await compat.collective_rpc_async(self.engine, method, args, timeout)
+        except Exception as e:
+            logger.exception("dynsteer: worker call %s failed", method)
+            raise WorkerError(f"dynsteer: the engine's workers could not run {method}; "
+                              "see the server log") from e
 
     async def apply(self, change: Change) -> None:
         """Apply a validated change on every worker, then in the frontend."""

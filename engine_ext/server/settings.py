@@ -15,7 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 API_KEY_ENV = "DYNSTEER_API_KEY"
 MAX_BODY_ENV = "DYNSTEER_MAX_BODY_BYTES"
+MAX_REQUEST_ENV = "DYNSTEER_MAX_REQUEST_BYTES"
 PROBE_STORE_ENV = "DYNSTEER_PROBE_STORE"
+
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+"""Default cap of request bodies on vLLM's own routes (32 MiB; generous for chat bodies)."""
 
 
 class ServerSettings(BaseModel):
@@ -25,6 +29,9 @@ class ServerSettings(BaseModel):
     """Required (as ``Authorization: Bearer``) by every mutating dynsteer route when set."""
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     """Largest request body a dynsteer route accepts (HTTP 413 above)."""
+    max_request_bytes: int = Field(default=DEFAULT_MAX_REQUEST_BYTES, ge=1024)
+    """Largest request body of any other POST/PUT/PATCH route: vLLM's own, completions
+    included (HTTP 413 above)."""
     probe_store: Path | None = None
     """Folder where uploaded probes persist across restarts (None: in memory only)."""
 
@@ -36,6 +43,8 @@ class ServerSettings(BaseModel):
             raw["api_key"] = env[API_KEY_ENV]
         if env.get(MAX_BODY_ENV):
             raw["max_body_bytes"] = env[MAX_BODY_ENV]
+        if env.get(MAX_REQUEST_ENV):
+            raw["max_request_bytes"] = env[MAX_REQUEST_ENV]
         if env.get(PROBE_STORE_ENV):
             raw["probe_store"] = env[PROBE_STORE_ENV]
         try:
@@ -43,6 +52,7 @@ class ServerSettings(BaseModel):
         except ValidationError as e:
             first = e.errors(include_url=False)[0]
             name = {"api_key": API_KEY_ENV, "max_body_bytes": MAX_BODY_ENV,
+                    "max_request_bytes": MAX_REQUEST_ENV,
                     "probe_store": PROBE_STORE_ENV}[str(first["loc"][0])]
             raise ValueError(f"{name}: {first['msg']}") from e
 

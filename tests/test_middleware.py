@@ -1,0 +1,193 @@
+"""DynsteerMiddleware in front of a tiny echo app: no vLLM engine, no server process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from dynsteer.controller.spec import MAX_JSON_DEPTH
+from dynsteer.engine_ext.server.middleware import DynsteerMiddleware
+
+DYNSTEER_CAP = 4096
+REQUEST_CAP = 64 * 1024
+SPEC = {"steer": [{"vector": "calm", "layers": [1]}]}
+SUPPORTED = "send steered requests to /v1/chat/completions or /v1/completions"
+
+
+async def echo(request: Request) -> Response:
+    body = await request.body()
+    return Response(body, headers={"x-echo-length": str(len(body)),
+                                   "x-content-length": request.headers.get("content-length", "")})
+
+
+def make_app() -> DynsteerMiddleware:
+    app = Starlette(routes=[Route("/{path:path}", echo, methods=["GET", "POST", "PUT", "PATCH"])])
+    return DynsteerMiddleware(app, max_body_bytes=DYNSTEER_CAP, max_request_bytes=REQUEST_CAP)
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(make_app(), raise_server_exceptions=False) as c:
+        yield c
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def message_of(response) -> str:
+    return response.json()["error"]["message"]
+
+
+def test_small_bodies_pass_untouched(client):
+    for path in ("/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize"):
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        r = client.post(path, content=body)
+        assert r.status_code == 200 and r.content == body.encode(), path
+    # The bytes appear, but not as a top-level key: untouched everywhere.
+    inner = json.dumps({"metadata": {"dynsteer": 1}, "text": 'say "dynsteer"'}).encode()
+    for path in ("/v1/responses", "/v1/chat/completions"):
+        assert client.post(path, content=inner).content == inner
+
+
+def test_deep_nesting_with_the_marker_is_400_naming_dynsteer(client):
+    for depth in (MAX_JSON_DEPTH + 1, 2500):
+        body = '{"model": "m", "dynsteer": {"steer": ' + nested(depth) + "}}"
+        r = client.post("/v1/chat/completions", content=body)
+        assert r.status_code == 400, r.text
+        assert message_of(r) == f"dynsteer: JSON nested deeper than {MAX_JSON_DEPTH} levels"
+        assert "Traceback" not in r.text and "recursion" not in r.text
+    # Deep elsewhere, with the spec given through vllm_xargs: still bounded.
+    body = json.dumps({"vllm_xargs": {"dynsteer": "{}"}, "x": json.loads(nested(3000 // 4))})
+    assert client.post("/v1/chat/completions", content=body).status_code == 400
+    # Brackets inside strings (escaped quotes included) do not count.
+    text = '\\"' + "[" * 5000 + '\\"'
+    body = '{"dynsteer": {"steer": []}, "messages": [{"content": "' + text + '"}]}'
+    r = client.post("/v1/chat/completions", content=body)
+    assert r.status_code == 200, r.text
+    assert json.loads(r.content)["messages"][0]["content"] == json.loads(f'"{text}"')
+
+
+def test_deep_nesting_without_the_marker_passes_through(client):
+    body = ('{"model": "m", "messages": [], "x": ' + nested(3000) + "}").encode()
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        r = client.post(path, content=body)
+        assert r.status_code == 200 and r.content == body, path
+
+
+def test_spec_at_the_limit_depth_is_moved(client):
+    deepest = json.loads(nested(MAX_JSON_DEPTH - 2))
+    body = json.dumps({"dynsteer": {"x": deepest}})
+    r = client.post("/v1/chat/completions", content=body)
+    assert r.status_code == 200, r.text
+    assert json.loads(r.json()["vllm_xargs"]["dynsteer"]) == {"x": deepest}
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages", "/invocations",
+                                  "/v1/chat/completions/batch", "/v1/embeddings", "/pooling"])
+def test_top_level_spec_elsewhere_is_400_naming_the_routes(client, path):
+    r = client.post(path, json={"model": "m", "input": "hi", "dynsteer": SPEC})
+    assert r.status_code == 400, r.text
+    message = message_of(r)
+    assert message.startswith(f"dynsteer: not supported on {path};")
+    assert SUPPORTED in message and 'top-level "dynsteer" or vllm_xargs' in message
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_top_level_spec_moves_into_vllm_xargs(client, path):
+    r = client.post(path, json={"model": "m", "dynsteer": SPEC, "vllm_xargs": {"other": 1}})
+    assert r.status_code == 200, r.text
+    received = r.json()
+    assert "dynsteer" not in received
+    assert received["vllm_xargs"] == {"other": 1, "dynsteer": json.dumps(SPEC)}
+    assert r.headers["x-content-length"] == str(len(r.content))
+    r = client.post(path, json={"dynsteer": SPEC, "vllm_xargs": {"dynsteer": "{}"}})
+    assert r.status_code == 400 and "give it once" in message_of(r)
+
+
+def test_body_over_the_cap_is_413_by_content_length(client):
+    body = json.dumps({"messages": [{"content": "x" * REQUEST_CAP}]})
+    for path in ("/v1/chat/completions", "/v1/responses", "/v1/audio/transcriptions"):
+        r = client.post(path, content=body)
+        assert r.status_code == 413, path
+        assert "DYNSTEER_MAX_REQUEST_BYTES" in message_of(r)
+        assert "--dynsteer-max-request-bytes" in message_of(r)
+    r = client.put("/v1/dynsteer/global", content=b"x" * (DYNSTEER_CAP + 1))
+    assert r.status_code == 413 and "DYNSTEER_MAX_BODY_BYTES" in message_of(r)
+    # At the cap exactly: accepted.
+    exact = b" " * (REQUEST_CAP - 2) + b"{}"
+    assert client.post("/v1/chat/completions", content=exact).content == exact
+
+
+def test_body_over_the_cap_is_413_while_streaming(client):
+    def chunks():
+        for _ in range(1000):  # 1000 KiB in all, no Content-Length
+            yield b"x" * 1024
+
+    r = client.post("/v1/chat/completions", content=chunks())
+    assert r.status_code == 413 and "DYNSTEER_MAX_REQUEST_BYTES" in message_of(r)
+
+    def small():
+        yield b'{"model": "m", '
+        yield b'"messages": []}'
+
+    r = client.post("/v1/completions", content=small())
+    assert r.status_code == 200 and r.content == b'{"model": "m", "messages": []}'
+
+
+def test_lying_content_length_is_still_capped():
+    """The body is counted while read, whatever Content-Length said; reading stops there."""
+    import asyncio
+
+    app = make_app()
+    messages = [{"type": "http.request", "body": b"x" * 1024, "more_body": True}] * 100
+    messages.append({"type": "http.request", "body": b"", "more_body": False})
+    sent: list[dict] = []
+    pulled = 0
+
+    async def run() -> None:
+        queue = iter(messages)
+
+        async def receive():
+            nonlocal pulled
+            pulled += 1
+            return next(queue)
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                 "root_path": "", "query_string": b"", "headers": [(b"content-length", b"10")]}
+        await app(scope, receive, send)
+
+    asyncio.run(run())
+    assert sent[0]["status"] == 413
+    assert pulled == REQUEST_CAP // 1024 + 1
+
+
+def test_get_and_other_methods_are_not_touched(client):
+    r = client.get("/v1/models")
+    assert r.status_code == 200
+
+
+def test_request_cap_setting_env_flag_and_default():
+    from dynsteer.engine_ext.serve_cli import ServeError, help_text, prepare
+    from dynsteer.engine_ext.server.settings import ServerSettings
+
+    assert ServerSettings().max_request_bytes == 32 * 1024 * 1024
+    s = ServerSettings.from_env({"DYNSTEER_MAX_REQUEST_BYTES": "2048"})
+    assert s.max_request_bytes == 2048
+    with pytest.raises(ValueError, match="DYNSTEER_MAX_REQUEST_BYTES"):
+        ServerSettings.from_env({"DYNSTEER_MAX_REQUEST_BYTES": "12"})
+    env: dict[str, str] = {}
+    prepare(["/m", "--dynsteer-max-request-bytes", "8192"], env)
+    assert env["DYNSTEER_MAX_REQUEST_BYTES"] == "8192"
+    with pytest.raises(ServeError, match="DYNSTEER_MAX_REQUEST_BYTES"):
+        prepare(["/m", "--dynsteer-max-request-bytes=lots"], {})
+    assert "--dynsteer-max-request-bytes" in help_text()
