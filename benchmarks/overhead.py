@@ -1,20 +1,27 @@
-"""Throughput overhead of dynsteer against stock vLLM, side by side in one process tree (GPU).
+"""Throughput of dynsteer on serving-like traffic against stock vLLM, side by side (GPU).
 
 A Llama-8B-shaped model with dummy weights (bf16, CUDA graphs and torch.compile on, vLLM
-defaults otherwise). Engines live at the same time and runs alternate between them, so drift
-of the machine hits all of them alike:
+defaults otherwise) in two engines that live at the same time: ``stock`` (plugin installed, not
+enabled) and ``plugin`` (enabled, default sites: ``post_block`` at all 32 layers). Runs
+alternate between scenarios (order reversed every repetition), so drift hits all alike.
 
-* ``stock``              stock vLLM (plugin installed, not enabled);
-* ``all-sites``          plugin enabled with the default sites (``post_block`` at all 32 layers);
-* ``one-site``           plugin enabled with one site (``post_block@16``).
+Scenarios, each request of a batch carrying its own spec:
 
-Scenarios: the plugin engines with no steering traffic (``idle``) and with every request
-steered at layer 16 (``steered``, a registered vector named in each request's spec).
-Each run: BATCH prompts of 128 random tokens, 128 generated
-tokens (greedy, ignore_eos). Prints a table (tokens/s = generated tokens / wall time, median of
-the repetitions, ratio to stock) and writes JSON.
+* ``idle``        the plugin engine without steering traffic;
+* ``registered``  every request steered by one registered vector at layer 16;
+* ``inline-32``   32 distinct inline vectors (JSON float lists), request i uses vector i % 32;
+* ``inline-32-b64``  the same vectors as base64 float32 (``vector_b64``, the fast form);
+* ``gated``       a registered probe at ``post_block@16`` gating a registered vector at layers
+                  16-23 (threshold at the median score, so the gate fires on about half the
+                  tokens; the measured fraction is reported);
+* ``gates-32``    32 distinct gates (distinct inline probes), each gating that vector.
 
-Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 5]
+Shapes: decode-heavy (128 prompt + 128 generated tokens) at batches 1, 32, 256 and a
+prefill-heavy one (2048 prompt + 16 generated) at batch 32. Prints a table (tokens/s = generated
+tokens / wall time, median of the repetitions, ratio to stock in the same run, spread) and
+writes ``overhead.json``.
+
+Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
 """
 
 from __future__ import annotations
@@ -34,9 +41,13 @@ LLAMA_8B = {
     "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
     "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu",
 }
-PROMPT_LEN = 128
-GEN_LEN = 128
-STEER_LAYER = 16
+HIDDEN = LLAMA_8B["hidden_size"]
+DECODE = (128, 128)
+PREFILL = (2048, 16)
+MONITOR = 16
+GATED_LAYERS = list(range(16, 24))
+DISTINCT = 32
+SCENARIOS = ["idle", "registered", "inline-32", "inline-32-b64", "gated", "gates-32"]
 
 
 def make_model(folder: Path) -> Path:
@@ -50,39 +61,87 @@ def start(path: Path, dynsteer: dict[str, Any] | None, mem: float) -> Any:
 
     extra = {"additional_config": {"dynsteer": dynsteer}} if dynsteer is not None else {}
     return LLM(str(path), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-               max_model_len=PROMPT_LEN + GEN_LEN + 16, max_num_seqs=256,
+               max_model_len=PREFILL[0] + PREFILL[1] + 16, max_num_seqs=256,
                gpu_memory_utilization=mem, seed=0, **extra)
 
 
-def workload(batch: int, steered: bool) -> tuple[list[dict[str, Any]], list[Any]]:
+class Specs:
+    """The per-request specs of every scenario (built once, outside the timed region)."""
+
+    def __init__(self, threshold: float) -> None:
+        import numpy as np
+
+        from dynsteer.controller.limits import encode_f32
+
+        rng = np.random.default_rng(1)
+        vectors = rng.standard_normal((DISTINCT, HIDDEN)).astype(np.float32) * 0.01
+        probes = rng.standard_normal((DISTINCT, HIDDEN)).astype(np.float32) / HIDDEN**0.5
+        gated = [{"vector": "bench", "layers": GATED_LAYERS}]
+        self.by_scenario: dict[str, list[Any]] = {
+            "idle": [None],
+            "registered": [{"steer": [{"vector": "bench", "layers": [MONITOR]}]}],
+            "inline-32": [{"steer": [{"vector": v.tolist(), "layers": [MONITOR]}]}
+                          for v in vectors],
+            "inline-32-b64": [{"steer": [{"vector_b64": encode_f32(v), "layers": [MONITOR]}]}
+                              for v in vectors],
+            "gated": [{"gate": {"probe": "bench", "layer": MONITOR, "steer": gated}}],
+            "gates-32": [{"gate": {"probe": {"weights_b64": encode_f32(p),
+                                             "threshold": threshold},
+                                   "layer": MONITOR, "steer": gated}} for p in probes],
+        }
+
+    def params(self, scenario: str, batch: int, gen_len: int) -> list[Any]:
+        from vllm import SamplingParams
+
+        specs = self.by_scenario[scenario]
+        # A JSON string per request, as the OpenAI server's vllm_xargs carries it; distinct
+        # requests with the same text share one parse in the frontend's cache.
+        texts = [None if s is None else json.dumps(s) for s in specs]
+        return [SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True,
+                               detokenize=False,
+                               extra_args=None if texts[i % len(texts)] is None
+                               else {"dynsteer": texts[i % len(texts)]})
+                for i in range(batch)]
+
+
+def prompts(batch: int, length: int) -> list[dict[str, Any]]:
     import numpy as np
-    from vllm import SamplingParams
 
-    rng = np.random.default_rng(batch)
-    prompts = [{"prompt_token_ids": rng.integers(100, 30000, PROMPT_LEN).tolist()}
-               for _ in range(batch)]
-    extra = None
-    if steered:
-        extra = {"dynsteer": {"steer": [{"vector": "bench", "layers": [STEER_LAYER]}]}}
-    sp = SamplingParams(max_tokens=GEN_LEN, temperature=0.0, ignore_eos=True, detokenize=False,
-                        extra_args=extra)
-    return prompts, [sp] * batch
+    rng = np.random.default_rng(batch * 7919 + length)
+    return [{"prompt_token_ids": rng.integers(100, 30000, length).tolist()} for _ in range(batch)]
 
 
-def timed(llm: Any, prompts: list[dict[str, Any]], sps: list[Any]) -> float:
+def timed(llm: Any, batch_prompts: list[dict[str, Any]], sps: list[Any]) -> float:
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sps, use_tqdm=False)
+    outs = llm.generate(batch_prompts, sps, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == GEN_LEN for o in outs)
-    return len(prompts) * GEN_LEN / elapsed
+    gen = sps[0].max_tokens
+    assert all(len(o.outputs[0].token_ids) == gen for o in outs)
+    return len(batch_prompts) * gen / elapsed
+
+
+def calibrate_gate(llm: Any, steering: Any) -> float:
+    """Register the bench probe with its threshold at the median score of real decode tokens,
+    so the gate fires on about half of them."""
+    import numpy as np
+
+    probe = np.random.default_rng(2).standard_normal(HIDDEN).astype(np.float32) / HIDDEN**0.5
+    acts = steering.capture([p["prompt_token_ids"] for p in prompts(8, 64)],
+                            [f"post_block@{MONITOR}"], reduce="all")[f"post_block@{MONITOR}"]
+    scores = np.concatenate([a @ probe for a in acts])
+    threshold = float(np.median(scores))
+    steering.register_probe("bench", weights=probe, threshold=threshold,
+                            sharpness=8.0 / (scores.std() + 1e-6))
+    return threshold
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--mem", type=float, default=0.28, help="gpu_memory_utilization per engine")
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--no-prefill", action="store_true", help="skip the 2048+16 shape")
+    ap.add_argument("--mem", type=float, default=0.42, help="gpu_memory_utilization per engine")
     args = ap.parse_args()
     import numpy as np
     import torch
@@ -90,42 +149,51 @@ def main() -> None:
 
     from dynsteer.engine_ext import Steering
 
-    configs = {"stock": None, "all-sites": {}, "one-site": {"sites": f"post_block@{STEER_LAYER}"}}
-    scenarios = [("stock", False), ("all-sites", False), ("all-sites", True),
-                 ("one-site", False), ("one-site", True)]
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp) / "llama8b")
         t0 = time.time()
-        engines = {name: start(path, cfg, args.mem) for name, cfg in configs.items()}
+        engines = {"stock": start(path, None, args.mem), "plugin": start(path, {}, args.mem)}
         startup = time.time() - t0
-        vec = np.random.default_rng(0).standard_normal(LLAMA_8B["hidden_size"]) * 0.01
-        for name, cfg in configs.items():
-            if cfg is not None:
-                Steering(engines[name]).register_vector("bench", vec)
-        results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "vllm": vllm.__version__,
-                                   "startup_s": startup, "runs": {}}
-        for batch in args.batches:
-            loads = {s: workload(batch, s) for s in (False, True)}
-            for name, steered in scenarios:  # warm-up: first pass of each shape
-                timed(engines[name], *loads[steered])
-            samples: dict[str, list[float]] = {f"{n}/{'steered' if s else 'idle'}": []
-                                               for n, s in scenarios}
+        steering = Steering(engines["plugin"])
+        steering.register_vector(
+            "bench", np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32) * 0.01)
+        specs = Specs(calibrate_gate(engines["plugin"], steering))
+        results: dict[str, Any] = {"device": torch.cuda.get_device_name(),
+                                   "vllm": vllm.__version__, "startup_s": startup,
+                                   "reps": args.reps, "runs": {}}
+        shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
+        if not args.no_prefill:
+            shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
+        runs = [("stock", "idle"), *(("plugin", s) for s in SCENARIOS)]
+        for shape, batch, prompt_len, gen_len in shapes:
+            batch_prompts = prompts(batch, prompt_len)
+            loads = {s: specs.params(s, batch, gen_len) for s in SCENARIOS}
+            for engine, scenario in runs:  # warm-up: first pass of each shape
+                timed(engines[engine], batch_prompts, loads[scenario])
+            before = steering.info()[0]
+            samples: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
             for rep in range(args.reps):
-                order = scenarios if rep % 2 == 0 else scenarios[::-1]
-                for name, steered in order:
-                    key = f"{name}/{'steered' if steered else 'idle'}"
-                    samples[key].append(timed(engines[name], *loads[steered]))
-            results["runs"][str(batch)] = samples
+                for engine, scenario in runs if rep % 2 == 0 else runs[::-1]:
+                    samples[f"{engine}/{scenario}"].append(
+                        timed(engines[engine], batch_prompts, loads[scenario]))
+            after = steering.info()[0]
+            site = f"post_block@{MONITOR}"
+            monitored = (after["tokens_monitored"].get(site, 0)
+                         - before["tokens_monitored"].get(site, 0))
+            gated = after["tokens_gated"].get(site, 0) - before["tokens_gated"].get(site, 0)
+            results["runs"][shape] = {"samples": samples,
+                                      "gate_on_fraction": gated / max(monitored, 1)}
     print(f"device: {results['device']}  vLLM {results['vllm']}  reps={args.reps}")
-    print(f"{'batch':>5} {'scenario':<22} {'tok/s (median)':>15} {'ratio':>7} {'spread':>7}")
+    print(f"{'shape':>14} {'scenario':<22} {'tok/s (median)':>15} {'ratio':>7} {'spread':>7}")
     summary = {}
-    for batch, samples in results["runs"].items():
-        stock = statistics.median(samples["stock/idle"])
-        for key, values in samples.items():
+    for shape, run in results["runs"].items():
+        stock = statistics.median(run["samples"]["stock/idle"])
+        for key, values in run["samples"].items():
             med = statistics.median(values)
             spread = (max(values) - min(values)) / med
-            summary[f"{batch}/{key}"] = {"tok_s": med, "ratio": med / stock, "spread": spread}
-            print(f"{batch:>5} {key:<22} {med:>15.1f} {med / stock:>7.4f} {spread:>7.2%}")
+            summary[f"{shape}/{key}"] = {"tok_s": med, "ratio": med / stock, "spread": spread}
+            print(f"{shape:>14} {key:<22} {med:>15.1f} {med / stock:>7.4f} {spread:>7.2%}")
+        print(f"{shape:>14} gate on for {run['gate_on_fraction']:.0%} of monitored tokens")
     results["summary"] = summary
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.json").write_text(json.dumps(results, indent=2))

@@ -25,8 +25,8 @@ from dynsteer.controller.http_models import (
     ProbeSummary,
     RequestReport,
     ServerInfo,
-    encode_f32,
 )
+from dynsteer.controller.limits import encode_f32
 from dynsteer.probes import Probe
 
 PREFIX = "/v1/dynsteer"

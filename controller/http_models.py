@@ -7,35 +7,18 @@ Vectors travel as JSON float lists or as base64 little-endian float32 (``*_b64``
 
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Annotated, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dynsteer.controller.limits import decode_f32
 from dynsteer.controller.spec import FiniteFloat, SteerEntry
 from dynsteer.probes import NAME_PATTERN, ModelFingerprint, Probe, ProbeSite
 
 Name = Annotated[str, Field(strict=True, pattern=f"^{NAME_PATTERN.pattern}$")]
 """Names of vectors and probes (:data:`dynsteer.probes.NAME_RULE`): safe as file names and URL
 path segments, never hidden files."""
-
-
-def encode_f32(values: Any) -> str:
-    """Base64 of little-endian float32 (what ``*_b64`` fields carry)."""
-    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
-
-
-def decode_f32(field: str, text: str) -> np.ndarray:
-    """Inverse of :func:`encode_f32`; a ValueError naming ``field`` when malformed."""
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ValueError(f"{field}: not valid base64 ({e})") from e
-    if len(raw) % 4:
-        raise ValueError(f"{field}: {len(raw)} bytes is not a whole number of float32 values")
-    return np.frombuffer(raw, dtype="<f4").astype(np.float32)
 
 
 class _Body(BaseModel):
@@ -102,7 +85,8 @@ class GateReport(_Body):
     gated_decode: int
     first_decode_gated: int | None
     max_score: float | None
-    gates: list[float | None]
+    gates: list[float | None] | None = None
+    """Per position (None where not processed); only for gates with ``"trace": true``."""
 
 
 class RequestReport(_Body):

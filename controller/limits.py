@@ -19,6 +19,8 @@ The in-graph op adds a last line of defence (:data:`STREAM_ABS_LIMIT`): see
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -48,6 +50,23 @@ FiniteFloat = Annotated[
 """A JSON number (int or float, never a string or a boolean) that is finite in float32."""
 
 _FLOAT_LIST = TypeAdapter(list[FiniteFloat])
+
+
+def encode_f32(values: Any) -> str:
+    """Base64 of little-endian float32 (what ``*_b64`` fields carry)."""
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
+
+
+def decode_f32(field: str, text: str) -> np.ndarray:
+    """Inverse of :func:`encode_f32`; a ValueError naming ``field`` when malformed."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise SpecError(f"{field}: not valid base64 ({e})") from e
+    if len(raw) % 4:
+        raise SpecError(f"{field}: {len(raw)} bytes is not a whole number of float32 values")
+    return np.frombuffer(raw, dtype="<f4").astype(np.float32)
+
 
 
 class SpecError(ValueError):

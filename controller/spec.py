@@ -20,15 +20,17 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dynsteer.controller.limits import (
     DEFAULT_MAX_STEER_NORM,
     FLOAT32_MAX,
     FiniteFloat,
     SpecError,
+    as_float32_vector,
     check_probe_numbers,
     check_steer_magnitude,
+    decode_f32,
     float_error_message,
 )
 
@@ -63,8 +65,11 @@ class SteerEntry(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    vector: list[FiniteFloat] | str
+    vector: list[FiniteFloat] | str | None = None
     """The vector (hidden-size floats) or the name of a registered vector."""
+    vector_b64: str | None = None
+    """The vector as base64 little-endian float32: the fast form (no decimal text to parse);
+    give exactly one of ``vector`` and ``vector_b64``."""
     layers: list[Layer] = Field(min_length=1, max_length=MAX_LAYERS)
     """Decoder layers (0-based) to steer; each (layer, hook) must be a configured site."""
     hook: Hook = "post_block"
@@ -73,6 +78,23 @@ class SteerEntry(BaseModel):
     """Multiplier of the vector; ``0`` disables the entry."""
     phase: Phase = "all"
     """Which positions: prompt (``prefill``), generated (``decode``) or ``all``."""
+
+    @model_validator(mode="after")
+    def _one_vector(self) -> SteerEntry:
+        if (self.vector is None) == (self.vector_b64 is None):
+            raise ValueError("give exactly one of vector (floats or a name) or vector_b64")
+        return self
+
+    @property
+    def name(self) -> str | None:
+        """The registered vector's name, None for an inline vector."""
+        return self.vector if isinstance(self.vector, str) else None
+
+    def values(self) -> np.ndarray:
+        """The inline vector as float32 (raises SpecError naming ``vector_b64`` if malformed)."""
+        if self.vector_b64 is not None:
+            return decode_f32("vector_b64", self.vector_b64)
+        return np.asarray(self.vector, dtype=np.float32)
 
     def applies_to(self, phase: Literal["prefill", "decode"]) -> bool:
         """Whether this entry steers tokens of ``phase``."""
@@ -84,12 +106,26 @@ class InlineProbe(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    weights: list[FiniteFloat] = Field(min_length=1)
+    weights: list[FiniteFloat] | None = Field(default=None, min_length=1)
     """Hidden-size weights; ``score = stream · weights`` (fp32 accumulate)."""
+    weights_b64: str | None = None
+    """The weights as base64 little-endian float32 (the fast form); exactly one of the two."""
     threshold: FiniteFloat = 0.0
     """Score at which the gate is 0.5."""
     sharpness: Annotated[FiniteFloat, Field(gt=0)] = 1.0
     """Slope of the sigmoid: ``gate = sigmoid(sharpness * (score - threshold))``."""
+
+    @model_validator(mode="after")
+    def _one_weights(self) -> InlineProbe:
+        if (self.weights is None) == (self.weights_b64 is None):
+            raise ValueError("give exactly one of weights or weights_b64")
+        return self
+
+    def values(self) -> np.ndarray:
+        """The weights as float32 (raises SpecError naming ``weights_b64`` if malformed)."""
+        if self.weights_b64 is not None:
+            return decode_f32("weights_b64", self.weights_b64)
+        return np.asarray(self.weights, dtype=np.float32)
 
 
 class GateSpec(BaseModel):
@@ -109,6 +145,9 @@ class GateSpec(BaseModel):
     """Overrides the probe's sharpness."""
     steer: list[SteerEntry] = Field(min_length=1, max_length=MAX_ENTRIES)
     """Entries scaled per token by the gate; their sites must be at or after the monitor."""
+    trace: Annotated[bool, Field(strict=True)] = False
+    """Keep the gate and score of every position for the telemetry report (``gates``);
+    without it the report has the counters only (cheaper at high request rates)."""
 
 
 class SteeringSpec(BaseModel):
@@ -155,7 +194,8 @@ def validation_message(errors: Sequence[Any], prefix: str = "") -> str:
     # Drop pydantic's union branch labels ("list[...]", "str") and FastAPI's "body".
     loc = [p for p in first["loc"]
            if not (isinstance(p, str) and ("[" in p or p in ("str", "float", "body")))]
-    return f"{_field_path(loc, prefix).lstrip('.')}: {float_error_message(first)}"
+    message = float_error_message(first).removeprefix("Value error, ")
+    return f"{_field_path(loc, prefix).lstrip('.')}: {message}"
 
 
 def _from_validation_error(err: ValidationError, prefix: str) -> SpecError:
@@ -246,15 +286,21 @@ def _check_name(where: str, kind: str, name: str, known: Collection[str], fix: s
         )
 
 
-def _checked_vector(where: str, values: list[float], shape: ModelShape) -> np.ndarray:
-    """The floats (already checked finite in float32 by the model) as a float32 vector of the
-    hidden size (SpecError naming ``where``)."""
-    if len(values) != shape.hidden_size:
-        raise SpecError(
-            f"{where}: expected {shape.hidden_size} floats (the model's hidden size), "
-            f"got {len(values)}"
-        )
-    return np.asarray(values, dtype=np.float32)
+def _inline_values(where: str, item: SteerEntry | InlineProbe, shape: ModelShape) -> np.ndarray:
+    """An entry's vector or a probe's weights, given as floats or base64, as a float32 vector
+    of the hidden size that is finite in float32 (SpecError naming the field)."""
+    field = "vector" if isinstance(item, SteerEntry) else "weights"
+    floats = getattr(item, field)
+    if floats is not None:  # the model already checked each float
+        if len(floats) != shape.hidden_size:
+            raise SpecError(f"{where}.{field}: expected {shape.hidden_size} floats (the "
+                            f"model's hidden size), got {len(floats)}")
+        return np.asarray(floats, dtype=np.float32)
+    try:
+        values = item.values()
+    except SpecError as e:
+        raise SpecError(f"{where}.{e}") from None
+    return as_float32_vector(f"{where}.{field}_b64", values, shape.hidden_size)
 
 
 def _check_site(where: str, hook: Hook, layer: int, shape: ModelShape, what: str = "") -> None:
@@ -274,12 +320,12 @@ def check_entries(entries: Iterable[SteerEntry], shape: ModelShape, prefix: str)
     """Check entries against the served model; raise :class:`SpecError` on the first problem."""
     for i, entry in enumerate(entries):
         where = f"{prefix}[{i}]"
-        if isinstance(entry.vector, str):
-            _check_name(f"{where}.vector", "vector", entry.vector, shape.vector_norms,
+        if entry.name is not None:
+            _check_name(f"{where}.vector", "vector", entry.name, shape.vector_norms,
                         "pass the floats inline")
-            norm = shape.vector_norms[entry.vector]
+            norm = shape.vector_norms[entry.name]
         else:
-            vector = _checked_vector(f"{where}.vector", entry.vector, shape)
+            vector = _inline_values(where, entry, shape)
             norm = float(np.linalg.norm(vector.astype(np.float64)))
         check_steer_magnitude(where, norm, entry.scale, shape.max_steer_norm, shape.dtype_max)
         for layer in entry.layers:
@@ -298,7 +344,7 @@ def check_gate(gate: GateSpec, shape: ModelShape, prefix: str) -> None:
                     "give the weights inline")
     else:
         probe = gate.probe
-        weights = _checked_vector(f"{prefix}.probe.weights", probe.weights, shape)
+        weights = _inline_values(f"{prefix}.probe", probe, shape)
         check_probe_numbers(f"{prefix}.probe.", probe.threshold, probe.sharpness, weights)
     check_probe_numbers(f"{prefix}.", gate.threshold or 0.0, gate.sharpness or 1.0)
     _check_site(f"{prefix}.layer", gate.hook, gate.layer, shape, what="monitor site ")

@@ -36,13 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynsteer.controller.spec import (
-    SPEC_KEY,
-    SpecError,
-    SteeringSpec,
-    check_against_model,
-    parse_spec,
-)
+from dynsteer.controller.spec import SPEC_KEY, SpecError, SteeringSpec
+from dynsteer.controller.wire import WIRE_KEY
 from dynsteer.engine_ext.frontend import FrontendState
 from dynsteer.engine_ext.import_hooks import when_imported
 from dynsteer.engine_ext.options import (
@@ -120,8 +115,10 @@ def input_processor_of(llm: Any) -> Any:
     return engine.input_processor
 
 
-def _parse_request_spec(state: FrontendState | None, params: Any) -> SteeringSpec | None:
-    """The request's spec checked against the served model (raises naming the field)."""
+def _parse_request_spec(state: FrontendState | None,
+                        params: Any) -> tuple[SteeringSpec, dict[str, Any]] | None:
+    """The request's spec checked against the served model and resolved for the workers
+    (raises naming the field)."""
     extra = getattr(params, "extra_args", None)
     if not extra or SPEC_KEY not in extra:
         return None
@@ -131,12 +128,10 @@ def _parse_request_spec(state: FrontendState | None, params: Any) -> SteeringSpe
             f"with additional_config={{'{CONFIG_KEY}': {{}}}}"
         )
     try:
-        spec = parse_spec(extra[SPEC_KEY])
-        check_against_model(spec, state.shape())
+        return state.admit_spec(extra[SPEC_KEY])
     except ValueError as e:
         state.counters.requests_rejected += 1
         raise _client_error(e) from e
-    return spec
 
 
 @functools.cache
@@ -173,18 +168,21 @@ def _wrap_process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
     def process_inputs(self: Any, request_id: Any, prompt: Any, params: Any, *args: Any,
                        **kwargs: Any) -> Any:
         state = frontend_state(self)
-        spec = _parse_request_spec(state, params)  # before vLLM builds anything
+        admitted = _parse_request_spec(state, params)  # before vLLM builds anything
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if state is not None:
+            spec, wire = admitted if admitted is not None else (None, None)
             state.record_request(str(request_id), spec)
-            _set_cache_guard(request, state, spec)
+            _set_steering(request, state, wire)
         return request
 
     return process_inputs
 
 
-def _set_cache_guard(request: Any, state: FrontendState, spec: SteeringSpec | None) -> None:
-    """Attach the request's prefix-cache guard (see :mod:`.prefix_guard`) for the scheduler.
+def _set_steering(request: Any, state: FrontendState, wire: dict[str, Any] | None) -> None:
+    """Replace the client's spec with its resolved form (what the workers read, see
+    :mod:`dynsteer.controller.wire`) and attach the prefix-cache guard for the scheduler
+    (see :mod:`.prefix_guard`). Keys only the frontend may set are overwritten.
 
     A fresh ``extra_args`` dict: the request's params may be a shallow copy of the caller's.
     """
@@ -192,8 +190,11 @@ def _set_cache_guard(request: Any, state: FrontendState, spec: SteeringSpec | No
     if params is None:
         return
     tokens = request.prompt_token_ids
-    guard = state.cache_guard(spec, len(tokens) if tokens is not None else 0)
-    extra = {k: v for k, v in (params.extra_args or {}).items() if k != GUARD_KEY}
+    guard = state.cache_guard(wire, len(tokens) if tokens is not None else 0)
+    extra = {k: v for k, v in (params.extra_args or {}).items()
+             if k not in (GUARD_KEY, SPEC_KEY, WIRE_KEY)}
+    if wire is not None:
+        extra[WIRE_KEY] = wire
     if guard is not None:
         extra[GUARD_KEY] = guard.model_dump()
     params.extra_args = extra or None
@@ -385,6 +386,11 @@ def token_capacity(runner: Any) -> int:
     """Largest token count a forward can see (batched tokens or a padded CUDA-graph size)."""
     capture = runner.vllm_config.compilation_config.max_cudagraph_capture_size or 0
     return max(runner.max_num_tokens, capture)
+
+
+def kv_block_size(runner: Any) -> int:
+    """Tokens per KV-cache block (the prefix cache shares whole blocks)."""
+    return int(runner.vllm_config.cache_config.block_size)
 
 
 def request_capacity(runner: Any) -> int:

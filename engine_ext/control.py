@@ -23,6 +23,7 @@ from dynsteer.controller.limits import (
     check_steer_magnitude,
 )
 from dynsteer.controller.spec import SteerEntry, check_entries, parse_entries
+from dynsteer.controller.wire import entry_to_wire
 from dynsteer.engine_ext.frontend import FrontendState
 from dynsteer.probes import NAME_PATTERN, NAME_RULE, ModelFingerprint, Probe
 
@@ -168,12 +169,13 @@ class ControlPlane:
         """Steer every request with ``entries`` (added to each request's own steering)."""
         parsed = parse_entries(list(entries), prefix="steer")
         check_entries(parsed, self.frontend.shape(), prefix="steer")
-        payload = [e.model_dump() for e in parsed]
+        shown = [e.model_dump(exclude_none=True) for e in parsed]
+        wire = [entry_to_wire(e) for e in parsed]
 
         def commit() -> None:
-            self.frontend.global_entries = payload
+            self.frontend.set_global(shown, wire)
 
-        return Change("dynsteer_set_global", (payload,), commit)
+        return Change("dynsteer_set_global", (wire,), commit)
 
     def clear_global(self) -> Change:
         """Remove global steering."""

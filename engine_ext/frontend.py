@@ -1,7 +1,9 @@
 """What the frontend process knows about steering: model shape, registry, recent requests.
 
 One :class:`FrontendState` lives next to each engine's input processor (offline ``LLM`` or the
-API server's ``AsyncLLM``). It validates specs, computes the prefix-cache guard of each request,
+API server's ``AsyncLLM``). It validates specs once and resolves them into the form the workers
+read (:mod:`dynsteer.controller.wire`; identical JSON texts are not parsed again), computes the
+prefix-cache guard of each request from that form's bytes,
 mirrors what was registered on the workers (so the HTTP routes can list and return it without a
 round trip) and keeps a bounded record of recent steered requests plus counters for metrics.
 It has no vLLM import: :mod:`.compat` builds it from the engine config.
@@ -9,19 +11,20 @@ It has no vLLM import: :mod:`.compat` builds it from the engine config.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from dynsteer.controller.limits import FLOAT32_MAX
-from dynsteer.controller.spec import ModelShape, SteeringSpec
+from dynsteer.controller.spec import ModelShape, SteeringSpec, check_against_model, parse_spec
+from dynsteer.controller.wire import PHASE, SCALE, WireEntry, fingerprint, spec_to_wire
 from dynsteer.engine_ext.options import EngineOptions, Site
 from dynsteer.engine_ext.prefix_guard import CacheGuard
 
 RECENT_REQUESTS = 4096
 """How many recent steered requests the frontend remembers (for the telemetry route)."""
+PARSED_SPECS = 256
+"""How many distinct spec texts the frontend keeps parsed (a bounded LRU)."""
 
 
 @dataclass
@@ -63,24 +66,43 @@ class FrontendState:
     probes: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Registered probes as their JSON description (mirrors the workers)."""
     global_entries: list[dict[str, Any]] = field(default_factory=list)
-    """Current global steering entries (mirrors the workers)."""
+    """Current global steering entries as clients gave them (what ``GET /global`` returns)."""
+    global_wire: list[WireEntry] = field(default_factory=list)
+    """The same entries resolved (what the workers hold)."""
+    global_key: str | None = None
+    """Fingerprint of the global steering (None when there is none)."""
     registry_generation: int = 0
     """Bumped on every vector/probe (un)registration: named contents may have changed."""
     counters: FrontendCounters = field(default_factory=FrontendCounters)
     recent: OrderedDict[str, RequestRecord] = field(default_factory=OrderedDict)
     """Steered requests by the caller's request id, most recent last (bounded)."""
+    parsed: OrderedDict[tuple[Any, int], tuple[SteeringSpec, dict[str, Any]]] = field(
+        default_factory=OrderedDict)
+    """Recently admitted spec texts (and the registry generation they were checked against)."""
 
-    @property
-    def global_fingerprint(self) -> str | None:
-        """Fingerprint of the current global steering (None when there is none)."""
-        if not self.global_entries:
-            return None
-        payload = json.dumps(self.global_entries, sort_keys=True).encode()
-        return hashlib.blake2b(payload, digest_size=12).hexdigest()
+    def set_global(self, entries: list[dict[str, Any]], wire: list[WireEntry]) -> None:
+        """Record new global steering (after every worker applied it)."""
+        self.global_entries = entries
+        self.global_wire = wire
+        self.global_key = fingerprint(wire).hex() if wire else None
 
-    @property
-    def global_phase_specific(self) -> bool:
-        return any(e.get("phase", "all") != "all" for e in self.global_entries)
+    def admit_spec(self, raw: Any) -> tuple[SteeringSpec, dict[str, Any]]:
+        """A client's spec parsed, checked against the served model and resolved for the
+        workers (SpecError naming the field). Spec texts (JSON strings, as ``vllm_xargs``
+        carries them) are cached: the same text is parsed once."""
+        key = (raw, self.registry_generation) if isinstance(raw, (str, bytes)) else None
+        hit = self.parsed.get(key) if key is not None else None
+        if hit is not None:
+            self.parsed.move_to_end(key)
+            return hit
+        spec = parse_spec(raw)
+        check_against_model(spec, self.shape())
+        result = spec, spec_to_wire(spec)
+        if key is not None:
+            self.parsed[key] = result
+            while len(self.parsed) > PARSED_SPECS:
+                self.parsed.popitem(last=False)
+        return result
 
     def shape(self) -> ModelShape:
         return ModelShape(
@@ -122,36 +144,26 @@ class FrontendState:
                 return key, self.recent[key]
         return None
 
-    def cache_guard(self, spec: SteeringSpec | None, prompt_len: int) -> CacheGuard | None:
+    def cache_guard(self, wire: dict[str, Any] | None, prompt_len: int) -> CacheGuard | None:
         """How a request's blocks may be shared (None: unsteered, share everything).
 
-        The key covers everything that changes the request's KV: its spec, the global steering
-        and the registry generation (named vectors/probes may have changed). With
-        phase-specific entries a position's KV also depends on whether it is a prompt or a
-        generated position, so the prompt length joins the key. See :mod:`.prefix_guard`.
+        ``wire`` is the request's resolved spec. The key covers everything that changes the
+        request's KV: its spec (vectors by their bytes), the global steering and the registry
+        generation (named vectors/probes may have changed). With phase-specific entries a
+        position's KV also depends on whether it is a prompt or a generated position, so the
+        prompt length joins the key. See :mod:`.prefix_guard`.
         """
-        static = [*self.global_entries, *(e.model_dump() for e in (spec.steer if spec else []))]
-        static = [e for e in static if e.get("scale", 1.0) != 0]
-        gated = spec is not None and spec.gate is not None
-        if gated or any(e.get("phase", "all") != "decode" for e in static):
+        own = wire["steer"] if wire else []
+        gate = wire["gate"] if wire else None
+        static = [e for e in (*self.global_wire, *own) if e[SCALE] != 0]
+        if gate is not None or any(e[PHASE] != "decode" for e in static):
             fork = 0
         elif static:
             fork = prompt_len
         else:
             return None
-        h = hashlib.blake2b(digest_size=12)
-        h.update(spec.model_dump_json().encode() if spec is not None else b"-")
-        h.update(f"|global={self.global_fingerprint}|registry={self.registry_generation}"
-                 .encode())
-        if self._phase_specific(spec):
-            h.update(f"|prompt_len={prompt_len}".encode())
-        return CacheGuard(key=h.hexdigest(), fork=fork, withhold=gated)
-
-    def _phase_specific(self, spec: SteeringSpec | None) -> bool:
-        """Whether any entry steers prompt and generated positions differently."""
-        if self.global_phase_specific:
-            return True
-        if spec is None:
-            return False
-        entries = [*spec.steer, *(spec.gate.steer if spec.gate else [])]
-        return any(e.phase != "all" for e in entries)
+        entries = [*self.global_wire, *own, *(gate["steer"] if gate is not None else [])]
+        phase_specific = any(e[PHASE] != "all" for e in entries)
+        key = fingerprint(wire or "-", self.global_key or "-", self.registry_generation,
+                          prompt_len if phase_specific else -1)
+        return CacheGuard(key=key.hex(), fork=fork, withhold=gate is not None)

@@ -60,6 +60,7 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         device=runner.device,
         capture_lanes=options.capture_lanes,
         capture_tokens=options.capture_tokens,
+        block_size=compat.kv_block_size(runner),
     )
     installed = install_sites(model, layers, state.site_buffers())
     state.capture.installed = frozenset(installed)
@@ -80,7 +81,7 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         if not state.needs_fill:
             state.skip_step()
             return
-        state.fill(req_ids, slot_map.lookup(req_ids) if slots is None else slots, num_computed,
+        state.fill(slot_map.lookup(req_ids) if slots is None else slots, num_computed,
                    num_scheduled)
 
     compat.install_step_hooks(runner, on_add, on_remove, on_step, state.cache_report)

@@ -17,24 +17,28 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from dynsteer.controller.spec import (
-    SPEC_KEY,
-    GateSpec,
-    SteerEntry,
-    parse_entries,
-    parse_spec,
+from dynsteer.controller.wire import (
+    F32,
+    HOOK,
+    LAYERS,
+    PHASE,
+    SCALE,
+    VECTOR,
+    WIRE_KEY,
+    WireEntry,
 )
 from dynsteer.engine_ext.capture_buffers import CaptureBuffers
 from dynsteer.engine_ext.layers import SiteBuffers
 from dynsteer.engine_ext.options import Site
 from dynsteer.engine_ext.rows import Contents, ProbeRow, ProbeTable, RowTable, add_contents
 from dynsteer.engine_ext.telemetry import GateTelemetry
-from dynsteer.engine_ext.token_rows import TokenRows
+from dynsteer.engine_ext.token_rows import TokenRows, expand_positions
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
 
 PHASES: tuple[Literal["prefill"], Literal["decode"]] = ("prefill", "decode")
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -69,23 +73,26 @@ class SteeringState:
         device: torch.device,
         capture_lanes: int = 0,
         capture_tokens: int = 1,
+        block_size: int = 16,
     ) -> None:
         self.sites = sites
         self.hidden_size = hidden_size
         self.rows = RowTable(sites, hidden_size, max_rows, device)
         self.probe_table = ProbeTable(sites, hidden_size, max_rows, device)
         self.token_rows = TokenRows(max_tokens, device)
-        self.gate = torch.zeros(max_tokens, dtype=torch.float32, device=device)
-        """Per-token gate of the step (written at each token's monitor site)."""
-        self.score = torch.zeros(max_tokens, dtype=torch.float32, device=device)
-        """Per-token probe score of the step."""
-        self.telemetry = GateTelemetry(self.gate, self.score)
+        self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
+        """Per-token gate (row 0, written at each token's monitor site) and probe score (row 1)
+        of the step: one buffer, so the read-back is one copy."""
+        self.gate, self.score = self.gate_score[0], self.gate_score[1]
+        self.telemetry = GateTelemetry(self.gate_score, [f"{h}@{n}" for h, n in sites],
+                                       block_size, max_slots)
+        """Gate counters and the prefix-guard report; ``block_size`` is the KV block size."""
         self.capture = CaptureBuffers(sites, capture_lanes, capture_tokens, hidden_size,
                                       max_slots, device)
         """Activation capture for probe training (off, and no memory, with 0 lanes)."""
         self.vectors: dict[str, np.ndarray] = {}
         self.probes: dict[str, RegisteredProbe] = {}
-        self._global_entries: list[SteerEntry] = []
+        self._global_entries: list[WireEntry] = []
         self._global: dict[str, Contents] = {p: {} for p in PHASES}
         self._requests: dict[str, _Request] = {}
         self._prefill_row = np.zeros(max_slots, dtype=np.int32)
@@ -126,11 +133,11 @@ class SteeringState:
         """Remove a named probe; unknown names raise ``KeyError``."""
         del self.probes[name]
 
-    def set_global(self, entries: list[SteerEntry] | list[dict[str, Any]] | str) -> None:
-        """Replace global steering; every live request is re-resolved against it."""
-        parsed = parse_entries(entries)
-        contents = self._contents(parsed)
-        self._global_entries = parsed
+    def set_global(self, entries: list[WireEntry]) -> None:
+        """Replace global steering (resolved entries, see :mod:`dynsteer.controller.wire`);
+        every live request is re-resolved against it."""
+        contents = self._contents(entries)
+        self._global_entries = entries
         self._global = contents
         for req in self._requests.values():
             self._release(req)
@@ -138,7 +145,8 @@ class SteeringState:
 
     # ---- request lifecycle ---------------------------------------------------------------
     def add_request(self, req_id: str, slot: int, extra_args: Any, prompt_len: int) -> None:
-        """Admit a request: resolve its spec and take its rows.
+        """Admit a request: build its rows from the resolved spec the frontend wrote (see
+        :mod:`dynsteer.controller.wire`: bytes and numbers, no parsing here).
 
         Specs were validated by the frontend; if one still cannot be served (a vector name
         removed in between, no free row) the request runs unsteered and a warning is logged:
@@ -146,18 +154,18 @@ class SteeringState:
         """
         self.remove_request(req_id)
         empty: dict[str, Contents] = {p: {} for p in PHASES}
-        own, gated, probe = empty, empty, None
-        raw = extra_args.get(SPEC_KEY) if isinstance(extra_args, dict) else None
-        if raw is not None:
+        own, gated, probe, gate = empty, empty, None, None
+        wire = extra_args.get(WIRE_KEY) if isinstance(extra_args, dict) else None
+        if wire is not None:
             try:
-                spec = parse_spec(raw)
-                own = self._contents(spec.steer)
-                if spec.gate is not None:
-                    gated = self._contents(spec.gate.steer)
-                    probe = self._resolve_probe(spec.gate)
-            except (ValueError, KeyError) as e:
+                own = self._contents(wire["steer"])
+                gate = wire["gate"]
+                if gate is not None:
+                    gated = self._contents(gate["steer"])
+                    probe = self._resolve_probe(gate)
+            except (ValueError, KeyError, TypeError, IndexError) as e:
                 logger.warning("dynsteer: request %s runs unsteered: %s", req_id, e)
-                own, gated, probe = empty, empty, None
+                own, gated, probe, gate = empty, empty, None, None
         req = _Request(slot=slot, own=own, gated=gated, probe=probe)
         self._ensure_slot(slot)
         self._requests[req_id] = req
@@ -169,8 +177,8 @@ class SteeringState:
         if probe is not None:
             hook, layer = probe.site
             dynamic_from = 0 if gated["prefill"] else (prompt_len if gated["decode"] else None)
-            self.telemetry.admit(req_id, prompt_len, site=f"{hook}@{layer}",
-                                 dynamic_from=dynamic_from)
+            self.telemetry.admit(req_id, slot, prompt_len, site=f"{hook}@{layer}",
+                                 dynamic_from=dynamic_from, trace=bool(gate["trace"]))
 
     def remove_request(self, req_id: str) -> None:
         """Release a finished (or re-added) request's rows (capture rows wait for collect)."""
@@ -194,9 +202,12 @@ class SteeringState:
         return self._num_steered > 0 or self.capture.active
 
     # ---- per step ------------------------------------------------------------------------
-    def fill(self, req_ids: list[str], slots: np.ndarray, num_computed: np.ndarray,
+    def fill(self, slots: np.ndarray, num_computed: np.ndarray,
              num_scheduled: np.ndarray) -> None:
-        """Fill the token index for one step; arrays are per request in batch order."""
+        """Fill the token index for one step; arrays are per request in batch order.
+
+        Whole-array work only (no Python per request or per token): the step's host cost does
+        not grow with the number of requests beyond numpy's vectorized passes."""
         probe_rows = self._probe_row[slots]
         capture_starts = self.capture.slot_starts(slots)
         self.token_rows.fill(
@@ -210,13 +221,16 @@ class SteeringState:
         )
         if capture_starts is not None:
             self.capture.record(slots, capture_starts, num_computed, num_scheduled)
-        spans = []
-        if probe_rows.any():
-            starts = np.cumsum(num_scheduled) - num_scheduled
-            for i in np.flatnonzero(probe_rows):
-                spans.append((req_ids[i], int(starts[i]), int(num_scheduled[i]),
-                              int(num_computed[i])))
-        self.telemetry.before_step(spans, int(num_scheduled.sum()))
+        gated = probe_rows != 0
+        if not gated.any():
+            self.telemetry.before_step(_NONE, _NONE, _NONE, 0)
+            return
+        counts = num_scheduled.astype(np.int64, copy=False)
+        request = np.repeat(np.arange(len(counts)), counts)
+        mine = gated[request]
+        positions = expand_positions(num_computed, counts)[mine]
+        self.telemetry.before_step(np.flatnonzero(mine), np.asarray(slots)[request[mine]],
+                                   positions, int(counts.sum()))
 
     def cache_report(self) -> dict[str, tuple[int, int | None]]:
         """The prefix-guard report of gated requests (see :mod:`.prefix_guard`)."""
@@ -225,44 +239,45 @@ class SteeringState:
     def skip_step(self) -> None:
         """A step with nothing steered: keep the index clear, fold pending telemetry."""
         self.token_rows.clear()
-        self.telemetry.before_step([], 0)
+        self.telemetry.before_step(_NONE, _NONE, _NONE, 0)
 
     # ---- internals -----------------------------------------------------------------------
-    def _resolve_probe(self, gate: GateSpec) -> ProbeRow:
-        if isinstance(gate.probe, str):
-            base = self.probes[gate.probe]
+    def _resolve_probe(self, gate: dict[str, Any]) -> ProbeRow:
+        probe = gate["probe"]
+        if isinstance(probe, str):
+            base = self.probes[probe]
             weights, threshold, sharpness = base.weights, base.threshold, base.sharpness
         else:
-            weights = np.asarray(gate.probe.weights, dtype=np.float32)
-            threshold, sharpness = gate.probe.threshold, gate.probe.sharpness
+            weights, threshold, sharpness = np.frombuffer(probe[0], dtype=F32), *probe[1:]
         if weights.shape != (self.hidden_size,):
             raise ValueError(f"probe length {weights.shape[0]} != hidden {self.hidden_size}")
-        site = (gate.hook, gate.layer)
+        site = (gate["hook"], gate["layer"])
         if site not in self.sites:
             raise ValueError(f"monitor site {site} is not configured")
         return ProbeRow(
             weights=weights,
-            threshold=gate.threshold if gate.threshold is not None else threshold,
-            sharpness=gate.sharpness if gate.sharpness is not None else sharpness,
+            threshold=gate["threshold"] if gate["threshold"] is not None else threshold,
+            sharpness=gate["sharpness"] if gate["sharpness"] is not None else sharpness,
             site=site,
         )
 
     def _steers(self, slot: int) -> bool:
         return bool(self._prefill_row[slot] or self._decode_row[slot] or self._probe_row[slot])
 
-    def _contents(self, entries: list[SteerEntry]) -> dict[str, Contents]:
+    def _contents(self, entries: list[WireEntry]) -> dict[str, Contents]:
         out: dict[str, Contents] = {p: {} for p in PHASES}
         for entry in entries:
-            if entry.scale == 0:
+            if entry[SCALE] == 0:
                 continue
-            vec = self.vectors[entry.vector] if isinstance(entry.vector, str) else entry.vector
-            scaled = np.asarray(vec, dtype=np.float32) * np.float32(entry.scale)
+            vec = entry[VECTOR]
+            values = self.vectors[vec] if isinstance(vec, str) else np.frombuffer(vec, dtype=F32)
+            scaled = values * np.float32(entry[SCALE])
             if scaled.shape != (self.hidden_size,):
                 raise ValueError(f"vector length {scaled.shape[0]} != hidden {self.hidden_size}")
             for phase in PHASES:
-                if entry.applies_to(phase):
-                    for layer in entry.layers:
-                        out[phase] = add_contents(out[phase], {(entry.hook, layer): scaled})
+                if entry[PHASE] in ("all", phase):
+                    for layer in entry[LAYERS]:
+                        out[phase] = add_contents(out[phase], {(entry[HOOK], layer): scaled})
         return out
 
     def _ensure_slot(self, slot: int) -> None:

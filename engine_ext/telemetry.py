@@ -1,19 +1,28 @@
-"""Per-request gate telemetry, read back from the per-token gate/score buffers.
+"""Per-request gate telemetry and the prefix-guard report, folded per step in whole arrays.
 
-Only steps that contain a gated request pay anything: at the start of the next step (before
-its forward is launched, so the buffers still hold the previous step's values) one
-non-blocking device-to-host copy of the used part of ``gate``/``score`` is queued; it is folded
-into per-request arrays once its event has completed, never by waiting on the hot path. A query
-(``report``) drains everything, waiting if it must.
+A step's host work must not grow with the number of requests in it (issue: serving at batch
+256), so nothing here loops over requests per step. Each gated request owns a *slot* (the
+runner's request slot) and every counter is a per-slot numpy array, updated for all tokens of
+a step at once with ``bincount`` / ``minimum.at`` / ``maximum.at``. Python work per request
+happens at admission and finish only; per step, only for requests that asked for a full gate
+trace (``"trace": true`` in their gate) and for the few requests whose cacheable prefix grew
+by a whole KV block (the report the scheduler needs; about one request in ``block_size`` per
+decode step).
 
-Positions covered are the ones the engine processed: the prompt (less any prefix-cache hit)
-and every generated token but the last (which is never fed back).
+Read-back: the gates and scores of a step live in one ``[2, T]`` device buffer. At the start
+of the next step (before its forward is launched) one non-blocking copy of the step's part goes
+to a preallocated pinned ring slot; it is folded once its event completed, never by waiting on
+the hot path. A query (``report``) drains everything, waiting if it must.
+
+Positions counted are the ones the engine processed: the prompt (less prefix-cache hits) and
+every generated token but the last (never fed back). A position recomputed after preemption
+is counted once (tokens below the slot's processed frontier are skipped by the counters).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,129 +34,127 @@ DYNAMIC_EPSILON = 1e-3
 """A position's KV counts as dynamically steered when its gate is above this (and the gate
 steers that position's phase): below it the gated entries add under 0.1% of their vector, so
 the KV is treated as unsteered and stays shareable through the prefix cache."""
+NONE = np.iinfo(np.int64).max
+"""Sentinel of the position counters: no such position (yet)."""
+RING = 4
+"""Pinned read-back buffers; a fifth step in flight waits for the oldest copy."""
+
+_COUNTERS = ("monitored", "gated_prefill", "gated_decode", "first_decode_gated", "max_score",
+             "first_dynamic", "upto")
 
 
 @dataclass
-class _Record:
+class _Request:
+    slot: int
     prompt_len: int
-    site: str
-    """The monitor site (``hook@layer``), the label of the per-site counters."""
-    dynamic_from: int | None = None
-    """First position whose phase the gated entries steer (0, the prompt length, or None)."""
-    first_dynamic: int | None = None
-    """First position whose KV got a dynamic contribution (gate > DYNAMIC_EPSILON)."""
-    upto: int = 0
-    """Positions below this have been processed and folded in."""
-    gate: np.ndarray = field(default_factory=lambda: np.full(0, np.nan, dtype=np.float32))
-    score: np.ndarray = field(default_factory=lambda: np.full(0, np.nan, dtype=np.float32))
-
-    def put(self, pos0: int, gate: np.ndarray, score: np.ndarray) -> None:
-        end = pos0 + len(gate)
-        if end > len(self.gate):
-            size = max(end, 2 * len(self.gate))
-            self.gate = np.concatenate([self.gate, np.full(size - len(self.gate), np.nan,
-                                                           dtype=np.float32)])
-            self.score = np.concatenate([self.score, np.full(size - len(self.score), np.nan,
-                                                             dtype=np.float32)])
-        self.gate[pos0:end] = gate  # a recomputed position (preemption) overwrites
-        self.score[pos0:end] = score
-        self.upto = max(self.upto, end)
-        if self.dynamic_from is not None:
-            positions = np.arange(pos0, end)
-            hot = np.flatnonzero((positions >= self.dynamic_from) & (gate > DYNAMIC_EPSILON))
-            if len(hot):
-                first = int(positions[hot[0]])
-                self.first_dynamic = (first if self.first_dynamic is None
-                                      else min(first, self.first_dynamic))
-
-    def summary(self) -> dict[str, Any]:
-        seen = ~np.isnan(self.gate)
-        on = seen & (self.gate > GATE_ON)
-        pos = np.arange(len(self.gate))
-        decode_on = np.flatnonzero(on & (pos >= self.prompt_len))
-        return {
-            "tokens_monitored": int(seen.sum()),
-            "gated_prefill": int((on & (pos < self.prompt_len)).sum()),
-            "gated_decode": len(decode_on),
-            "first_decode_gated": int(decode_on[0] - self.prompt_len) if len(decode_on) else None,
-            "max_score": _json_float(np.nanmax(self.score)) if seen.any() else None,
-            "gates": [None if np.isnan(g) else float(g) for g in self.gate],
-        }
-
-
-def _json_float(value: float) -> float | None:
-    """``value``, or None when JSON cannot carry it (an overflowing score is inf)."""
-    return float(value) if np.isfinite(value) else None
+    site: int
+    dynamic_from: int
+    trace: bool
+    counters: tuple[Any, ...] | None = None
+    """The slot's counters, saved when the request left the engine (restored on resume)."""
+    gates: np.ndarray | None = None
+    scores: np.ndarray | None = None
 
 
 @dataclass
 class _Step:
     tokens: int
-    spans: list[tuple[str, int, int, int]]
-    """(req_id, first token index in the step, token count, first position)."""
+    index: np.ndarray
+    """Token indices (into the step) of gated requests' tokens."""
+    slot: np.ndarray
+    pos: np.ndarray
+    buffer: int = -1
+    """Pinned ring slot holding the step's copy (GPU)."""
+    event: Any = None
+    """Completes when the copy has landed (GPU)."""
+    host: np.ndarray | None = None
+    """The step's values, copied at once (CPU)."""
 
 
 class GateTelemetry:
-    """Collects gate/score per position for gated requests; keeps finished ones (bounded)."""
+    """Gate counters and traces of gated requests; finished ones are kept (bounded)."""
 
-    def __init__(self, gate: torch.Tensor, score: torch.Tensor, keep: int = 4096) -> None:
-        self._gate = gate
-        self._score = score
+    def __init__(self, values: torch.Tensor, sites: list[str], block_size: int,
+                 max_slots: int, keep: int = 4096) -> None:
+        self._values = values
+        """The op's ``[2, max_tokens]`` gate/score buffer (row 0 gates, row 1 scores)."""
+        self._sites = sites
+        self._block = block_size
         self._keep = keep
-        self._on_host = gate.device.type == "cpu"
-        self._live: dict[str, _Record] = {}
-        self._done: OrderedDict[str, _Record] = OrderedDict()
-        self._uncopied: _Step | None = None
-        self._in_flight: list[tuple[Any, torch.Tensor, _Step]] = []
-        self._changed: set[str] = set()
-        """Requests folded since the last :meth:`cache_report`."""
-        self.tokens_monitored: dict[str, int] = {}
-        """Per monitor site: tokens whose gate was computed (recomputed ones count again)."""
-        self.tokens_gated: dict[str, int] = {}
-        """Per monitor site: tokens whose gate was above :data:`GATE_ON`."""
+        self._on_host = values.device.type == "cpu"
+        if not self._on_host:
+            self._ring = [torch.zeros(values.shape, dtype=values.dtype).pin_memory()
+                          for _ in range(RING)]
+        self._next_buffer = 0
+        self._pending: _Step | None = None
+        self._in_flight: list[_Step] = []
+        self._live: dict[str, _Request] = {}
+        self._done: OrderedDict[str, _Request] = OrderedDict()
+        self._req_of_slot: list[str | None] = []
+        self._traced = 0
+        self._site_monitored = np.zeros(len(sites), dtype=np.int64)
+        self._site_gated = np.zeros(len(sites), dtype=np.int64)
+        self._grow(max_slots)
 
-    def admit(self, req_id: str, prompt_len: int, site: str,
-              dynamic_from: int | None = None) -> None:
-        """Start (or, for a re-added request such as a resumed one, continue) a record."""
-        self._live[req_id] = (self._done.pop(req_id, None)
-                              or _Record(prompt_len, site, dynamic_from))
-
-    def before_step(self, spans: list[tuple[str, int, int, int]], tokens: int) -> None:
-        """Called before each forward with this step's gated requests (may be empty)."""
-        self._launch_copy()
-        self._fold(wait=False)
-        if spans:
-            self._uncopied = _Step(tokens, spans)
+    # ---- lifecycle (once per request) ------------------------------------------------------
+    def admit(self, req_id: str, slot: int, prompt_len: int, site: str,
+              dynamic_from: int | None, trace: bool) -> None:
+        """Start a record (a resumed request continues its old one)."""
+        if slot >= len(self._req_of_slot):
+            self._grow(max(slot + 1, 2 * len(self._req_of_slot)))
+        old = self._done.pop(req_id, None)
+        req = old or _Request(slot, prompt_len, self._sites.index(site),
+                              NONE if dynamic_from is None else dynamic_from, trace)
+        req.slot = slot
+        self._reset(slot, req)
+        self._live[req_id] = req
+        self._req_of_slot[slot] = req_id
+        self._traced += req.trace
 
     def finish(self, req_id: str) -> None:
-        """The request left the engine; its record moves to the bounded finished store."""
-        record = self._live.get(req_id)
-        if record is None:
+        """The request left the engine: fold what is pending, keep its counters."""
+        req = self._live.get(req_id)
+        if req is None:
             return
-        if self._uncopied is not None or self._in_flight:
+        if self._pending is not None or self._in_flight:
             self.drain()
-        self._done[req_id] = self._live.pop(req_id)
+        self._live.pop(req_id)
+        req.counters = tuple(getattr(self, f"_{name}")[req.slot].copy()
+                             for name in _COUNTERS)
+        self._req_of_slot[req.slot] = None
+        self._traced -= req.trace
+        self._done[req_id] = req
         while len(self._done) > self._keep:
             self._done.popitem(last=False)
 
-    def cache_report(self) -> dict[str, tuple[int, int | None]]:
-        """Per live gated request that changed: (positions processed, first dynamic position).
-
-        Called once the step's forward is queued, so the step's own gates are included when
-        they are ready (always on CPU; on GPU once the copy queued here has landed, which the
-        sampled-token read-back of the same step makes likely). The scheduler caches only
-        blocks below ``first dynamic`` (or, while none, below ``processed``).
-        """
+    # ---- per step (whole arrays) ---------------------------------------------------------
+    def before_step(self, index: np.ndarray, slot: np.ndarray, pos: np.ndarray,
+                    tokens: int) -> None:
+        """Before each forward: this step's gated tokens (indices into the step, their slots
+        and positions; empty when no gated request runs) and the step's token count."""
         self._launch_copy()
         self._fold(wait=False)
+        if len(index):
+            self._pending = _Step(tokens, index, slot, pos)
+
+    def cache_report(self) -> dict[str, tuple[int, int | None]]:
+        """Requests whose cacheable prefix grew by a whole block: (positions processed, first
+        dynamically steered position or None). The scheduler caches only blocks below the
+        first dynamic position (or, while there is none, below ``processed``)."""
+        self._launch_copy()
+        self._fold(wait=False)
+        frontier = np.minimum(self._upto, self._first_dynamic) // self._block
+        grown = np.flatnonzero(frontier > self._reported)
+        self._reported[grown] = frontier[grown]
         report = {}
-        for req_id in self._changed:
-            record = self._live.get(req_id)
-            if record is not None:
-                report[req_id] = (record.upto, record.first_dynamic)
-        self._changed.clear()
+        for slot in grown.tolist():
+            req_id = self._req_of_slot[slot]
+            if req_id is not None:
+                first = int(self._first_dynamic[slot])
+                report[req_id] = (int(self._upto[slot]), None if first == NONE else first)
         return report
 
+    # ---- queries -------------------------------------------------------------------------
     def drain(self) -> None:
         """Fold every pending step in (waits for outstanding copies)."""
         self._launch_copy()
@@ -160,46 +167,139 @@ class GateTelemetry:
         random characters to the latter, so the most recent ``req_id-*`` record is taken.
         """
         self.drain()
-        record = self._live.get(req_id) or self._done.get(req_id)
-        if record is None:
+        req = self._live.get(req_id) or self._done.get(req_id)
+        if req is None:
             prefix = req_id + "-"
             matches = [r for k, r in [*self._done.items(), *self._live.items()]
                        if k.startswith(prefix) and len(k) == len(prefix) + 8]
-            record = matches[-1] if matches else None
-        return None if record is None else record.summary()
+            req = matches[-1] if matches else None
+        return None if req is None else self._summary(req)
+
+    @property
+    def tokens_monitored(self) -> dict[str, int]:
+        """Per monitor site: tokens whose gate was computed (recomputed ones count again)."""
+        return {s: int(n) for s, n in zip(self._sites, self._site_monitored, strict=True) if n}
+
+    @property
+    def tokens_gated(self) -> dict[str, int]:
+        """Per monitor site: tokens whose gate was above :data:`GATE_ON`."""
+        return {s: int(n) for s, n in zip(self._sites, self._site_gated, strict=True) if n}
+
+    # ---- internals -----------------------------------------------------------------------
+    def _grow(self, size: int) -> None:
+        old = len(self._req_of_slot)
+        self._req_of_slot += [None] * (size - old)
+        for name, dtype, fill in (("prompt_len", np.int64, 0), ("dynamic_from", np.int64, NONE),
+                                  ("site", np.int64, 0), ("trace", bool, False),
+                                  ("monitored", np.int64, 0), ("gated_prefill", np.int64, 0),
+                                  ("gated_decode", np.int64, 0),
+                                  ("first_decode_gated", np.int64, NONE),
+                                  ("max_score", np.float32, np.nan),
+                                  ("first_dynamic", np.int64, NONE), ("upto", np.int64, 0),
+                                  ("reported", np.int64, 0)):
+            new = np.full(size, fill, dtype=dtype)
+            if old:
+                new[:old] = getattr(self, f"_{name}")
+            setattr(self, f"_{name}", new)
+
+    def _reset(self, slot: int, req: _Request) -> None:
+        self._prompt_len[slot] = req.prompt_len
+        self._dynamic_from[slot] = req.dynamic_from
+        self._site[slot] = req.site
+        self._trace[slot] = req.trace
+        fresh = (0, 0, 0, NONE, np.nan, NONE, 0)
+        for name, value in zip(_COUNTERS, req.counters or fresh, strict=True):
+            getattr(self, f"_{name}")[slot] = value
+        self._reported[slot] = 0  # a resumed request re-reports its clean prefix
 
     def _launch_copy(self) -> None:
-        step, self._uncopied = self._uncopied, None
+        step, self._pending = self._pending, None
         if step is None:
             return
-        values = torch.stack([self._gate[: step.tokens], self._score[: step.tokens]])
+        part = self._values[:, : step.tokens]
         if self._on_host:
-            self._in_flight.append((None, values.clone(), step))
-            return
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._in_flight.append((event, host, step))
+            step.host = part.numpy().copy()
+        else:
+            if len(self._in_flight) >= RING:
+                self._fold(wait=True, limit=1)
+            step.buffer = self._next_buffer
+            self._next_buffer = (self._next_buffer + 1) % RING
+            self._ring[step.buffer][:, : step.tokens].copy_(part, non_blocking=True)
+            step.event = torch.cuda.Event()
+            step.event.record()
+        self._in_flight.append(step)
 
-    def _fold(self, wait: bool) -> None:
-        while self._in_flight:
-            event, host, step = self._in_flight[0]
-            if event is not None:
-                if not wait and not event.query():
+    def _fold(self, wait: bool, limit: int | None = None) -> None:
+        done = 0
+        while self._in_flight and (limit is None or done < limit):
+            step = self._in_flight[0]
+            if step.host is not None:
+                values = step.host
+            else:
+                if not wait and not step.event.query():
                     return
-                event.synchronize()
+                step.event.synchronize()
+                values = self._ring[step.buffer][:, : step.tokens].numpy()
             self._in_flight.pop(0)
-            values = host.numpy()
-            for req_id, start, count, pos0 in step.spans:
-                record = self._live.get(req_id)
-                if record is not None:
-                    gates = values[0, start:start + count]
-                    record.put(pos0, gates, values[1, start:start + count])
-                    self._changed.add(req_id)
-                    self._count(record.site, gates)
+            self._fold_step(step, values[0, step.index], values[1, step.index])
+            done += 1
 
-    def _count(self, site: str, gates: np.ndarray) -> None:
-        self.tokens_monitored[site] = self.tokens_monitored.get(site, 0) + len(gates)
-        gated = int((gates > GATE_ON).sum())
-        self.tokens_gated[site] = self.tokens_gated.get(site, 0) + gated
+    def _fold_step(self, step: _Step, gates: np.ndarray, scores: np.ndarray) -> None:
+        slot, pos = step.slot, step.pos  # finish() drains first: every slot here is live
+        sites = self._site[slot]
+        on = gates > GATE_ON
+        self._site_monitored += np.bincount(sites, minlength=len(self._sites))
+        self._site_gated += np.bincount(sites, weights=on, minlength=len(self._sites)).astype(
+            np.int64)
+        new = pos >= self._upto[slot]  # recomputed positions were counted the first time
+        s, p, on_new = slot[new], pos[new], on[new]
+        size = len(self._req_of_slot)
+        prompt = p < self._prompt_len[s]
+        self._monitored += np.bincount(s, minlength=size)
+        self._gated_prefill += np.bincount(s, weights=on_new & prompt, minlength=size).astype(
+            np.int64)
+        self._gated_decode += np.bincount(s, weights=on_new & ~prompt, minlength=size).astype(
+            np.int64)
+        decode_on = on_new & ~prompt
+        np.minimum.at(self._first_decode_gated, s[decode_on], p[decode_on])
+        np.fmax.at(self._max_score, slot, scores)
+        hot = (gates > DYNAMIC_EPSILON) & (pos >= self._dynamic_from[slot])
+        np.minimum.at(self._first_dynamic, slot[hot], pos[hot])
+        np.maximum.at(self._upto, slot, pos + 1)
+        if self._traced:
+            traced = self._trace[slot]
+            for one in np.unique(slot[traced]).tolist():
+                self._put_trace(one, pos, gates, scores, slot == one)
+
+    def _put_trace(self, slot: int, pos: np.ndarray, gates: np.ndarray, scores: np.ndarray,
+                   mask: np.ndarray) -> None:
+        req = self._live[self._req_of_slot[slot]]  # type: ignore[index]
+        end = int(pos[mask].max()) + 1
+        if req.gates is None or end > len(req.gates):
+            size = max(end, 2 * (0 if req.gates is None else len(req.gates)))
+            grown = np.full((2, size), np.nan, dtype=np.float32)
+            if req.gates is not None:
+                grown[0, : len(req.gates)], grown[1, : len(req.gates)] = req.gates, req.scores
+            req.gates, req.scores = grown[0], grown[1]
+        req.gates[pos[mask]] = gates[mask]  # a recomputed position overwrites
+        req.scores[pos[mask]] = scores[mask]
+
+    def _summary(self, req: _Request) -> dict[str, Any]:
+        values = req.counters or tuple(getattr(self, f"_{n}")[req.slot] for n in _COUNTERS)
+        counts = dict(zip(_COUNTERS, values, strict=True))
+        first_decode = int(counts["first_decode_gated"])
+        max_score = float(counts["max_score"])
+        gates = None
+        if req.trace:
+            n = int(counts["upto"])
+            trace = req.gates if req.gates is not None else np.zeros(0, np.float32)
+            trace = np.concatenate([trace, np.full(max(0, n - len(trace)), np.nan)])[:n]
+            gates = [None if np.isnan(g) else float(g) for g in trace]
+        return {
+            "tokens_monitored": int(counts["monitored"]),
+            "gated_prefill": int(counts["gated_prefill"]),
+            "gated_decode": int(counts["gated_decode"]),
+            "first_decode_gated": None if first_decode == NONE else first_decode - req.prompt_len,
+            "max_score": max_score if np.isfinite(max_score) else None,
+            "gates": gates,
+        }

@@ -97,6 +97,9 @@ def poison_engine_check(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
     import numpy as np
     from engine_utils import logprobs_of, params, run
 
+    from dynsteer.controller.spec import parse_entries
+    from dynsteer.controller.wire import entry_to_wire
+
     def same(outs: list[Any], ref: list[Any]) -> bool:
         return all(list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
                    and float(np.abs(logprobs_of(a)[1] - logprobs_of(b)[1]).max()) < 1e-4
@@ -108,7 +111,8 @@ def poison_engine_check(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
                "huge_finite_row": [{"vector": [1e30] * 128, "layers": [1]}]}
     try:
         for name, entries in poisons.items():
-            llm.collective_rpc("dynsteer_set_global", args=(entries,))
+            wire = [entry_to_wire(e) for e in parse_entries(entries)]
+            llm.collective_rpc("dynsteer_set_global", args=(wire,))
             report[f"{name}_outputs_equal_baseline"] = same(
                 run(llm, prompts, [params(max_tokens=12) for _ in prompts]), base)
     finally:

@@ -141,7 +141,7 @@ class FakeLLM:
         for i, (req, sp) in enumerate(zip(ids, params, strict=True)):
             self.state.add_request(req, i + 1, sp.extra_args, len(tokens[i]))
         lens = np.array([len(t) for t in tokens])
-        self.state.fill(ids, np.arange(1, len(ids) + 1), np.zeros(len(ids), np.int64), lens)
+        self.state.fill(np.arange(1, len(ids) + 1), np.zeros(len(ids), np.int64), lens)
         flat = torch.tensor([t for p in tokens for t in p], dtype=torch.float32)
         for (_, layer), buffers in self.state.site_buffers().items():
             x = (flat + 1000 * layer)[:, None].expand(-1, HIDDEN).contiguous()
@@ -194,7 +194,7 @@ def test_worker_captures_prompt_rows_of_its_pass_and_frees_them():
     state.add_request("b", 2, {CAPTURE_KEY: "stale.0:1"}, prompt_len=2)
     state.add_request("c", 3, None, prompt_len=4)
     assert state.needs_fill and not state.any_steered
-    state.fill(["a-12345678", "b", "c"], np.array([1, 2, 3]), np.zeros(3, np.int64),
+    state.fill(np.array([1, 2, 3]), np.zeros(3, np.int64),
                np.array([3, 2, 4]))
     assert state.token_rows.capture_rows[:9].tolist() == [1, 2, 3] + [0] * 6
     x, h = torch.randn(9, 4), torch.randn(9, 4)
@@ -215,7 +215,7 @@ def test_worker_reports_uncomputed_positions():
     state = worker_state()
     state.capture.begin("t.0", ["pre_attn@0"])
     state.add_request("a", 1, {CAPTURE_KEY: "t.0:0"}, prompt_len=5)
-    state.fill(["a"], np.array([1]), np.array([2]), np.array([3]))
+    state.fill(np.array([1]), np.array([2]), np.array([3]))
     reply = state.capture.collect(["t.0:0"], "last", reply=True)
     assert "positions 2..5 of 5" in reply["missing"]["t.0:0"]
 

@@ -15,6 +15,8 @@ from engine_utils import logprobs_of, params, run, start_llm, stop_llm
 from hf_reference import load_hf, reference_logprobs
 from test_steering_reference import TOL, vec
 
+from dynsteer.controller.spec import parse_entries
+from dynsteer.controller.wire import entry_to_wire
 from dynsteer.engine_ext import Steering
 
 pytestmark = pytest.mark.engine
@@ -247,7 +249,8 @@ def test_data_plane_drops_overflowing_steering(llm, plain_outputs):
     ]
     try:
         for entries in poisons:
-            llm.collective_rpc("dynsteer_set_global", args=(entries,))
+            wire = [entry_to_wire(e) for e in parse_entries(entries)]
+            llm.collective_rpc("dynsteer_set_global", args=(wire,))
             for out, ref in zip(run(llm, PROMPTS, [params() for _ in PROMPTS]), plain_outputs,
                                 strict=True):
                 assert_same(out, ref)

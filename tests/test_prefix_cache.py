@@ -165,7 +165,8 @@ def _firing_gate(llm, hf, p, max_tokens):
     norm2 = float(embed @ embed)
     gate = {"probe": {"weights": embed.tolist(), "threshold": norm2 / 2,
                       "sharpness": 50.0 / norm2},
-            "layer": 0, "hook": "pre_attn", "steer": [{"vector": vec(57), "layers": [2]}]}
+            "layer": 0, "hook": "pre_attn", "trace": True,
+            "steer": [{"vector": vec(57), "layers": [2]}]}
     return pos, gate
 
 

@@ -67,7 +67,7 @@ def trained(server):
 
 
 def _gated_completion(server, prompt: str, probe: str = "storm"):
-    spec = {"gate": {"probe": probe, "layer": LAYER,
+    spec = {"gate": {"probe": probe, "layer": LAYER, "trace": True,
                      "steer": [{"vector": [0.5] * 128, "layers": [2]}]}}
     url = server["server"].url
     model = http("GET", url + "/v1/models")[1]["data"][0]["id"]

@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from dynsteer.controller.http_models import encode_f32
+from dynsteer.controller.limits import encode_f32
 from dynsteer.engine_ext.frontend import FrontendState
 from dynsteer.engine_ext.options import EngineOptions
 from dynsteer.engine_ext.server.endpoint import DynsteerEndpoints

@@ -7,6 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynsteer.controller.spec import parse_entries, parse_spec
+from dynsteer.controller.wire import WIRE_KEY, entry_to_wire, spec_to_wire
 from dynsteer.engine_ext.rows import RowTable
 from dynsteer.engine_ext.state import SteeringState
 from dynsteer.engine_ext.token_rows import TokenRows
@@ -20,6 +22,15 @@ def table(max_rows=3):
 
 def site_rows(rows, site, part="table"):
     return getattr(rows, part)[rows.site_index(site)]
+
+
+def resolved(spec):
+    """``extra_args`` as the frontend leaves them: the spec in its resolved (wire) form."""
+    return {WIRE_KEY: spec_to_wire(parse_spec(spec))}
+
+
+def resolved_entries(entries):
+    return [entry_to_wire(e) for e in parse_entries(entries)]
 
 
 def test_identical_contents_share_a_row():
@@ -97,9 +108,9 @@ def test_global_change_re_resolves_live_requests():
                           device=torch.device("cpu"))
     state.add_request("a", 1, None, prompt_len=2)
     assert not state.any_steered
-    state.set_global([{"vector": [1, 0, 0, 0], "layers": [1]}])
+    state.set_global(resolved_entries([{"vector": [1, 0, 0, 0], "layers": [1]}]))
     assert state.any_steered
-    state.fill(["a"], np.array([1]), np.array([0]), np.array([3]))
+    state.fill(np.array([1]), np.array([0]), np.array([3]))
     row = int(state.token_rows.rows[0])
     assert row != 0 and site_rows(state.rows, ("post_block", 1))[row][0] == 1
     state.set_global([])
@@ -110,7 +121,7 @@ def test_bad_request_runs_unsteered_instead_of_failing():
     """A spec the worker cannot resolve is logged and served unsteered (the step goes on)."""
     state = SteeringState(SITES, 4, max_rows=4, max_tokens=16, max_slots=4,
                           device=torch.device("cpu"))
-    state.add_request("a", 0, {"dynsteer": {"steer": [{"vector": "gone", "layers": [0]}]}}, 2)
+    state.add_request("a", 0, resolved({"steer": [{"vector": "gone", "layers": [0]}]}), 2)
     assert not state.any_steered and state.has_request("a")
 
 
@@ -131,12 +142,12 @@ def test_gated_request_gets_probe_row_and_telemetry():
     """A gated request takes a probe row at its monitor site and gets a telemetry record."""
     state = SteeringState(SITES, 4, max_rows=4, max_tokens=16, max_slots=4,
                           device=torch.device("cpu"))
-    spec = {"dynsteer": {"gate": {"probe": {"weights": [1, 0, 0, 0], "threshold": 0.5},
-                                  "layer": 0, "hook": "post_block",
-                                  "steer": [{"vector": [0, 1, 0, 0], "layers": [1]}]}}}
+    spec = resolved({"gate": {"probe": {"weights": [1, 0, 0, 0], "threshold": 0.5},
+                              "layer": 0, "hook": "post_block",
+                              "steer": [{"vector": [0, 1, 0, 0], "layers": [1]}]}})
     state.add_request("g", 2, spec, prompt_len=3)
     assert state.any_steered and state.probe_table.in_use == 1
-    state.fill(["g"], np.array([2]), np.array([0]), np.array([3]))
+    state.fill(np.array([2]), np.array([0]), np.array([3]))
     assert state.token_rows.probe_rows[:3].tolist() == [1, 1, 1]
     params = state.probe_table.params[1].tolist()
     assert params == [0.5, 1.0, float(state.rows.site_index(("post_block", 0)))]

@@ -15,7 +15,7 @@ from engine_utils import start_llm, stop_llm
 from server_utils import Server, http, make_chat_model
 
 from dynsteer.controller.client import DynsteerClient, DynsteerHTTPError
-from dynsteer.controller.http_models import encode_f32
+from dynsteer.controller.limits import encode_f32
 
 pytestmark = pytest.mark.engine
 
@@ -25,7 +25,7 @@ MAX_TOKENS = 8
 RNG = np.random.default_rng(7)
 VECTOR = (RNG.standard_normal(128) * 4).tolist()
 STATIC = {"steer": [{"vector": VECTOR, "layers": [1, 2]}]}
-GATED = {"gate": {"probe": {"weights": VECTOR, "threshold": 0.0}, "layer": 0,
+GATED = {"gate": {"probe": {"weights": VECTOR, "threshold": 0.0}, "layer": 0, "trace": True,
                   "steer": [{"vector": VECTOR, "layers": [2], "scale": 2.0}]}}
 
 

@@ -1,0 +1,87 @@
+"""The resolved spec: what the frontend hands the workers, validated once and cheap to read.
+
+A client's spec (JSON floats, base64, names) is parsed and checked once, in the process that
+admits the request (:mod:`dynsteer.controller.spec`). What travels on to the engine core and
+every worker is this form, in ``SamplingParams.extra_args[WIRE_KEY]``: plain lists, numbers,
+strings and ``bytes`` (vLLM's msgpack carries them as they are), with vectors as little-endian
+float32 bytes, so a worker builds its rows with ``np.frombuffer`` and no JSON or pydantic work,
+and the prefix-cache fingerprint hashes bytes, not decimal text.
+
+Layout (positional, so msgpack stays small):
+
+* entry: ``[hook, layers, phase, scale, vector]`` (indices :data:`HOOK` ... :data:`VECTOR`),
+  ``vector`` = float32 bytes or a registered vector's name;
+* spec: ``{"steer": [entry...], "gate": gate or None}``;
+* gate: ``{"probe", "hook", "layer", "threshold", "sharpness", "steer": [entry...], "trace"}``,
+  ``probe`` = a registered probe's name or ``[weights bytes, threshold, sharpness]``;
+  ``threshold`` / ``sharpness`` are the request's overrides (None: the probe's).
+
+No vLLM import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from dynsteer.controller.spec import GateSpec, SteerEntry, SteeringSpec
+
+WIRE_KEY = "dynsteer_wire"
+"""Key of the resolved spec in ``SamplingParams.extra_args`` (set by the frontend only)."""
+
+F32 = np.dtype("<f4")
+
+WireEntry = list[Any]
+HOOK, LAYERS, PHASE, SCALE, VECTOR = range(5)
+"""Positions in a wire entry."""
+
+
+def vector_bytes(values: Any) -> bytes:
+    """Little-endian float32 bytes of a vector (a float list or an array)."""
+    return np.asarray(values, dtype=F32).tobytes()
+
+
+def entry_to_wire(entry: SteerEntry) -> WireEntry:
+    vector = entry.name if entry.name is not None else vector_bytes(entry.values())
+    return [entry.hook, list(entry.layers), entry.phase, float(entry.scale), vector]
+
+
+def gate_to_wire(gate: GateSpec) -> dict[str, Any]:
+    probe: Any = gate.probe
+    if not isinstance(probe, str):
+        probe = [vector_bytes(probe.values()), float(probe.threshold), float(probe.sharpness)]
+    return {"probe": probe, "hook": gate.hook, "layer": gate.layer,
+            "threshold": gate.threshold, "sharpness": gate.sharpness,
+            "steer": [entry_to_wire(e) for e in gate.steer], "trace": gate.trace}
+
+
+def spec_to_wire(spec: SteeringSpec) -> dict[str, Any]:
+    return {"steer": [entry_to_wire(e) for e in spec.steer],
+            "gate": gate_to_wire(spec.gate) if spec.gate is not None else None}
+
+
+def fingerprint(*parts: Any) -> bytes:
+    """A content hash of wire values (entries, specs, names): bytes hash as bytes."""
+    h = hashlib.blake2b(digest_size=12)
+
+    def feed(value: Any) -> None:
+        if isinstance(value, bytes):
+            h.update(b"b%d:" % len(value))
+            h.update(value)
+        elif isinstance(value, dict):
+            for key in sorted(value):
+                h.update(f"k{key}:".encode())
+                feed(value[key])
+        elif isinstance(value, (list, tuple)):
+            h.update(b"[%d" % len(value))
+            for item in value:
+                feed(item)
+            h.update(b"]")
+        else:
+            h.update(f"{type(value).__name__}:{value!r};".encode())
+
+    for part in parts:
+        feed(part)
+    return h.digest()

@@ -1,0 +1,83 @@
+"""Per-step host work does not grow with the number of requests (no engine, CPU).
+
+A decode step of the worker's steering state (index fill, telemetry fold, prefix-guard report)
+is traced line by line: the number of Python lines it executes must be the same with 8 and with
+200 gated and statically steered requests in the batch, whatever numpy does in C. This is the
+CI guard of the serving-scale issue: a Python loop over requests on the step path fails it,
+deterministically (a timing check would be flaky on shared CI machines).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+from dynsteer.controller.spec import parse_spec
+from dynsteer.controller.wire import WIRE_KEY, spec_to_wire
+from dynsteer.engine_ext.state import SteeringState
+
+HIDDEN = 64
+SITES = tuple(("post_block", layer) for layer in range(4))
+PROMPT = 5
+BLOCK = 16
+
+
+def spec(i: int) -> dict:
+    rng = np.random.default_rng(i)
+    vector = (rng.standard_normal(HIDDEN) * 0.1).tolist()
+    if i % 2:
+        return {"steer": [{"vector": vector, "layers": [1, 2]}]}
+    return {"gate": {"probe": {"weights": rng.standard_normal(HIDDEN).tolist()}, "layer": 1,
+                     "steer": [{"vector": vector, "layers": [1, 3]}]}}
+
+
+def lines_per_step(requests: int) -> int:
+    """Python lines executed by one decode step with ``requests`` requests (no block crossing,
+    so the prefix-guard report has nothing to say)."""
+    state = SteeringState(SITES, HIDDEN, max_rows=requests + 1, max_tokens=4096,
+                          max_slots=requests + 1, device=torch.device("cpu"), block_size=BLOCK)
+    for i in range(requests):
+        extra = {WIRE_KEY: spec_to_wire(parse_spec(spec(i)))}
+        state.add_request(f"r{i}", i + 1, extra, PROMPT)
+    slots = np.arange(1, requests + 1)
+    state.fill(slots, np.zeros(requests, np.int64), np.full(requests, PROMPT))  # prefill
+    state.cache_report()
+    counted = 0
+
+    def tracer(frame, event, arg):
+        nonlocal counted
+        if event == "line":
+            counted += 1
+        return tracer
+
+    for position in (PROMPT, PROMPT + 1):  # the first decode step, then the measured one
+        state.gate[:requests] = torch.rand(requests)
+        if position == PROMPT + 1:
+            sys.settrace(tracer)
+        try:
+            state.fill(slots, np.full(requests, position), np.ones(requests, np.int64))
+            assert state.cache_report() == {}
+        finally:
+            sys.settrace(None)
+    return counted
+
+
+def test_step_lines_do_not_depend_on_the_number_of_requests():
+    small, large = lines_per_step(8), lines_per_step(200)
+    assert small > 0
+    assert large == small, f"{small} Python lines per step with 8 requests, {large} with 200"
+
+
+def test_the_report_names_only_requests_that_crossed_a_block():
+    """At a block boundary the report holds the gated requests whose clean prefix grew."""
+    state = SteeringState(SITES, HIDDEN, max_rows=8, max_tokens=64, max_slots=8,
+                          device=torch.device("cpu"), block_size=4)
+    state.add_request("g", 1, {WIRE_KEY: spec_to_wire(parse_spec(spec(0)))}, prompt_len=3)
+    state.fill(np.array([1]), np.array([0]), np.array([3]))
+    state.gate[:3] = 0.0  # not fired: the clean prefix is everything processed
+    assert state.cache_report() == {}  # 3 positions: no whole block yet
+    state.fill(np.array([1]), np.array([3]), np.array([1]))
+    state.skip_step()
+    assert state.cache_report() == {"g": (4, None)}

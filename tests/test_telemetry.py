@@ -1,0 +1,92 @@
+"""Gate telemetry folded in whole arrays (CPU, no engine) against a per-position reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dynsteer.engine_ext.telemetry import DYNAMIC_EPSILON, GATE_ON, GateTelemetry
+
+SITES = ["post_block@0", "post_block@1"]
+BLOCK = 4
+
+
+def make() -> tuple[GateTelemetry, torch.Tensor]:
+    values = torch.zeros(2, 64)
+    return GateTelemetry(values, SITES, BLOCK, max_slots=4), values
+
+
+def step(tele, values, rng, batch):
+    """One step: ``batch`` is [(slot, first position, count)]; random gates and scores."""
+    tokens = sum(n for _, _, n in batch)
+    values[:, :tokens] = torch.from_numpy(rng.random((2, tokens)).astype(np.float32))
+    values[1, :tokens] = values[1, :tokens] * 10 - 5
+    slot = np.concatenate([np.full(n, s) for s, _, n in batch])
+    pos = np.concatenate([np.arange(p, p + n) for _, p, n in batch])
+    tele.before_step(np.arange(tokens), slot, pos, tokens)
+    return {(int(s), int(p)): (float(values[0, i]), float(values[1, i]))
+            for i, (s, p) in enumerate(zip(slot, pos, strict=True))}
+
+
+def expected(seen: dict[int, tuple[float, float]], prompt_len: int, dynamic_from: int | None):
+    pos = sorted(seen)
+    gates = np.array([seen[p][0] for p in pos])
+    on = gates > GATE_ON
+    decode_on = [p for p in pos if seen[p][0] > GATE_ON and p >= prompt_len]
+    return {
+        "tokens_monitored": len(pos),
+        "gated_prefill": int(sum(o for p, o in zip(pos, on, strict=True) if p < prompt_len)),
+        "gated_decode": len(decode_on),
+        "first_decode_gated": decode_on[0] - prompt_len if decode_on else None,
+        "max_score": max(seen[p][1] for p in pos),
+        "first_dynamic": next((p for p in pos if dynamic_from is not None and p >= dynamic_from
+                               and seen[p][0] > DYNAMIC_EPSILON), None),
+    }
+
+
+def test_counters_trace_recompute_and_block_reports():
+    rng = np.random.default_rng(0)
+    tele, values = make()
+    tele.admit("a", 1, prompt_len=6, site=SITES[0], dynamic_from=6, trace=True)
+    tele.admit("b", 3, prompt_len=3, site=SITES[1], dynamic_from=0, trace=False)
+    seen: dict[str, dict[int, tuple[float, float]]] = {"a": {}, "b": {}}
+    slots = {"a": 1, "b": 3}
+    batches = [[(1, 0, 6), (3, 0, 3)], [(1, 6, 1), (3, 3, 1)], [(1, 7, 1), (3, 4, 1)],
+               [(1, 8, 1)], [(1, 9, 1)]]
+    reports = []
+    for batch in batches:
+        got = step(tele, values, rng, batch)
+        for name, slot in slots.items():
+            seen[name].update({p: v for (s, p), v in got.items() if s == slot})
+        reports.append(tele.cache_report())
+    tele.drain()
+    # "b" is preempted and recomputed from position 2: positions 2-4 are not counted again.
+    tele.finish("b")
+    tele.admit("b", 2, prompt_len=3, site=SITES[1], dynamic_from=0, trace=False)
+    step(tele, values, rng, [(2, 2, 3)])
+    for name, prompt_len, dynamic_from in (("a", 6, 6), ("b", 3, 0)):
+        report = tele.report(name)
+        want = expected(seen[name], prompt_len, dynamic_from)
+        for key in ("tokens_monitored", "gated_prefill", "gated_decode", "first_decode_gated"):
+            assert report[key] == want[key], (name, key)
+        # "b"'s recomputed positions were scored again (new random values): its max only grows
+        assert report["max_score"] >= want["max_score"] - 1e-5
+        assert name == "b" or abs(report["max_score"] - want["max_score"]) < 1e-5
+    trace = tele.report("a")["gates"]
+    np.testing.assert_allclose(trace, [seen["a"][p][0] for p in range(10)], rtol=1e-6)
+    assert tele.report("b")["gates"] is None
+    # Reports: only when the clean prefix (below the first dynamic position) grows a block.
+    want_a = expected(seen["a"], 6, 6)["first_dynamic"]
+    clean = [min(end, want_a if want_a is not None else end) // BLOCK
+             for end in (6, 7, 8, 9, 10)]
+    reported = [bool(r.get("a")) for r in reports]
+    assert reported == [clean[0] > 0] + [clean[i] > clean[i - 1] for i in range(1, 5)]
+    assert tele.tokens_monitored == {SITES[0]: 10, SITES[1]: 8}
+
+
+def test_no_gated_tokens_costs_nothing_and_reports_nothing():
+    tele, _ = make()
+    empty = np.zeros(0, dtype=np.int64)
+    tele.before_step(empty, empty, empty, 0)
+    assert tele.cache_report() == {} and tele.tokens_monitored == {}
+    assert tele.report("nope") is None
