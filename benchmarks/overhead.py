@@ -104,10 +104,12 @@ class Specs:
                 for i in range(batch)]
 
 
-def prompts(batch: int, length: int) -> list[dict[str, Any]]:
+def prompts(batch: int, length: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Random prompts; every timed run gets its own seed, so no run is served from the prefix
+    cache (which would favour whichever engine kept the previous run's blocks)."""
     import numpy as np
 
-    rng = np.random.default_rng(batch * 7919 + length)
+    rng = np.random.default_rng([batch, length, seed])
     return [{"prompt_token_ids": rng.integers(100, 30000, length).tolist()} for _ in range(batch)]
 
 
@@ -165,17 +167,19 @@ def main() -> None:
         if not args.no_prefill:
             shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
         runs = [("stock", "idle"), *(("plugin", s) for s in SCENARIOS)]
+        seed = 0
         for shape, batch, prompt_len, gen_len in shapes:
-            batch_prompts = prompts(batch, prompt_len)
             loads = {s: specs.params(s, batch, gen_len) for s in SCENARIOS}
             for engine, scenario in runs:  # warm-up: first pass of each shape
-                timed(engines[engine], batch_prompts, loads[scenario])
+                seed += 1
+                timed(engines[engine], prompts(batch, prompt_len, seed), loads[scenario])
             before = steering.info()[0]
             samples: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
             for rep in range(args.reps):
                 for engine, scenario in runs if rep % 2 == 0 else runs[::-1]:
-                    samples[f"{engine}/{scenario}"].append(
-                        timed(engines[engine], batch_prompts, loads[scenario]))
+                    seed += 1
+                    samples[f"{engine}/{scenario}"].append(timed(
+                        engines[engine], prompts(batch, prompt_len, seed), loads[scenario]))
             after = steering.info()[0]
             site = f"post_block@{MONITOR}"
             monitored = (after["tokens_monitored"].get(site, 0)

@@ -11,7 +11,9 @@ Layout (positional, so msgpack stays small):
 
 * entry: ``[hook, layers, phase, scale, vector]`` (indices :data:`HOOK` ... :data:`VECTOR`),
   ``vector`` = float32 bytes or a registered vector's name;
-* spec: ``{"steer": [entry...], "gate": gate or None}``;
+* spec: ``{"steer": [entry...], "gate": gate or None, "key": hex}``; ``key`` is a content hash
+  of the rest, so workers can reuse what they built for an identical spec and the prefix-cache
+  fingerprint hashes a few bytes per request;
 * gate: ``{"probe", "hook", "layer", "threshold", "sharpness", "steer": [entry...], "trace"}``,
   ``probe`` = a registered probe's name or ``[weights bytes, threshold, sharpness]``;
   ``threshold`` / ``sharpness`` are the request's overrides (None: the probe's).
@@ -58,8 +60,10 @@ def gate_to_wire(gate: GateSpec) -> dict[str, Any]:
 
 
 def spec_to_wire(spec: SteeringSpec) -> dict[str, Any]:
-    return {"steer": [entry_to_wire(e) for e in spec.steer],
+    wire = {"steer": [entry_to_wire(e) for e in spec.steer],
             "gate": gate_to_wire(spec.gate) if spec.gate is not None else None}
+    wire["key"] = fingerprint(wire).hex()
+    return wire
 
 
 def fingerprint(*parts: Any) -> bytes:

@@ -164,6 +164,6 @@ class FrontendState:
             return None
         entries = [*self.global_wire, *own, *(gate["steer"] if gate is not None else [])]
         phase_specific = any(e[PHASE] != "all" for e in entries)
-        key = fingerprint(wire or "-", self.global_key or "-", self.registry_generation,
-                          prompt_len if phase_specific else -1)
+        key = fingerprint(wire["key"] if wire else "-", self.global_key or "-",
+                          self.registry_generation, prompt_len if phase_specific else -1)
         return CacheGuard(key=key.hex(), fork=fork, withhold=gate is not None)

@@ -14,6 +14,7 @@ refcount them: requests with the same config share a row.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,6 +88,13 @@ class _Slots:
         self._refs[slot] += 1
         return slot, fresh
 
+    def reuse(self, key: bytes) -> int | None:
+        """The slot already holding ``key`` with one more reference, or None."""
+        slot = self._by_key.get(key)
+        if slot is not None:
+            self._refs[slot] += 1
+        return slot
+
     def give_back(self, slot: int) -> None:
         if slot == 0:
             return
@@ -125,16 +133,30 @@ class RowTable:
         """Acquisitions refused because every row was in use."""
         return self._slots.rejected
 
-    def acquire(self, static: Contents, dynamic: Contents | None = None) -> int | None:
-        """A row holding ``static`` + gated ``dynamic`` (0 when both empty); None when full."""
+    def acquire(self, static: Contents, dynamic: Contents | None = None,
+                key: bytes | None = None) -> int | None:
+        """A row holding ``static`` + gated ``dynamic`` (0 when both empty); None when full.
+
+        Rows are shared by content (``key`` defaults to a digest of it) or by a caller's key
+        that determines the content (see :meth:`acquire_keyed`)."""
         static = _nonzero(static, self._site_index)
         dynamic = _nonzero(dynamic or {}, self._site_index)
         if not static and not dynamic:
             return 0
-        row, fresh = self._slots.take(_digest(static, "dyn", dynamic))
+        row, fresh = self._slots.take(key or _digest(static, "dyn", dynamic))
         if fresh:
             self._write(row, static, dynamic)  # type: ignore[arg-type]
         return row
+
+    def acquire_keyed(self, key: bytes,
+                      make: Callable[[], tuple[Contents, Contents]]) -> int | None:
+        """:meth:`acquire` for contents that ``key`` determines: a request whose key is in use
+        takes that row without building or hashing its contents (``make`` runs otherwise)."""
+        row = self._slots.reuse(b"k" + key)
+        if row is not None:
+            return row
+        static, dynamic = make()
+        return self.acquire(static, dynamic, key=b"k" + key)
 
     def release(self, row: int) -> None:
         """Drop one reference; the row is free for new contents when none remain."""
@@ -181,9 +203,12 @@ class ProbeTable:
     def in_use(self) -> int:
         return self._slots.in_use
 
-    def acquire(self, probe: ProbeRow) -> int | None:
+    def acquire(self, probe: ProbeRow, key: bytes | None = None) -> int | None:
+        """A row holding ``probe``, shared by content or by a caller's ``key`` that determines
+        it (no hashing of the weights then); None when full."""
         site = self._site_index[probe.site]
-        key = _digest(probe.weights, probe.threshold, probe.sharpness, site)
+        key = b"k" + key if key else _digest(probe.weights, probe.threshold, probe.sharpness,
+                                             site)
         row, fresh = self._slots.take(key)
         if fresh:
             device = self.probes.device

@@ -11,6 +11,7 @@ fill a vectorized gather.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,6 +59,27 @@ class _Request:
     gated: dict[str, Contents]
     """This request's gated steering per phase."""
     probe: ProbeRow | None
+    key: str = "-"
+    """What determines the request's rows besides global steering and the registry: the
+    resolved spec's content hash ("-": no spec; "-nogate" suffix when the gate could not get a
+    probe row)."""
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """What a resolved spec builds (the same for every request that carries it)."""
+
+    own: dict[str, Contents]
+    gated: dict[str, Contents]
+    probe: ProbeRow | None
+    trace: bool
+
+
+_UNSTEERED = _Resolved(own={p: {} for p in PHASES}, gated={p: {} for p in PHASES},
+                       probe=None, trace=False)
+
+RESOLVED_SPECS = 256
+"""Distinct resolved specs a worker keeps built (a bounded LRU; identical specs reuse them)."""
 
 
 class SteeringState:
@@ -102,6 +124,9 @@ class SteeringState:
         self._num_steered = 0
         self.requests_steered = 0
         """Requests admitted with a nonzero row (counter)."""
+        self._versions = [0, 0]
+        """(registry, global steering) versions: part of every row key, bumped on a change."""
+        self._resolved: OrderedDict[tuple[str, int], _Resolved] = OrderedDict()
 
     # ---- control plane -------------------------------------------------------------------
     def register_vector(self, name: str, values: list[float] | np.ndarray) -> None:
@@ -112,10 +137,12 @@ class SteeringState:
                 f"vector {name!r}: expected {self.hidden_size} finite floats, got shape {vec.shape}"
             )
         self.vectors[name] = vec
+        self._versions[0] += 1
 
     def unregister_vector(self, name: str) -> None:
         """Remove a named vector; unknown names raise ``KeyError``."""
         del self.vectors[name]
+        self._versions[0] += 1
 
     def register_probe(self, name: str, weights: list[float] | np.ndarray, threshold: float,
                        sharpness: float) -> None:
@@ -128,10 +155,12 @@ class SteeringState:
         if not (np.isfinite(threshold) and np.isfinite(sharpness) and sharpness > 0):
             raise ValueError(f"probe {name!r}: threshold must be finite and sharpness > 0")
         self.probes[name] = RegisteredProbe(w, float(threshold), float(sharpness))
+        self._versions[0] += 1
 
     def unregister_probe(self, name: str) -> None:
         """Remove a named probe; unknown names raise ``KeyError``."""
         del self.probes[name]
+        self._versions[0] += 1
 
     def set_global(self, entries: list[WireEntry]) -> None:
         """Replace global steering (resolved entries, see :mod:`dynsteer.controller.wire`);
@@ -139,6 +168,7 @@ class SteeringState:
         contents = self._contents(entries)
         self._global_entries = entries
         self._global = contents
+        self._versions[1] += 1
         for req in self._requests.values():
             self._release(req)
             self._assign(req)
@@ -153,20 +183,15 @@ class SteeringState:
         a step must never fail because of one request.
         """
         self.remove_request(req_id)
-        empty: dict[str, Contents] = {p: {} for p in PHASES}
-        own, gated, probe, gate = empty, empty, None, None
         wire = extra_args.get(WIRE_KEY) if isinstance(extra_args, dict) else None
+        resolved, key = _UNSTEERED, "-"
         if wire is not None:
             try:
-                own = self._contents(wire["steer"])
-                gate = wire["gate"]
-                if gate is not None:
-                    gated = self._contents(gate["steer"])
-                    probe = self._resolve_probe(gate)
+                resolved, key = self._resolve(wire), wire["key"]
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 logger.warning("dynsteer: request %s runs unsteered: %s", req_id, e)
-                own, gated, probe, gate = empty, empty, None, None
-        req = _Request(slot=slot, own=own, gated=gated, probe=probe)
+        own, gated, probe = resolved.own, resolved.gated, resolved.probe
+        req = _Request(slot=slot, own=own, gated=gated, probe=probe, key=key)
         self._ensure_slot(slot)
         self._requests[req_id] = req
         self._prompt_len[slot] = prompt_len
@@ -178,7 +203,7 @@ class SteeringState:
             hook, layer = probe.site
             dynamic_from = 0 if gated["prefill"] else (prompt_len if gated["decode"] else None)
             self.telemetry.admit(req_id, slot, prompt_len, site=f"{hook}@{layer}",
-                                 dynamic_from=dynamic_from, trace=bool(gate["trace"]))
+                                 dynamic_from=dynamic_from, trace=resolved.trace)
 
     def remove_request(self, req_id: str) -> None:
         """Release a finished (or re-added) request's rows (capture rows wait for collect)."""
@@ -242,6 +267,25 @@ class SteeringState:
         self.telemetry.before_step(_NONE, _NONE, _NONE, 0)
 
     # ---- internals -----------------------------------------------------------------------
+    def _resolve(self, wire: dict[str, Any]) -> _Resolved:
+        """What a resolved spec builds; identical specs (same key, same registry) reuse it."""
+        cache_key = (wire["key"], self._versions[0])
+        hit = self._resolved.get(cache_key)
+        if hit is not None:
+            self._resolved.move_to_end(cache_key)
+            return hit
+        gate = wire["gate"]
+        resolved = _Resolved(
+            own=self._contents(wire["steer"]),
+            gated=self._contents(gate["steer"]) if gate is not None else _UNSTEERED.gated,
+            probe=self._resolve_probe(gate) if gate is not None else None,
+            trace=bool(gate["trace"]) if gate is not None else False,
+        )
+        self._resolved[cache_key] = resolved
+        while len(self._resolved) > RESOLVED_SPECS:
+            self._resolved.popitem(last=False)
+        return resolved
+
     def _resolve_probe(self, gate: dict[str, Any]) -> ProbeRow:
         probe = gate["probe"]
         if isinstance(probe, str):
@@ -292,19 +336,23 @@ class SteeringState:
             self._prefill_row, self._decode_row, self._prompt_len, self._probe_row = grown
 
     def _assign(self, req: _Request) -> None:
-        gated = req.gated
+        """Take the request's rows. Row keys name what determines the contents (spec key,
+        phase, registry and global versions), so a request whose rows exist already takes
+        them without building or hashing anything; all ranks derive the same keys."""
+        gated, key = req.gated, f"{req.key}|r{self._versions[0]}"
         if req.probe is not None:
-            probe_row = self.probe_table.acquire(req.probe)
+            probe_row = self.probe_table.acquire(req.probe, key=key.encode())
             if probe_row is None:
                 # Without a monitor the token's gate buffer holds another token's gate: the
                 # gated tier must not be read at all.
                 logger.warning("dynsteer: all probe rows are in use; a request runs without "
                                "its gate (raise dynsteer.max_rows)")
-                gated = {p: {} for p in PHASES}
+                gated, key = _UNSTEERED.gated, key + "-nogate"
             self._probe_row[req.slot] = probe_row or 0
         for phase, target in zip(PHASES, (self._prefill_row, self._decode_row), strict=True):
-            static = add_contents(self._global[phase], req.own[phase])
-            row = self.rows.acquire(static, gated[phase])
+            row = self.rows.acquire_keyed(
+                f"{key}|{phase}|g{self._versions[1]}".encode(),
+                lambda p=phase, g=gated: (add_contents(self._global[p], req.own[p]), g[p]))
             if row is None:
                 logger.warning(
                     "dynsteer: all %d steering rows are in use; a request runs unsteered in %s "

@@ -224,7 +224,9 @@ class GateTelemetry:
                 self._fold(wait=True, limit=1)
             step.buffer = self._next_buffer
             self._next_buffer = (self._next_buffer + 1) % RING
-            self._ring[step.buffer][:, : step.tokens].copy_(part, non_blocking=True)
+            host = self._ring[step.buffer]
+            for row in range(2):  # contiguous rows: a DMA each (a strided copy would sync)
+                host[row, : step.tokens].copy_(part[row], non_blocking=True)
             step.event = torch.cuda.Event()
             step.event.record()
         self._in_flight.append(step)
