@@ -135,7 +135,7 @@ def run_plain(model: Path, log: Path, bodies: list[dict[str, Any]], rate: float,
     port = free_port()
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                                 *serve_args(model, mem), "--port", str(port),
+                                 "--model", *serve_args(model, mem), "--port", str(port),
                                  "--host", "127.0.0.1"], stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:

@@ -14,6 +14,7 @@ refcount them: requests with the same config share a row.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,7 +58,13 @@ def _digest(*parts: object) -> bytes:
 
 @dataclass
 class _Slots:
-    """Refcounted slots 1..capacity keyed by content digest (slot 0 is the shared zero)."""
+    """Refcounted slots 1..capacity keyed by content (slot 0 is the shared zero).
+
+    A slot whose last reference is given back keeps its key and contents ("idle"): a later
+    request with the same key takes it again without rewriting the table, which matters for
+    serving, where a config's requests come and go. Idle slots are reused for new keys least
+    recently used first, once no never-used slot is left.
+    """
 
     capacity: int
     rejected: int = 0
@@ -65,33 +72,39 @@ class _Slots:
     _key_of: dict[int, bytes] = field(default_factory=dict)
     _refs: dict[int, int] = field(default_factory=dict)
     _free: list[int] = field(default_factory=list)
+    _idle: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         self._free = list(range(self.capacity, 0, -1))
 
     @property
     def in_use(self) -> int:
-        return self.capacity - len(self._free)
+        """Slots referenced by at least one request."""
+        return self.capacity - len(self._free) - len(self._idle)
 
     def take(self, key: bytes) -> tuple[int | None, bool]:
-        """(slot, is_new); slot None when full."""
-        slot = self._by_key.get(key)
-        fresh = slot is None
-        if slot is None:
-            if not self._free:
-                self.rejected += 1
-                return None, False
+        """(slot, is_new); slot None when full. ``is_new``: the caller must write it."""
+        slot = self.reuse(key)
+        if slot is not None:
+            return slot, False
+        if self._free:
             slot = self._free.pop()
-            self._by_key[key] = slot
-            self._key_of[slot] = key
-            self._refs[slot] = 0
-        self._refs[slot] += 1
-        return slot, fresh
+        elif self._idle:
+            slot, _ = self._idle.popitem(last=False)
+            del self._by_key[self._key_of.pop(slot)]
+        else:
+            self.rejected += 1
+            return None, False
+        self._by_key[key] = slot
+        self._key_of[slot] = key
+        self._refs[slot] = 1
+        return slot, True
 
     def reuse(self, key: bytes) -> int | None:
-        """The slot already holding ``key`` with one more reference, or None."""
+        """The slot already holding ``key`` (in use or idle) with one more reference, or None."""
         slot = self._by_key.get(key)
         if slot is not None:
+            self._idle.pop(slot, None)
             self._refs[slot] += 1
         return slot
 
@@ -100,8 +113,7 @@ class _Slots:
             return
         self._refs[slot] -= 1
         if self._refs[slot] == 0:
-            del self._by_key[self._key_of.pop(slot)], self._refs[slot]
-            self._free.append(slot)
+            self._idle[slot] = None
 
 
 class RowTable:

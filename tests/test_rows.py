@@ -158,3 +158,27 @@ def test_gated_request_gets_probe_row_and_telemetry():
     assert report["gated_prefill"] == 2 and report["max_score"] == 2.0
     state.remove_request("g")
     assert state.probe_table.in_use == 0 and state.telemetry.report("g") is not None
+
+
+def test_released_rows_stay_warm_until_their_slot_is_needed(monkeypatch):
+    """A row whose requests all finished keeps its contents: the next request with the same
+    contents takes it without a table write; new contents reuse idle rows least recently
+    used first, once no never-used row is left."""
+    rows = table(max_rows=2)
+    writes = []
+    original = RowTable._write
+    monkeypatch.setattr(RowTable, "_write",
+                        lambda self, row, *a: (writes.append(row), original(self, row, *a)))
+    a, b, c = (np.full(4, v, np.float32) for v in (1, 2, 3))
+    ra = rows.acquire({("post_block", 1): a})
+    rows.release(ra)
+    assert rows.in_use == 0
+    assert rows.acquire({("post_block", 1): a}) == ra and writes == [ra]  # warm: no write
+    rb = rows.acquire({("post_block", 1): b})
+    rows.release(ra)
+    rows.release(rb)
+    rc = rows.acquire({("post_block", 1): c})  # evicts a (least recently used)
+    assert rc == ra and writes == [ra, rb, ra]
+    assert site_rows(rows, ("post_block", 1))[rc][0] == 3
+    assert rows.acquire({("post_block", 1): b}) == rb and writes == [ra, rb, ra]
+    assert rows.acquire({("post_block", 1): a}) is None  # both rows referenced: full
