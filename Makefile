@@ -28,7 +28,7 @@ serve-demo: install
 
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=15 tests
 
 lint: install
 	$(VENV)/bin/ruff check .

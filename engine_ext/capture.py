@@ -137,16 +137,11 @@ class CapturePlan:
         return f"{self.ticket}.{pass_index}"
 
     def round_items(self, pass_index: int, round_index: int) -> list[CaptureItem]:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         ticket = self.pass_ticket(pass_index)
         items = []
         for i in self.rounds[round_index]:
             key = capture_key(ticket, i)
-            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                    output_kind=RequestOutputKind.FINAL_ONLY,
-                                    extra_args={CAPTURE_KEY: key})
+            params = compat.one_token_params({CAPTURE_KEY: key})
             prompt = {"prompt_token_ids": self.prompts[i], "cache_salt": f"dynsteer-capture:{key}"}
             items.append(CaptureItem(index=i, key=key, request_id=f"dynsteer-capture-{key}",
                                      prompt=prompt, params=params))

@@ -490,6 +490,17 @@ def _install_v2(runner: Any, on_add: Callable[..., None], on_remove: Callable[[s
     runner.prepare_inputs = _prepare_inputs
 
 
+# ---- frontend requests -------------------------------------------------------------------
+def one_token_params(extra_args: dict[str, Any]) -> Any:
+    """``SamplingParams`` of an internal request that only needs its prompt processed (one
+    greedy token, no detokenizing, only the final output) and carries ``extra_args``."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                          output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra_args)
+
+
 # ---- API server -------------------------------------------------------------------------
 async def collective_rpc_async(engine_client: Any, method: str, args: tuple[Any, ...],
                                timeout: float | None = None) -> list[Any]:
