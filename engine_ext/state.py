@@ -234,6 +234,10 @@ class SteeringState:
         Whole-array work only (no Python per request or per token): the step's host cost does
         not grow with the number of requests beyond numpy's vectorized passes."""
         probe_rows = self._probe_row[slots]
+        gated = probe_rows != 0
+        counts = num_scheduled.astype(np.int64, copy=False)
+        # Gated steps need every token's position for telemetry; the index fill reuses them.
+        positions = expand_positions(num_computed, counts) if gated.any() else None
         capture_starts = self.capture.slot_starts(slots)
         self.token_rows.fill(
             self._prefill_row[slots],
@@ -241,21 +245,19 @@ class SteeringState:
             probe_rows,
             self._prompt_len[slots],
             num_computed,
-            num_scheduled,
+            counts,
             capture_starts,
+            positions,
         )
         if capture_starts is not None:
             self.capture.record(slots, capture_starts, num_computed, num_scheduled)
-        gated = probe_rows != 0
-        if not gated.any():
+        if positions is None:
             self.telemetry.before_step(_NONE, _NONE, _NONE, 0)
             return
-        counts = num_scheduled.astype(np.int64, copy=False)
         request = np.repeat(np.arange(len(counts)), counts)
         mine = gated[request]
-        positions = expand_positions(num_computed, counts)[mine]
         self.telemetry.before_step(np.flatnonzero(mine), np.asarray(slots)[request[mine]],
-                                   positions, int(counts.sum()))
+                                   positions[mine], int(counts.sum()))
 
     def cache_report(self) -> dict[str, tuple[int, int | None]]:
         """The prefix-guard report of gated requests (see :mod:`.prefix_guard`)."""

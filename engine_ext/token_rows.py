@@ -62,8 +62,10 @@ class TokenRows:
         num_computed: np.ndarray,
         num_scheduled: np.ndarray,
         capture_starts: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
     ) -> None:
-        """Set this step's tokens; arrays are per request, in batch order.
+        """Set this step's tokens; arrays are per request, in batch order (``positions``, per
+        token, may be passed by a caller that computed them already).
 
         A token at position ``p`` uses ``prefill_rows`` when ``p < prompt_len`` and
         ``decode_rows`` otherwise; every token of a request uses its ``probe_rows`` value.
@@ -73,9 +75,10 @@ class TokenRows:
         num_scheduled = num_scheduled.astype(np.int64, copy=False)
         capturing = capture_starts is not None and bool(capture_starts.any())
         by_phase = not np.array_equal(prefill_rows, decode_rows)
-        positions = in_prompt = np.zeros(0, dtype=bool)
+        in_prompt = np.zeros(0, dtype=bool)
         if capturing or by_phase:
-            positions = expand_positions(num_computed, num_scheduled)
+            if positions is None:
+                positions = expand_positions(num_computed, num_scheduled)
             in_prompt = positions < np.repeat(prompt_lens, num_scheduled)
         if by_phase:
             rows = np.where(in_prompt, np.repeat(prefill_rows, num_scheduled),
