@@ -71,7 +71,7 @@ MODES = {"gated": 4, "idle": 2, "capture": 6}
 def case(tokens: int, hidden: int, mode: str) -> dict[str, Any]:
     import torch
 
-    from dynsteer.engine_ext.triton_kernels import steer_triton
+    from dynsteer.engine_ext.worker.triton_kernels import steer_triton
 
     steered = mode == "gated"
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)

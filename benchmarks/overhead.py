@@ -71,7 +71,7 @@ class Specs:
     def __init__(self, threshold: float) -> None:
         import numpy as np
 
-        from dynsteer.controller.limits import encode_f32
+        from dynsteer.controller.contract import encode_f32
 
         rng = np.random.default_rng(1)
         vectors = rng.standard_normal((DISTINCT, HIDDEN)).astype(np.float32) * 0.01

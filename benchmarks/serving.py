@@ -30,8 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import GATED_LAYERS, HIDDEN, LLAMA_8B, MONITOR
 
+from dynsteer.controller.contract import encode_f32
 from dynsteer.controller.launch import ServerProcess, free_port
-from dynsteer.controller.limits import encode_f32
 
 PROMPT_LEN, GEN_LEN = 128, 128
 VOCAB = 49152

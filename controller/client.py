@@ -17,7 +17,10 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from dynsteer.controller.http_models import (
+from dynsteer.probes import Probe
+
+from .contract import encode_f32
+from .http_models import (
     CapturedArray,
     GlobalSteering,
     Health,
@@ -26,8 +29,6 @@ from dynsteer.controller.http_models import (
     RequestReport,
     ServerInfo,
 )
-from dynsteer.controller.limits import encode_f32
-from dynsteer.probes import Probe
 
 PREFIX = "/v1/dynsteer"
 

@@ -12,9 +12,10 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dynsteer.controller.limits import decode_f32
-from dynsteer.controller.spec import FiniteFloat, SteerEntry
 from dynsteer.probes import NAME_PATTERN, ModelFingerprint, Probe, ProbeSite
+
+from .contract import decode_f32
+from .spec import FiniteFloat, SteerEntry
 
 Name = Annotated[str, Field(strict=True, pattern=f"^{NAME_PATTERN.pattern}$")]
 """Names of vectors and probes (:data:`dynsteer.probes.NAME_RULE`): safe as file names and URL

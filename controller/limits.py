@@ -14,18 +14,18 @@ the same value gets the same HTTP 400 with the field named wherever it is sent:
 * probe weights, thresholds and sharpness are at most :data:`PROBE_MAX_ABS` in magnitude.
 
 The in-graph op adds a last line of defence (:data:`STREAM_ABS_LIMIT`): see
-``dynsteer.engine_ext.ops``. No vLLM import.
+``dynsteer.engine_ext.worker.ops``. No vLLM import.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Sequence
 from typing import Annotated, Any
 
 import numpy as np
 from pydantic import Field, TypeAdapter, ValidationError
+
+from .contract import SpecError
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 """Largest finite float32; steering tables and probe math are float32."""
@@ -51,38 +51,12 @@ FiniteFloat = Annotated[
 
 _FLOAT_LIST = TypeAdapter(list[FiniteFloat])
 
-
-def encode_f32(values: Any) -> str:
-    """Base64 of little-endian float32 (what ``*_b64`` fields carry)."""
-    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
-
-
-def decode_f32(field: str, text: str) -> np.ndarray:
-    """Inverse of :func:`encode_f32`; a ValueError naming ``field`` when malformed."""
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise SpecError(f"{field}: not valid base64 ({e})") from e
-    if len(raw) % 4:
-        raise SpecError(f"{field}: {len(raw)} bytes is not a whole number of float32 values")
-    return np.frombuffer(raw, dtype="<f4").astype(np.float32)
-
-
-
-class SpecError(ValueError):
-    """A steering spec or value that cannot be served; the message names the field and the fix.
-
-    (Re-exported by :mod:`dynsteer.controller.spec`, where it is documented for clients.)
-    """
-
-
 def float_error_message(error: dict[str, Any]) -> str:
     """pydantic's message for one float, reworded when it is the float32 range."""
     ctx = error.get("ctx") or {}
     if ctx.get("le") == FLOAT32_MAX or ctx.get("ge") == -FLOAT32_MAX:
         return f"{error['input']!r} is not finite in float32 (|x| at most {FLOAT32_MAX:.6g})"
     return str(error["msg"])
-
 
 def as_float32_vector(field: str, values: Sequence[float] | np.ndarray, length: int) -> np.ndarray:
     """``values`` as a finite float32 vector of ``length``, or a :class:`SpecError`.
@@ -114,7 +88,6 @@ def as_float32_vector(field: str, values: Sequence[float] | np.ndarray, length: 
         raise SpecError(f"{field}[{bad}]: {float(array[bad])!r} is not finite in float32")
     return out
 
-
 def check_steer_magnitude(field: str, norm: float, scale: float, max_norm: float,
                           dtype_max: float) -> None:
     """``scale * vector``, with ``norm`` the vector's L2 norm, is usable: its norm is at most
@@ -128,7 +101,6 @@ def check_steer_magnitude(field: str, norm: float, scale: float, max_norm: float
     if not effective <= dtype_max:
         raise SpecError(f"{field}: ‖scale · vector‖ = {effective:.4g} overflows the model's "
                          f"dtype (largest finite value {dtype_max:.4g})")
-
 
 def check_probe_numbers(prefix: str, threshold: float, sharpness: float,
                         weights: np.ndarray | None = None) -> None:

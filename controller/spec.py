@@ -22,7 +22,8 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dynsteer.controller.limits import (
+from .contract import SPEC_KEY, Hook, decode_f32, site_order
+from .limits import (
     DEFAULT_MAX_STEER_NORM,
     FLOAT32_MAX,
     FiniteFloat,
@@ -30,20 +31,11 @@ from dynsteer.controller.limits import (
     as_float32_vector,
     check_probe_numbers,
     check_steer_magnitude,
-    decode_f32,
     float_error_message,
 )
 
-Hook = Literal["pre_attn", "post_attn", "post_block"]
-"""Residual-stream sites of a decoder layer (TransformerLens: resid_pre, resid_mid, resid_post)."""
-
-HOOKS: tuple[Hook, ...] = ("pre_attn", "post_attn", "post_block")
-
 Phase = Literal["all", "prefill", "decode"]
 """``prefill``: prompt positions; ``decode``: generated positions; ``all``: both."""
-
-SPEC_KEY = "dynsteer"
-"""Key of the spec in ``SamplingParams.extra_args`` (and of the top-level body field)."""
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of JSON arrays and objects accepted in a spec given as JSON text, and in a
@@ -332,11 +324,6 @@ def check_entries(entries: Iterable[SteerEntry], shape: ModelShape, prefix: str)
             _check_site(f"{where}.layers", entry.hook, layer, shape)
 
 
-def site_key(hook: Hook, layer: int) -> tuple[int, int]:
-    """Forward order of a site: layer first, then pre_attn < post_attn < post_block."""
-    return layer, HOOKS.index(hook)
-
-
 def check_gate(gate: GateSpec, shape: ModelShape, prefix: str) -> None:
     """Check a gate against the served model (probe, monitor site, gated sites' order)."""
     if isinstance(gate.probe, str):
@@ -349,10 +336,10 @@ def check_gate(gate: GateSpec, shape: ModelShape, prefix: str) -> None:
     check_probe_numbers(f"{prefix}.", gate.threshold or 0.0, gate.sharpness or 1.0)
     _check_site(f"{prefix}.layer", gate.hook, gate.layer, shape, what="monitor site ")
     check_entries(gate.steer, shape, f"{prefix}.steer")
-    monitor = site_key(gate.hook, gate.layer)
+    monitor = site_order(gate.hook, gate.layer)
     for i, entry in enumerate(gate.steer):
         for layer in entry.layers:
-            if site_key(entry.hook, layer) < monitor:
+            if site_order(entry.hook, layer) < monitor:
                 raise SpecError(
                     f"{prefix}.steer[{i}].layers: ({entry.hook}, layer {layer}) comes before the "
                     f"monitor site ({gate.hook}, layer {gate.layer}); gated steering must be at "

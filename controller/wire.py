@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.controller.spec import GateSpec, SteerEntry, SteeringSpec
+from .spec import GateSpec, SteerEntry, SteeringSpec
 
 WIRE_KEY = "dynsteer_wire"
 """Key of the resolved spec in ``SamplingParams.extra_args`` (set by the frontend only)."""

@@ -14,8 +14,8 @@ import logging
 import sys
 from collections.abc import Callable
 
-from dynsteer.engine_ext.model_cache import ModelUnavailableError, default_model_path
-from dynsteer.engine_ext.serve_cli import add_serve_command, run_serve
+from .default_model import ModelUnavailableError, default_model_path
+from .server.cli import add_serve_command, run_serve
 
 EXIT_UNAVAILABLE = 2
 

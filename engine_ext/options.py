@@ -1,30 +1,23 @@
-"""Engine options (``additional_config={"dynsteer": {...}}``) and the site grammar.
+"""Engine options: ``additional_config={"dynsteer": {...}}``, validated once per engine.
 
-A *site* is one (hook, layer) pair that gets a fused steering kernel. The set of sites is fixed
-when the engine starts because it is baked into the compiled graph: layers without a site pay
-nothing. Sites are written ``hook@layers``: ``post_block@*``, ``pre_attn@0-3``, ``post_attn@5``;
-several are separated by commas or given as a list.
+The set of sites (:mod:`dynsteer.controller.contract` has the grammar) is fixed when the engine
+starts because it is baked into the compiled graph: layers without a site pay nothing.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from dynsteer.controller.contract import check_site_grammar
 from dynsteer.controller.limits import DEFAULT_MAX_STEER_NORM
-from dynsteer.controller.spec import HOOKS, Hook, site_key
 
-CONFIG_KEY = "dynsteer"
-"""Key in vLLM's ``additional_config``."""
-ENABLE_ENV = "DYNSTEER_ENABLE"
-"""Set to 1 to enable the plugin with default options when ``additional_config`` has no key."""
+from .plugin import CONFIG_KEY, requested
+
 PLUGIN_VERSION = "0.1.0"
 KERNEL_ABI = 4
 """Bumped whenever the in-graph ops change, so compile caches of older graphs are not reused."""
-
-Site = tuple[Hook, int]
 
 
 class EngineOptions(BaseModel):
@@ -60,75 +53,16 @@ class EngineOptions(BaseModel):
     @field_validator("sites")
     @classmethod
     def _check_site_grammar(cls, v: str | list[str]) -> str | list[str]:
-        for item in _site_items(v):
-            _parse_site_item(item, num_layers=None)
+        check_site_grammar(v)
         return v
-
-
-def _site_items(sites: str | list[str]) -> list[str]:
-    items = sites.split(",") if isinstance(sites, str) else list(sites)
-    return [s.strip() for s in items if s.strip()]
-
-
-def _parse_layers(text: str, num_layers: int | None) -> list[int]:
-    if text == "*":
-        return list(range(num_layers)) if num_layers is not None else []
-    layers: list[int] = []
-    for part in text.split("+"):
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad layer range {part!r}: use N, N-M or *")
-        first, last = int(lo), int(hi) if sep else int(lo)
-        if last < first:
-            raise ValueError(f"bad layer range {part!r}: {last} < {first}")
-        if num_layers is not None and last >= num_layers:
-            raise ValueError(
-                f"layer {last} in {part!r} does not exist (the model has {num_layers} layers)"
-            )
-        layers.extend(range(first, last + 1))
-    return layers
-
-
-def _parse_site_item(item: str, num_layers: int | None) -> list[Site]:
-    hook, sep, layers = item.partition("@")
-    if not sep:
-        raise ValueError(f"site {item!r} must look like hook@layers, e.g. post_block@*")
-    if hook not in HOOKS:
-        raise ValueError(f"site {item!r}: unknown hook {hook!r} (use one of {', '.join(HOOKS)})")
-    return [(hook, layer) for layer in _parse_layers(layers, num_layers)]  # type: ignore[misc]
-
-
-def resolve_sites(sites: str | list[str], num_layers: int,
-                  field: str = "dynsteer.sites") -> tuple[Site, ...]:
-    """All sites in forward order (layer, then pre_attn < post_attn < post_block).
-
-    Errors start with ``field``, the name the caller knows the value by.
-    """
-    found: set[Site] = set()
-    for item in _site_items(sites):
-        try:
-            found.update(_parse_site_item(item, num_layers))
-        except ValueError as e:
-            raise ValueError(f"{field}: {e}") from e
-    return tuple(sorted(found, key=site_order))
-
-
-def site_name(site: Site) -> str:
-    """``hook@layer``, the name of one site in the site grammar (and in every API)."""
-    return f"{site[0]}@{site[1]}"
-
-
-def site_order(site: Site) -> tuple[int, int]:
-    """Sort key of a site in forward order."""
-    return site_key(*site)
 
 
 def options_from_additional_config(additional_config: Any) -> EngineOptions | None:
     """The plugin's options for an engine, or None when the plugin is not enabled for it."""
+    if not requested(additional_config):
+        return None
     raw = additional_config.get(CONFIG_KEY) if isinstance(additional_config, dict) else None
     if raw is None:
-        if os.environ.get(ENABLE_ENV, "") not in ("1", "true", "True"):
-            return None
         raw = {}
     if not isinstance(raw, dict):
         raise ValueError(f"additional_config.{CONFIG_KEY} must be a dict, got {type(raw).__name__}")

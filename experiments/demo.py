@@ -44,7 +44,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from dynsteer.engine_ext import Steering
-    from dynsteer.engine_ext.model_cache import default_model_path
+    from dynsteer.engine_ext.default_model import default_model_path
 
     path = str(default_model_path())
     print(f"[demo] model: {path}")

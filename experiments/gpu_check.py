@@ -39,7 +39,7 @@ def kernel_check() -> list[dict[str, Any]]:
     import torch
     from test_ops import SITE, capture_reference, make_inputs, reference
 
-    from dynsteer.engine_ext import ops  # noqa: F401  (defines torch.ops.dynsteer.steer)
+    from dynsteer.engine_ext.worker import ops  # noqa: F401  (defines torch.ops.dynsteer.steer)
 
     results = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -74,7 +74,7 @@ def poison_kernel_check() -> list[dict[str, Any]]:
     import torch
     from test_ops import SITE, poison_inputs
 
-    from dynsteer.engine_ext import ops
+    from dynsteer.engine_ext.worker import ops
 
     results = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

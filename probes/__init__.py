@@ -1,16 +1,15 @@
 """Linear probes for dynamic steering: format, numpy reference math, sklearn conversion.
 
-Imports numpy and pydantic only (safetensors when saving/loading files, scikit-learn inside
-:func:`from_sklearn`); never vLLM or torch, so clients and training scripts can use it.
+Imports numpy, pydantic and :mod:`dynsteer.controller.contract` only (safetensors when
+saving/loading files, scikit-learn inside :func:`from_sklearn`); never vLLM or torch, so clients
+and training scripts can use it.
 """
+
+from dynsteer.controller.contract import HOOKS, NAME_PATTERN, NAME_RULE, Hook
 
 from ._io import ProbeFileError
 from .calibration import calibrate_threshold
 from .probe import (
-    HOOKS,
-    NAME_PATTERN,
-    NAME_RULE,
-    Hook,
     ModelFingerprint,
     Probe,
     ProbeSite,

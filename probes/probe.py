@@ -14,7 +14,6 @@ kept as a float64 Python ``float`` because it absorbs folded intercepts (see
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
@@ -24,21 +23,9 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dynsteer.controller.contract import NAME_PATTERN, NAME_RULE, Hook
+
 from . import _io
-
-Hook = Literal["pre_attn", "post_attn", "post_block"]
-"""Residual-stream sites of a decoder layer (TransformerLens: resid_pre, resid_mid, resid_post).
-
-Kept identical to ``dynsteer.controller.spec.Hook`` (a test checks it) without importing the
-controller, so that the probe format has no dependency beyond numpy and pydantic.
-"""
-
-HOOKS: tuple[Hook, ...] = ("pre_attn", "post_attn", "post_block")
-
-NAME_RULE = "1-64 characters from A-Z a-z 0-9 _ . -, not starting with '.'"
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
-"""Names of probes and vectors end up in file names, URLs and metric labels, so they are kept to
-a safe alphabet; a leading dot is refused (``.``, ``..`` and hidden files)."""
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 MetadataValue = str | bool | int | FiniteFloat

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dynsteer.probes.probe import Probe
+from .probe import Probe
 
 
 def upload(probe: Probe, base_url: str, *, api_key: str | None = None,

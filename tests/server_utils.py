@@ -20,7 +20,7 @@ def make_chat_model(path: Path, tokenizer_dir: Path | None = None) -> Path:
     tokenizer files in ``tokenizer_dir``)."""
     make_tiny_model("llama", path, vocab=49152)
     if tokenizer_dir is None:
-        from dynsteer.engine_ext.model_cache import default_model_path
+        from dynsteer.engine_ext.default_model import default_model_path
 
         tokenizer_dir = default_model_path()
     source = tokenizer_dir

@@ -26,8 +26,9 @@ from hf_reference import load_hf, record_streams
 from test_steering_reference import vec
 from tiny_models import HIDDEN, LAYERS
 
+from dynsteer.controller.contract import resolve_sites
 from dynsteer.engine_ext import Steering
-from dynsteer.engine_ext.capture import (
+from dynsteer.engine_ext.frontend.capture import (
     _drive,
     _Generate,
     _protocol,
@@ -37,10 +38,10 @@ from dynsteer.engine_ext.capture import (
     parse_args,
     plan_capture,
 )
-from dynsteer.engine_ext.capture_buffers import CAPTURE_KEY
-from dynsteer.engine_ext.layers import SiteOp
-from dynsteer.engine_ext.options import EngineOptions, resolve_sites
-from dynsteer.engine_ext.state import SteeringState
+from dynsteer.engine_ext.options import EngineOptions
+from dynsteer.engine_ext.worker.capture_buffers import CAPTURE_KEY
+from dynsteer.engine_ext.worker.sites import SiteOp
+from dynsteer.engine_ext.worker.state import SteeringState
 
 ALL_SITES = "pre_attn@*,post_attn@*,post_block@*"
 LENGTHS = [5, 11, 8, 17, 3, 9, 24]
@@ -152,7 +153,7 @@ class FakeLLM:
 
 def test_protocol_end_to_end_with_text_prompts(monkeypatch):
     """Texts are tokenized; every pass and round lands in the right prompt and site."""
-    import dynsteer.engine_ext.capture as capture_module
+    import dynsteer.engine_ext.frontend.capture as capture_module
 
     llm = FakeLLM("post_block@*,post_attn@1", lanes=2, tokens=6)
     monkeypatch.setattr(capture_module, "_frontend", lambda engine: engine.frontend)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from dynsteer.controller.spec import SpecError, check_against_model, parse_spec
-from dynsteer.engine_ext.control import ConflictError, ControlError, ControlPlane
-from dynsteer.engine_ext.frontend import FrontendState
+from dynsteer.engine_ext.frontend.admission import FrontendState
+from dynsteer.engine_ext.frontend.control_plane import ConflictError, ControlError, ControlPlane
 from dynsteer.engine_ext.options import EngineOptions
 
 HIDDEN = 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from dynsteer.engine_ext.layers import SUPPORTED_ARCHITECTURES, arch_spec_for
+from dynsteer.engine_ext.compat.model import SUPPORTED_ARCHITECTURES, arch_spec_for
 
 
 def test_unsupported_architecture_names_the_model_class():

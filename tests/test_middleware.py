@@ -177,7 +177,7 @@ def test_get_and_other_methods_are_not_touched(client):
 
 
 def test_request_cap_setting_env_flag_and_default():
-    from dynsteer.engine_ext.serve_cli import ServeError, help_text, prepare
+    from dynsteer.engine_ext.server.cli import ServeError, help_text, prepare
     from dynsteer.engine_ext.server.settings import ServerSettings
 
     assert ServerSettings().max_request_bytes == 32 * 1024 * 1024

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynsteer.engine_ext import ops  # defines torch.ops.dynsteer.steer
+from dynsteer.engine_ext.worker import ops  # defines torch.ops.dynsteer.steer
 
 SITE = 3
 LANE = 2

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dynsteer.engine_ext.options import (
-    ENABLE_ENV,
-    options_from_additional_config,
-    resolve_sites,
-)
+from dynsteer.controller.contract import resolve_sites
+from dynsteer.engine_ext.options import options_from_additional_config
+from dynsteer.engine_ext.plugin import ENABLE_ENV
 
 
 def test_disabled_without_key(monkeypatch):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dynsteer.engine_ext import parent_watch
-from dynsteer.engine_ext.serve_cli import prepare
+from dynsteer.engine_ext.server.cli import prepare
 
 # The parent: starts a multiprocessing child (spawn or fork), which calls the plugin's register()
 # as vLLM would, then starts a grandchild (vLLM's workers); both only print their pid and sleep.

@@ -14,7 +14,7 @@ from hf_reference import load_hf, reference_logprobs
 from test_steering_reference import TOL, vec
 
 from dynsteer.engine_ext import Steering
-from dynsteer.engine_ext.telemetry import DYNAMIC_EPSILON
+from dynsteer.engine_ext.worker.telemetry import DYNAMIC_EPSILON
 
 pytestmark = pytest.mark.engine
 

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from dynsteer.probes import (
-    HOOKS,
     ModelFingerprint,
     Probe,
     ProbeFileError,
@@ -120,12 +119,6 @@ def test_validation_errors(overrides: dict[str, object], match: str) -> None:
 @pytest.mark.parametrize("name", ["a", "A-b_c.9", "x" * 64, "llama-3.1_refusal"])
 def test_valid_names(name: str) -> None:
     assert make_probe(name=name).name == name
-
-
-def test_hooks_match_the_controller_spec() -> None:
-    from dynsteer.controller import spec
-
-    assert HOOKS == spec.HOOKS
 
 
 def test_no_heavy_imports() -> None:

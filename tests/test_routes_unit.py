@@ -10,8 +10,8 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from dynsteer.controller.limits import encode_f32
-from dynsteer.engine_ext.frontend import FrontendState
+from dynsteer.controller.contract import encode_f32
+from dynsteer.engine_ext.frontend.admission import FrontendState
 from dynsteer.engine_ext.options import EngineOptions
 from dynsteer.engine_ext.server.endpoint import DynsteerEndpoints
 from dynsteer.engine_ext.server.runtime import DynsteerServer

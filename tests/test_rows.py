@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from dynsteer.controller.spec import parse_entries, parse_spec
 from dynsteer.controller.wire import WIRE_KEY, entry_to_wire, spec_to_wire
-from dynsteer.engine_ext.rows import RowTable
-from dynsteer.engine_ext.state import SteeringState
-from dynsteer.engine_ext.token_rows import TokenRows
+from dynsteer.engine_ext.worker.rows import RowTable
+from dynsteer.engine_ext.worker.state import SteeringState
+from dynsteer.engine_ext.worker.token_rows import TokenRows
 
 SITES = (("pre_attn", 0), ("post_block", 0), ("post_block", 1))
 

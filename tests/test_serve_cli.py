@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dynsteer.engine_ext import serve_cli
-from dynsteer.engine_ext.serve_cli import ServeError, prepare
+from dynsteer.engine_ext.server import cli as serve_cli
+from dynsteer.engine_ext.server.cli import ServeError, prepare
 from dynsteer.engine_ext.server.middleware import move_spec_to_xargs
 from dynsteer.engine_ext.server.settings import ServerSettings
 
@@ -29,7 +29,7 @@ def test_model_and_vllm_flags_pass_through(monkeypatch):
 
 
 def test_no_model_serves_the_embedded_default(monkeypatch, tmp_path):
-    monkeypatch.setattr("dynsteer.engine_ext.model_cache.default_model_path", lambda: tmp_path)
+    monkeypatch.setattr("dynsteer.engine_ext.default_model.default_model_path", lambda: tmp_path)
     env: dict[str, str] = {}
     argv = prepare(["--port", "9000"], env)
     assert argv[:2] == ["--model", str(tmp_path)]

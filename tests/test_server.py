@@ -15,7 +15,7 @@ from engine_utils import start_llm, stop_llm
 from server_utils import Server, http, make_chat_model
 
 from dynsteer.controller.client import DynsteerClient, DynsteerHTTPError
-from dynsteer.controller.limits import encode_f32
+from dynsteer.controller.contract import encode_f32
 
 pytestmark = pytest.mark.engine
 

@@ -16,7 +16,7 @@ import torch
 
 from dynsteer.controller.spec import parse_spec
 from dynsteer.controller.wire import WIRE_KEY, spec_to_wire
-from dynsteer.engine_ext.state import SteeringState
+from dynsteer.engine_ext.worker.state import SteeringState
 
 HIDDEN = 64
 SITES = tuple(("post_block", layer) for layer in range(4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dynsteer.engine_ext.telemetry import DYNAMIC_EPSILON, GATE_ON, GateTelemetry
+from dynsteer.engine_ext.worker.telemetry import DYNAMIC_EPSILON, GATE_ON, GateTelemetry
 
 SITES = ["post_block@0", "post_block@1"]
 BLOCK = 4

@@ -14,12 +14,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from dynsteer.engine_ext import compat
-from dynsteer.engine_ext.server import probe_routes, routes
-from dynsteer.engine_ext.server.metrics import install_collector
-from dynsteer.engine_ext.server.middleware import DynsteerMiddleware
-from dynsteer.engine_ext.server.runtime import DynsteerServer, WorkerError
-from dynsteer.engine_ext.server.settings import ServerSettings, api_keys
+from ..compat.frontend import engine_state
+from ..server import probe_routes, routes
+from .metrics import install_collector
+from .middleware import DynsteerMiddleware
+from .runtime import DynsteerServer, WorkerError
+from .settings import ServerSettings, api_keys
 
 logger = logging.getLogger("vllm.dynsteer.server")
 
@@ -60,7 +60,7 @@ class DynsteerEndpoints:
             raise RuntimeError(
                 "dynsteer: --api-server-count > 1 is not supported (each API server process "
                 "would keep its own registry and prefix-cache fingerprints); use 1")
-        frontend = compat.frontend_state(compat.input_processor_of(engine_client))
+        frontend = engine_state(engine_client)
         if frontend is None:
             logger.warning("dynsteer: routes mounted but the engine was started without "
                            "dynsteer; they answer 503")

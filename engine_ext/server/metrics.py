@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dynsteer.engine_ext.server.runtime import DynsteerServer
+from .runtime import DynsteerServer
 
 logger = logging.getLogger("vllm.dynsteer.metrics")
 

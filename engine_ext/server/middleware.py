@@ -24,8 +24,9 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dynsteer.controller.spec import MAX_JSON_DEPTH, SPEC_KEY, SpecError, check_json_depth
-from dynsteer.engine_ext.server.routes import PREFIX
-from dynsteer.engine_ext.server.settings import (
+
+from .routes import PREFIX
+from .settings import (
     DEFAULT_MAX_REQUEST_BYTES,
     MAX_BODY_ENV,
     MAX_REQUEST_ENV,

@@ -21,15 +21,16 @@ from dynsteer.controller.http_models import (
     ProbeSummary,
     ProbeUpload,
 )
-from dynsteer.engine_ext.capture import CaptureArgs, capture_async, encode_result
-from dynsteer.engine_ext.server.routes import (
+
+from ..frontend.capture import CaptureArgs, capture_async, encode_result
+from .routes import (
     PREFIX,
     DynsteerRoute,
     Guarded,
     Server,
     http_errors,
 )
-from dynsteer.engine_ext.server.runtime import DynsteerServer
+from .runtime import DynsteerServer
 
 logger = logging.getLogger("vllm.dynsteer.server")
 

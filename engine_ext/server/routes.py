@@ -32,10 +32,11 @@ from dynsteer.controller.http_models import (
     VectorOut,
 )
 from dynsteer.controller.spec import validation_message
-from dynsteer.engine_ext import compat
-from dynsteer.engine_ext.control import ConflictError, UnknownNameError
-from dynsteer.engine_ext.options import KERNEL_ABI, PLUGIN_VERSION
-from dynsteer.engine_ext.server.runtime import DynsteerServer
+
+from ..compat.server import vllm_version
+from ..frontend.control_plane import ConflictError, UnknownNameError
+from ..options import KERNEL_ABI, PLUGIN_VERSION
+from .runtime import DynsteerServer
 
 PREFIX = "/v1/dynsteer"
 
@@ -121,7 +122,7 @@ async def info(server: DynsteerServer = Server) -> ServerInfo:
     return ServerInfo(
         model=server.model_name, hidden_size=f.hidden_size, num_layers=f.num_layers,
         sites=f.site_names(), max_rows=f.options.max_rows, plugin_version=PLUGIN_VERSION,
-        kernel_abi=KERNEL_ABI, vllm_version=compat.vllm_version(),
+        kernel_abi=KERNEL_ABI, vllm_version=vllm_version(),
     )
 
 

@@ -10,11 +10,12 @@ import asyncio
 import logging
 from typing import Any
 
-from dynsteer.engine_ext import compat
-from dynsteer.engine_ext.control import Change, ControlPlane
-from dynsteer.engine_ext.frontend import FrontendState
-from dynsteer.engine_ext.server.registry_store import RegistryStore
-from dynsteer.engine_ext.server.settings import ServerSettings
+from ..compat import frontend as vllm_frontend
+from ..compat.scheduler import STATS_UTILITY
+from ..frontend.admission import FrontendState
+from ..frontend.control_plane import Change, ControlPlane
+from .registry_store import RegistryStore
+from .settings import ServerSettings
 
 logger = logging.getLogger("vllm.dynsteer.server")
 
@@ -52,7 +53,7 @@ class DynsteerServer:
         is safe to show a client (no RPC or traceback wording).
         """
         try:
-            return await compat.collective_rpc_async(self.engine, method, args, timeout)
+            return await vllm_frontend.rpc_async(self.engine, method, args, timeout)
         except Exception as e:
             logger.exception("dynsteer: worker call %s failed", method)
             raise WorkerError(f"dynsteer: the engine's workers could not run {method}; "
@@ -69,7 +70,8 @@ class DynsteerServer:
         ones on failure."""
         try:
             results, guard = await asyncio.wait_for(asyncio.gather(
-                self.rpc("dynsteer_info"), compat.cache_stats_async(self.engine)),
+                self.rpc("dynsteer_info"),
+                vllm_frontend.engine_core_call_async(self.engine, STATS_UTILITY)),
                 STATS_TIMEOUT_S)
         except Exception as e:  # a scrape must never fail because of us
             logger.warning("dynsteer: counters unavailable: %s", e)

@@ -28,8 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from dynsteer.controller.spec import HOOKS
-from dynsteer.engine_ext.options import Site, site_name
+from dynsteer.controller.contract import Site, parse_site_name, site_name
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -233,8 +232,10 @@ class CaptureBuffers:
 
     # ---- internals -----------------------------------------------------------------------
     def _parse_site(self, name: str) -> Site:
-        hook, _, layer = str(name).partition("@")
-        site = (hook, int(layer)) if hook in HOOKS and layer.isdigit() else None
+        try:
+            site: Site | None = parse_site_name(name)
+        except ValueError:
+            site = None
         if site not in self._site_index:
             raise ValueError(f"sites: {name!r} is not a configured site; add it to the engine "
                              "option dynsteer.sites")

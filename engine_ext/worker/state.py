@@ -18,6 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from dynsteer.controller.contract import Site
 from dynsteer.controller.wire import (
     F32,
     HOOK,
@@ -28,12 +29,12 @@ from dynsteer.controller.wire import (
     WIRE_KEY,
     WireEntry,
 )
-from dynsteer.engine_ext.capture_buffers import CaptureBuffers
-from dynsteer.engine_ext.layers import SiteBuffers
-from dynsteer.engine_ext.options import Site
-from dynsteer.engine_ext.rows import Contents, ProbeRow, ProbeTable, RowTable, add_contents
-from dynsteer.engine_ext.telemetry import GateTelemetry
-from dynsteer.engine_ext.token_rows import TokenRows, expand_positions
+
+from .capture_buffers import CaptureBuffers
+from .rows import Contents, ProbeRow, ProbeTable, RowTable, add_contents
+from .sites import SiteBuffers
+from .telemetry import GateTelemetry
+from .token_rows import TokenRows, expand_positions
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])

@@ -28,14 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..compat.worker import is_internal_id_of
+from ..prefix_guard.guard import DYNAMIC_EPSILON, NONE, grown_frontiers
+
 GATE_ON = 0.5
 """A token counts as gated when its gate is above this."""
-DYNAMIC_EPSILON = 1e-3
-"""A position's KV counts as dynamically steered when its gate is above this (and the gate
-steers that position's phase): below it the gated entries add under 0.1% of their vector, so
-the KV is treated as unsteered and stays shareable through the prefix cache."""
-NONE = np.iinfo(np.int64).max
-"""Sentinel of the position counters: no such position (yet)."""
 RING = 4
 """Pinned read-back buffers; a fifth step in flight waits for the oldest copy."""
 
@@ -143,9 +140,7 @@ class GateTelemetry:
         first dynamic position (or, while there is none, below ``processed``)."""
         self._launch_copy()
         self._fold(wait=False)
-        frontier = np.minimum(self._upto, self._first_dynamic) // self._block
-        grown = np.flatnonzero(frontier > self._reported)
-        self._reported[grown] = frontier[grown]
+        grown = grown_frontiers(self._upto, self._first_dynamic, self._reported, self._block)
         report = {}
         for slot in grown.tolist():
             req_id = self._req_of_slot[slot]
@@ -163,15 +158,14 @@ class GateTelemetry:
     def report(self, req_id: str) -> dict[str, Any] | None:
         """Summary of one request (live or finished), or None if it had no gate.
 
-        ``req_id`` may be the engine's internal id or the caller's id: vLLM appends ``-`` and 8
-        random characters to the latter, so the most recent ``req_id-*`` record is taken.
+        ``req_id`` may be the engine's internal id or the caller's id (then the most recent
+        internal id of it is taken).
         """
         self.drain()
         req = self._live.get(req_id) or self._done.get(req_id)
         if req is None:
-            prefix = req_id + "-"
             matches = [r for k, r in [*self._done.items(), *self._live.items()]
-                       if k.startswith(prefix) and len(k) == len(prefix) + 8]
+                       if is_internal_id_of(k, req_id)]
             req = matches[-1] if matches else None
         return None if req is None else self._summary(req)
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dynsteer.engine_ext.ops import DYNAMIC_FLAG, STATIC_FLAG
-from dynsteer.engine_ext.options import Site
+from dynsteer.controller.contract import Site
+
+from .ops import DYNAMIC_FLAG, STATIC_FLAG
 
 Contents = dict[Site, np.ndarray]
 """What a row adds at each site (float32 vectors of hidden size); absent sites add zero."""

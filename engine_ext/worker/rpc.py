@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynsteer.engine_ext.state import SteeringState
+from ..compat import worker as vllm_worker
+from .state import SteeringState
 
 
 class DynsteerWorkerExtension:
     """Control plane of the steering state on one worker."""
 
     def _dynsteer(self) -> SteeringState:
-        state = getattr(self.model_runner, "dynsteer_state", None)  # type: ignore[attr-defined]
+        state = vllm_worker.worker_state(self)
         if state is None:
             raise RuntimeError("dynsteer is not active on this worker (model not loaded?)")
         return state
@@ -43,7 +44,7 @@ class DynsteerWorkerExtension:
     def dynsteer_info(self) -> dict[str, Any]:
         return self._dynsteer().info()
 
-    # ---- activation capture (driven by dynsteer.engine_ext.capture) ----------------------
+    # ---- activation capture (driven by dynsteer.engine_ext.frontend.capture) -------------
     def dynsteer_capture_begin(self, ticket: str, sites: list[str]) -> None:
         """Open a capture pass: ``sites`` (``hook@layer``, at most capture_lanes) get lanes."""
         self._dynsteer().capture.begin(ticket, sites)
@@ -61,9 +62,5 @@ class DynsteerWorkerExtension:
         self._dynsteer().capture.end(ticket)
 
     def _dynsteer_replies(self) -> bool:
-        """Whether this worker is TP rank 0 of its pipeline stage.
-
-        vLLM's executors set ``is_driver_worker`` exactly when ``rank % tp_size == 0``
-        (multiproc, Ray; the single-process executor has one worker, the driver).
-        """
-        return bool(getattr(self, "is_driver_worker", True))
+        """Whether this worker answers for its pipeline stage (TP rank 0)."""
+        return vllm_worker.replies(self)

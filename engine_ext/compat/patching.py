@@ -1,4 +1,4 @@
-"""Run a callback when a module is imported (or now, if it already is).
+"""How the adapter changes vLLM: replace a class attribute once, patch a module when imported.
 
 ``register()`` runs in every vLLM process, the API server included; importing the model-runner
 modules there just to patch them would cost seconds. A post-import hook patches a module only in
@@ -7,12 +7,14 @@ the processes that import it anyway.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 _callbacks: dict[str, list[Callable[[ModuleType], None]]] = {}
 _lock = threading.Lock()
@@ -64,3 +66,16 @@ def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
         _callbacks.setdefault(name, []).append(callback)
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
+
+
+_ORIGINAL = "_dynsteer_original_"
+
+
+def patch(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``owner.name`` (a class or a module attribute) by ``make(original)``, once:
+    ``register()`` may run several times in one process."""
+    if _ORIGINAL + name in vars(owner):  # not hasattr: a patched base class must not count
+        return
+    original = getattr(owner, name)
+    setattr(owner, _ORIGINAL + name, original)
+    setattr(owner, name, functools.wraps(original)(make(original)))

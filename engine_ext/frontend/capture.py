@@ -45,9 +45,10 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dynsteer.engine_ext import compat
-from dynsteer.engine_ext.capture_buffers import CAPTURE_KEY, REDUCES, Reduce, capture_key
-from dynsteer.engine_ext.options import resolve_sites, site_name
+from dynsteer.controller.contract import resolve_sites, site_name
+
+from ..compat import frontend as vllm_frontend
+from ..worker.capture_buffers import CAPTURE_KEY, REDUCES, Reduce, capture_key
 
 CaptureResult = dict[str, np.ndarray | list[np.ndarray]]
 """Per site (``hook@layer``): ``[N, H]`` for ``last``/``mean``, a list of N ``[len_i, H]``
@@ -141,7 +142,7 @@ class CapturePlan:
         items = []
         for i in self.rounds[round_index]:
             key = capture_key(ticket, i)
-            params = compat.one_token_params({CAPTURE_KEY: key})
+            params = vllm_frontend.one_token_params({CAPTURE_KEY: key})
             prompt = {"prompt_token_ids": self.prompts[i], "cache_salt": f"dynsteer-capture:{key}"}
             items.append(CaptureItem(index=i, key=key, request_id=f"dynsteer-capture-{key}",
                                      prompt=prompt, params=params))
@@ -313,7 +314,7 @@ def _lock(table: weakref.WeakKeyDictionary[Any, Any], engine: Any, make: Callabl
 
 
 def _frontend(engine: Any) -> Any:
-    state = compat.frontend_state(compat.input_processor_of(engine))
+    state = vllm_frontend.engine_state(engine)
     if state is None:
         raise RuntimeError(
             "dynsteer is not enabled on this engine: pass additional_config={'dynsteer': {}}")
@@ -345,7 +346,7 @@ def capture_sync(llm: Any, prompts: Any, sites: Any, reduce: Any = "last") -> Ca
 
     def execute(step: _Step) -> Any:
         if isinstance(step, _Rpc):
-            return llm.collective_rpc(step.method, args=step.args)
+            return vllm_frontend.rpc(llm, step.method, step.args)
         llm.generate([item.prompt for item in step.items], [item.params for item in step.items],
                      use_tqdm=False)
         return None
@@ -378,7 +379,7 @@ async def capture_async(engine_client: Any, prompts: Any, sites: Any,
 
     async def execute(step: _Step) -> Any:
         if isinstance(step, _Rpc):
-            return await engine_client.collective_rpc(step.method, args=step.args)
+            return await vllm_frontend.rpc_async(engine_client, step.method, step.args)
         tasks = [asyncio.ensure_future(_drain(engine_client.generate(
             item.prompt, item.params, item.request_id))) for item in step.items]
         try:

@@ -12,8 +12,10 @@ from typing import Any
 import numpy as np
 
 from dynsteer.controller.spec import SteerEntry
-from dynsteer.engine_ext import compat
-from dynsteer.engine_ext.control import Change, ControlPlane
+
+from ..compat import frontend as vllm_frontend
+from ..compat.scheduler import STATS_UTILITY
+from .control_plane import Change, ControlPlane
 
 
 class Steering:
@@ -21,7 +23,7 @@ class Steering:
 
     def __init__(self, llm: Any) -> None:
         self._llm = llm
-        frontend = compat.frontend_state(compat.input_processor_of(llm))
+        frontend = vllm_frontend.engine_state(llm)
         if frontend is None:
             raise RuntimeError(
                 "dynsteer is not enabled on this engine: pass additional_config={'dynsteer': {}}"
@@ -30,7 +32,7 @@ class Steering:
         self._plane = ControlPlane(frontend)
 
     def _apply(self, change: Change) -> None:
-        self._llm.collective_rpc(change.method, args=change.args)
+        vllm_frontend.rpc(self._llm, change.method, change.args)
         change.commit()
 
     @property
@@ -45,7 +47,7 @@ class Steering:
     def register_vector(self, name: str, vector: Sequence[float] | np.ndarray, *,
                         replace: bool = False) -> None:
         """Register a named vector usable as ``"vector": name`` in specs; a name that is taken
-        raises :class:`~dynsteer.engine_ext.control.ConflictError` unless ``replace``."""
+        raises :class:`.control_plane.ConflictError` unless ``replace``."""
         self._apply(self._plane.register_vector(name, vector, replace=replace))
 
     def unregister_vector(self, name: str) -> None:
@@ -60,7 +62,7 @@ class Steering:
                        threshold: float = 0.0, sharpness: float = 1.0,
                        replace: bool = False) -> None:
         """Register a named probe usable as ``"probe": name`` in a gate (a taken name raises
-        :class:`~dynsteer.engine_ext.control.ConflictError` unless ``replace``).
+        :class:`~dynsteer.engine_ext.frontend.control_plane.ConflictError` unless ``replace``).
 
         Pass a :class:`dynsteer.probes.Probe` (checked against the served model: fingerprint,
         site; its weights, threshold and sharpness are used) or ``weights=`` with
@@ -90,7 +92,7 @@ class Steering:
         None), ``max_score`` and ``gates`` (per position, None where not processed).
         """
         request_id = output if isinstance(output, str) else output.request_id
-        return self._llm.collective_rpc("dynsteer_telemetry", args=(request_id,))[0]
+        return vllm_frontend.rpc(self._llm, "dynsteer_telemetry", (request_id,))[0]
 
     def capture(self, prompts: Sequence[Sequence[int] | str], sites: str | Sequence[str],
                 reduce: str = "last") -> dict[str, Any]:
@@ -105,7 +107,7 @@ class Steering:
         option ``capture_tokens`` are refused; many prompts or more sites than
         ``capture_lanes`` take several rounds and passes.
         """
-        from dynsteer.engine_ext.capture import capture_sync
+        from .capture import capture_sync
 
         return capture_sync(self._llm, prompts, sites, reduce)
 
@@ -119,8 +121,8 @@ class Steering:
 
     def info(self) -> list[dict[str, Any]]:
         """Per-worker counters (rows in use, live requests, ...)."""
-        return self._llm.collective_rpc("dynsteer_info")
+        return vllm_frontend.rpc(self._llm, "dynsteer_info")
 
     def cache_stats(self) -> dict[str, int]:
         """Prefix-guard counters of the engine core (blocks withheld from the prefix cache)."""
-        return compat.cache_stats(self._llm)
+        return vllm_frontend.engine_core_call(self._llm, STATS_UTILITY)

@@ -19,9 +19,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from dynsteer.engine_ext.options import CONFIG_KEY, EngineOptions
-from dynsteer.engine_ext.parent_watch import ENV as EXIT_WITH_PARENT_ENV
-from dynsteer.engine_ext.server.settings import (
+from ..options import CONFIG_KEY, EngineOptions
+from ..parent_watch import ENV as EXIT_WITH_PARENT_ENV
+from .settings import (
     API_KEY_ENV,
     MAX_BODY_ENV,
     MAX_REQUEST_ENV,
@@ -189,7 +189,7 @@ def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
     except ValueError as e:
         raise ServeError(str(e)) from e
     if model is None and _option_value(rest, "--model") is None:
-        from dynsteer.engine_ext.model_cache import default_model_path
+        from ..default_model import default_model_path
 
         model = str(default_model_path())
         # A 135M model: on the CPU build a 2 GiB KV cache, not 92% of the host's memory
@@ -208,16 +208,16 @@ def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
 
 def run_serve(argv: list[str]) -> int:
     """`dynsteer serve ARGV...`; returns the exit code once the server stops."""
-    from dynsteer.engine_ext import compat
+    from ..compat.server import run_api_server
 
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(), flush=True)
-        compat.run_api_server(["--help"])
+        run_api_server(["--help"])
         return 0
     try:
         vllm_argv = prepare(argv, os.environ)  # type: ignore[arg-type]
     except ServeError as e:
         print(f"dynsteer serve: error: {e}", file=sys.stderr)
         return 2
-    compat.run_api_server(vllm_argv)
+    run_api_server(vllm_argv)
     return 0

@@ -4,7 +4,7 @@ Every change (register a vector, set global steering, ...) is first checked agai
 model in the frontend, with the same messages as per-request specs, and turned into a
 :class:`Change`: the worker RPC that applies it on every TP rank (``collective_rpc``, so all
 ranks change in the same order) and the frontend update to make once the RPC succeeded. The
-offline API (:class:`dynsteer.engine_ext.api.Steering`) runs changes with the blocking
+offline API (:class:`.offline_api.Steering`) runs changes with the blocking
 ``LLM.collective_rpc``; the HTTP routes run the same changes with ``AsyncLLM.collective_rpc``.
 """
 
@@ -24,8 +24,9 @@ from dynsteer.controller.limits import (
 )
 from dynsteer.controller.spec import SteerEntry, check_entries, parse_entries
 from dynsteer.controller.wire import entry_to_wire
-from dynsteer.engine_ext.frontend import FrontendState
 from dynsteer.probes import NAME_PATTERN, NAME_RULE, ModelFingerprint, Probe
+
+from .admission import FrontendState
 
 
 class ControlError(ValueError):

@@ -114,7 +114,7 @@ def steer(
 ) -> torch.Tensor:
     """Capture + monitor + static + gated steering of one site (see the module docstring)."""
     if x.is_cuda:
-        from dynsteer.engine_ext.triton_kernels import steer_triton
+        from .triton_kernels import steer_triton
 
         return steer_triton(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate,
                             score, capture_rows, capture, site_lane, site, stream_limit(x.dtype))

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dynsteer.engine_ext import model_cache
+from dynsteer.engine_ext import default_model as model_cache
 from dynsteer.engine_ext.cli import main
 
 HF_FILES = (

@@ -6,7 +6,7 @@ read (:mod:`dynsteer.controller.wire`; identical JSON texts are not parsed again
 prefix-cache guard of each request from that form's bytes,
 mirrors what was registered on the workers (so the HTTP routes can list and return it without a
 round trip) and keeps a bounded record of recent steered requests plus counters for metrics.
-It has no vLLM import: :mod:`.compat` builds it from the engine config.
+The adapter (:mod:`dynsteer.engine_ext.compat.frontend`) calls the functions at the end.
 """
 
 from __future__ import annotations
@@ -15,11 +15,22 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynsteer.controller.limits import FLOAT32_MAX
-from dynsteer.controller.spec import ModelShape, SteeringSpec, check_against_model, parse_spec
-from dynsteer.controller.wire import PHASE, SCALE, WireEntry, fingerprint, spec_to_wire
-from dynsteer.engine_ext.options import EngineOptions, Site
-from dynsteer.engine_ext.prefix_guard import CacheGuard
+from dynsteer.controller.contract import Site, resolve_sites
+from dynsteer.controller.limits import FLOAT32_MAX, SpecError
+from dynsteer.controller.spec import (
+    SPEC_KEY,
+    ModelShape,
+    SteeringSpec,
+    check_against_model,
+    parse_spec,
+)
+from dynsteer.controller.wire import WIRE_KEY, WireEntry, fingerprint, spec_to_wire
+
+from ..compat.frontend import EngineFacts, prompt_request_ids
+from ..options import CONFIG_KEY, EngineOptions, options_from_additional_config
+from ..prefix_guard import GUARD_KEY
+from ..prefix_guard.guard import CacheGuard
+from ..prefix_guard.key import guard_for
 
 RECENT_REQUESTS = 4096
 """How many recent steered requests the frontend remembers (for the telemetry route)."""
@@ -138,32 +149,71 @@ class FrontendState:
         record = self.recent.get(request_id)
         if record is not None:
             return request_id, record
-        for i in range(8):
-            key = f"{request_id}-{i}"
+        for key in prompt_request_ids(request_id):
             if key in self.recent:
                 return key, self.recent[key]
         return None
 
     def cache_guard(self, wire: dict[str, Any] | None, prompt_len: int) -> CacheGuard | None:
-        """How a request's blocks may be shared (None: unsteered, share everything).
+        """How a request's blocks may be shared (see :func:`..prefix_guard.key.guard_for`)."""
+        return guard_for(wire, self.global_wire, self.global_key, self.registry_generation,
+                         prompt_len)
 
-        ``wire`` is the request's resolved spec. The key covers everything that changes the
-        request's KV: its spec (vectors by their bytes), the global steering and the registry
-        generation (named vectors/probes may have changed). With phase-specific entries a
-        position's KV also depends on whether it is a prompt or a generated position, so the
-        prompt length joins the key. See :mod:`.prefix_guard`.
-        """
-        own = wire["steer"] if wire else []
-        gate = wire["gate"] if wire else None
-        static = [e for e in (*self.global_wire, *own) if e[SCALE] != 0]
-        if gate is not None or any(e[PHASE] != "decode" for e in static):
-            fork = 0
-        elif static:
-            fork = prompt_len
-        else:
-            return None
-        entries = [*self.global_wire, *own, *(gate["steer"] if gate is not None else [])]
-        phase_specific = any(e[PHASE] != "all" for e in entries)
-        key = fingerprint(wire["key"] if wire else "-", self.global_key or "-",
-                          self.registry_generation, prompt_len if phase_specific else -1)
-        return CacheGuard(key=key.hex(), fork=fork, withhold=gate is not None)
+
+# ---- what the adapter calls (see dynsteer.engine_ext.compat.frontend.FrontendHooks) ----------
+def configure(additional_config: dict[str, Any]) -> dict[str, Any] | None:
+    """``additional_config`` with the dynsteer options normalized (None: not enabled)."""
+    options = options_from_additional_config(additional_config)
+    if options is None:
+        return None
+    return {**additional_config, CONFIG_KEY: options.model_dump()}
+
+
+def engine_state(facts: EngineFacts) -> FrontendState | None:
+    options = options_from_additional_config(facts.additional_config)
+    if options is None:
+        return None
+    return FrontendState(
+        options=options,
+        hidden_size=facts.hidden_size,
+        num_layers=facts.num_layers,
+        sites=resolve_sites(options.sites, facts.num_layers),
+        architecture=facts.architecture,
+        dtype_max=facts.dtype_max,
+    )
+
+
+def admit(state: FrontendState | None,
+          extra_args: dict[str, Any] | None) -> tuple[SteeringSpec, dict[str, Any]] | None:
+    """A request's spec checked against the served model and resolved for the workers
+    (None: no spec); raises naming the field."""
+    if not extra_args or SPEC_KEY not in extra_args:
+        return None
+    if state is None:
+        raise SpecError(
+            f"extra_args.{SPEC_KEY}: this engine was started without dynsteer; start it "
+            f"with additional_config={{'{CONFIG_KEY}': {{}}}}"
+        )
+    try:
+        return state.admit_spec(extra_args[SPEC_KEY])
+    except ValueError:
+        state.counters.requests_rejected += 1
+        raise
+
+
+def admitted(state: FrontendState, request_id: str,
+             spec: tuple[SteeringSpec, dict[str, Any]] | None, prompt_len: int,
+             extra_args: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Record the request and replace the client's spec with its resolved form (what the
+    workers read, :mod:`dynsteer.controller.wire`) and its prefix-cache guard (what the
+    scheduler reads, :mod:`..prefix_guard`). Keys only the frontend may set are overwritten."""
+    parsed, wire = spec if spec is not None else (None, None)
+    state.record_request(request_id, parsed)
+    guard = state.cache_guard(wire, prompt_len)
+    extra = {k: v for k, v in (extra_args or {}).items()
+             if k not in (GUARD_KEY, SPEC_KEY, WIRE_KEY)}
+    if wire is not None:
+        extra[WIRE_KEY] = wire
+    if guard is not None:
+        extra[GUARD_KEY] = guard.model_dump()
+    return extra or None

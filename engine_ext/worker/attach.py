@@ -1,4 +1,4 @@
-"""Attaches a :class:`SteeringState` to a model runner once its model is loaded."""
+"""Attaches a :class:`SteeringState` to a model runner once its model is loaded (workers)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.engine_ext import compat
-from dynsteer.engine_ext.layers import install_sites
-from dynsteer.engine_ext.options import EngineOptions, resolve_sites
-from dynsteer.engine_ext.state import SteeringState
+from dynsteer.controller.contract import resolve_sites
+
+from ..compat import worker as vllm_worker
+from ..options import EngineOptions, options_from_additional_config
+from .sites import install_sites
+from .state import SteeringState
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -45,26 +47,31 @@ class _SlotMap:
         return np.fromiter((get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids))
 
 
+def on_model_loaded(runner: Any, additional_config: dict[str, Any]) -> None:
+    """Attach where the engine enabled dynsteer (once per runner)."""
+    options = options_from_additional_config(additional_config)
+    if options is not None and vllm_worker.runner_state(runner) is None:
+        attach(runner, options)
+
+
 def attach(runner: Any, options: EngineOptions) -> SteeringState:
     """Wrap the model's sites, allocate the buffers and hook the runner's steps."""
-    model = compat.model_of(runner)
-    layers = compat.decoder_layers(model)
-    hidden_size, num_layers = compat.model_dims(runner)
-    sites = resolve_sites(options.sites, num_layers)
+    facts = vllm_worker.runner_facts(runner)
+    sites = resolve_sites(options.sites, facts.num_layers)
     state = SteeringState(
         sites=sites,
-        hidden_size=hidden_size,
+        hidden_size=facts.hidden_size,
         max_rows=options.max_rows,
-        max_tokens=compat.token_capacity(runner),
-        max_slots=compat.request_capacity(runner) + 1,
-        device=runner.device,
+        max_tokens=facts.max_tokens,
+        max_slots=facts.max_requests + 1,
+        device=facts.device,
         capture_lanes=options.capture_lanes,
         capture_tokens=options.capture_tokens,
-        block_size=compat.kv_block_size(runner),
+        block_size=facts.block_size,
     )
-    installed = install_sites(model, layers, state.site_buffers())
+    installed = install_sites(facts.model, state.site_buffers())
     state.capture.installed = frozenset(installed)
-    runner.dynsteer_state = state
+    vllm_worker.set_runner_state(runner, state)
 
     slot_map = _SlotMap()
 
@@ -84,10 +91,10 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         state.fill(slot_map.lookup(req_ids) if slots is None else slots, num_computed,
                    num_scheduled)
 
-    compat.install_step_hooks(runner, on_add, on_remove, on_step, state.cache_report)
+    vllm_worker.install_step_hooks(runner, on_add, on_remove, on_step, state.cache_report)
     logger.info(
         "dynsteer: %d steering sites on %s (max_rows=%d, capture %d lanes x %d tokens)",
-        len(installed), type(model).__name__, options.max_rows, options.capture_lanes,
+        len(installed), type(facts.model).__name__, options.max_rows, options.capture_lanes,
         options.capture_tokens,
     )
     return state

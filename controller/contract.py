@@ -1,0 +1,142 @@
+"""The contract both sides of dynsteer share: hooks, sites, names, keys, the float32 codec.
+
+Imported by clients, the HTTP layer, the frontend, the engine core and the workers, so it is
+cheap (no pydantic model, no vLLM, no torch) and every rule exists once:
+
+* **hooks and sites**: a *site* is one ``(hook, layer)`` pair, written ``hook@layer``
+  (:func:`site_name`, the only formatter); a list of sites is written ``hook@layers``
+  (``post_block@*``, ``pre_attn@0-3``, ``post_attn@1+5``), several separated by commas
+  (:func:`resolve_sites`, the only parser); sites sort in forward order (:func:`site_order`);
+* **names** of registered vectors and probes (:data:`NAME_PATTERN`);
+* **keys** in vLLM's ``SamplingParams.extra_args`` (:data:`SPEC_KEY`);
+* **float32 on the wire**: base64 of little-endian float32 (:func:`encode_f32`,
+  :func:`decode_f32`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from typing import Any, Literal
+
+import numpy as np
+
+Hook = Literal["pre_attn", "post_attn", "post_block"]
+"""Residual-stream sites of a decoder layer (TransformerLens: resid_pre, resid_mid, resid_post)."""
+HOOKS: tuple[Hook, ...] = ("pre_attn", "post_attn", "post_block")
+
+Site = tuple[Hook, int]
+"""One ``(hook, layer)`` pair."""
+
+SPEC_KEY = "dynsteer"
+"""Key of a request's spec in ``SamplingParams.extra_args`` (and of the top-level body field)."""
+
+NAME_RULE = "1-64 characters from A-Z a-z 0-9 _ . -, not starting with '.'"
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+"""Names of probes and vectors end up in file names, URLs and metric labels, so they are kept to
+a safe alphabet; a leading dot is refused (``.``, ``..`` and hidden files)."""
+
+F32 = np.dtype("<f4")
+"""Little-endian float32: the byte order of every vector on the wire, whatever the machine."""
+
+
+class SpecError(ValueError):
+    """A steering spec or value that cannot be served; the message names the field and the fix.
+
+    (Re-exported by :mod:`dynsteer.controller.spec`, where it is documented for clients.)
+    """
+
+
+# ---- sites -------------------------------------------------------------------------------
+def site_name(site: tuple[str, int]) -> str:
+    """``hook@layer``: the name of one site in the site grammar and in every API."""
+    return f"{site[0]}@{site[1]}"
+
+
+def parse_site_name(name: str, field: str = "site") -> Site:
+    """Inverse of :func:`site_name` (ValueError naming ``field``)."""
+    hook, sep, layer = str(name).partition("@")
+    if not sep or hook not in HOOKS or not layer.isdigit():
+        raise ValueError(f"{field}: {name!r} is not a site (hook@layer, hook one of "
+                         f"{', '.join(HOOKS)})")
+    return hook, int(layer)  # type: ignore[return-value]
+
+
+def site_order(hook: str, layer: int) -> tuple[int, int]:
+    """Forward order of a site: layer first, then pre_attn < post_attn < post_block."""
+    return layer, HOOKS.index(hook)  # type: ignore[arg-type]
+
+
+def _site_items(sites: str | list[str]) -> list[str]:
+    items = sites.split(",") if isinstance(sites, str) else list(sites)
+    return [s.strip() for s in items if s.strip()]
+
+
+def _parse_layers(text: str, num_layers: int | None) -> list[int]:
+    if text == "*":
+        return list(range(num_layers)) if num_layers is not None else []
+    layers: list[int] = []
+    for part in text.split("+"):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad layer range {part!r}: use N, N-M or *")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"bad layer range {part!r}: {last} < {first}")
+        if num_layers is not None and last >= num_layers:
+            raise ValueError(
+                f"layer {last} in {part!r} does not exist (the model has {num_layers} layers)"
+            )
+        layers.extend(range(first, last + 1))
+    return layers
+
+
+def _parse_site_item(item: str, num_layers: int | None) -> list[Site]:
+    hook, sep, layers = item.partition("@")
+    if not sep:
+        raise ValueError(f"site {item!r} must look like hook@layers, e.g. post_block@*")
+    if hook not in HOOKS:
+        raise ValueError(f"site {item!r}: unknown hook {hook!r} (use one of {', '.join(HOOKS)})")
+    return [(hook, layer) for layer in _parse_layers(layers, num_layers)]  # type: ignore[misc]
+
+
+def check_site_grammar(sites: str | list[str]) -> None:
+    """Raise ValueError when ``sites`` is not in the grammar (no model needed)."""
+    for item in _site_items(sites):
+        _parse_site_item(item, num_layers=None)
+
+
+def resolve_sites(sites: str | list[str], num_layers: int,
+                  field: str = "dynsteer.sites") -> tuple[Site, ...]:
+    """All sites of ``sites`` in a model of ``num_layers`` layers, in forward order.
+
+    Errors start with ``field``, the name the caller knows the value by.
+    """
+    found: set[Site] = set()
+    for item in _site_items(sites):
+        try:
+            found.update(_parse_site_item(item, num_layers))
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from e
+    return tuple(sorted(found, key=lambda s: site_order(*s)))
+
+
+# ---- float32 on the wire -----------------------------------------------------------------
+def encode_f32(values: Any) -> str:
+    """Base64 of little-endian float32 (what ``*_b64`` fields carry)."""
+    return base64.b64encode(np.ascontiguousarray(values, dtype=F32).tobytes()).decode("ascii")
+
+
+def decode_f32(field: str, text: Any) -> np.ndarray:
+    """Inverse of :func:`encode_f32` (a writable native float32 array); a :class:`SpecError`
+    naming ``field`` when malformed."""
+    if not isinstance(text, str):
+        raise SpecError(f"{field}: expected a base64 string, got {type(text).__name__}")
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError) as e:
+        raise SpecError(f"{field}: not valid base64 ({e})") from e
+    if len(raw) % 4:
+        raise SpecError(f"{field}: {len(raw)} bytes is not a whole number of float32 values")
+    return np.frombuffer(raw, dtype=F32).astype(np.float32)

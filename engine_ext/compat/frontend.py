@@ -1,0 +1,203 @@
+"""vLLM's frontend: engine arguments, the input processor and the engine-client calls.
+
+* ``EngineArgs.create_engine_config``: the dynsteer options are normalized (plugin version and
+  kernel ABI become part of vLLM's compile-cache key, so a graph compiled without the plugin or
+  with other sites is never reused) and the worker extension is set.
+* ``InputProcessor.process_inputs``: a request's spec is admitted before vLLM builds anything
+  (rejected with an error naming the field: HTTP 400 on the server) and replaced by what the
+  scheduler and workers read.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .patching import patch, when_imported
+
+WORKER_EXTENSION = "dynsteer.engine_ext.worker.rpc.DynsteerWorkerExtension"
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the frontend knows about one served model, in vLLM-free terms."""
+
+    additional_config: dict[str, Any]
+    hidden_size: int
+    num_layers: int
+    architecture: str
+    """The served model class (``config.architectures[0]``)."""
+    dtype_max: float
+    """Largest finite value of the model's dtype."""
+
+
+@dataclass(frozen=True)
+class FrontendHooks:
+    """How the adapter calls dynsteer's frontend."""
+
+    configure: Callable[[dict[str, Any]], dict[str, Any] | None]
+    """An engine's ``additional_config`` normalized, or None when dynsteer is not enabled."""
+    engine_state: Callable[[EngineFacts], Any]
+    """The state of one engine's frontend (None: not enabled); built once per engine."""
+    admit: Callable[[Any, dict[str, Any] | None], Any]
+    """``(state, extra_args)`` before vLLM builds the request: raise ValueError naming the
+    field to reject it; returns what :attr:`admitted` gets."""
+    admitted: Callable[[Any, str, Any, int, dict[str, Any] | None], dict[str, Any] | None]
+    """``(state, request id, admit's result, prompt length, extra_args)`` once the request
+    exists (enabled engines only): the request's new ``extra_args``."""
+
+
+def install(hooks: FrontendHooks) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    patch(EngineArgs, "create_engine_config", functools.partial(_create_engine_config, hooks))
+    when_imported("vllm.v1.engine.input_processor", lambda m: patch(
+        m.InputProcessor, "process_inputs", functools.partial(_process_inputs, hooks)))
+
+
+def _create_engine_config(hooks: FrontendHooks,
+                          original: Callable[..., Any]) -> Callable[..., Any]:
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        additional = hooks.configure(dict(self.additional_config or {}))
+        if additional is not None:
+            self.additional_config = additional
+            if self.worker_extension_cls not in ("", WORKER_EXTENSION):
+                raise ValueError(
+                    f"worker_extension_cls={self.worker_extension_cls!r}: dynsteer needs its own "
+                    f"worker extension ({WORKER_EXTENSION}); subclass it to add your methods"
+                )
+            self.worker_extension_cls = WORKER_EXTENSION
+        return original(self, *args, **kwargs)
+
+    return create_engine_config
+
+
+def _process_inputs(hooks: FrontendHooks, original: Callable[..., Any]) -> Callable[..., Any]:
+    def process_inputs(self: Any, request_id: Any, prompt: Any, params: Any, *args: Any,
+                       **kwargs: Any) -> Any:
+        state = _engine_state(hooks, self)
+        try:
+            admitted = hooks.admit(state, getattr(params, "extra_args", None))
+        except ValueError as e:
+            raise _client_error(e) from e
+        request = original(self, request_id, prompt, params, *args, **kwargs)
+        if state is not None:
+            request_params = getattr(request, "sampling_params", None)
+            tokens = getattr(request, "prompt_token_ids", None)
+            extra = hooks.admitted(state, str(request_id), admitted,
+                                   len(tokens) if tokens is not None else 0,
+                                   request_params.extra_args if request_params else None)
+            if request_params is not None:
+                # A fresh dict: the params may be a shallow copy of the caller's.
+                request_params.extra_args = extra
+        return request
+
+    return process_inputs
+
+
+_STATE_ATTR = "_dynsteer_frontend"
+_hooks: FrontendHooks | None = None
+
+
+def _engine_state(hooks: FrontendHooks, input_processor: Any) -> Any:
+    """The engine's dynsteer frontend state, built on first use (None: not enabled)."""
+    global _hooks
+    _hooks = hooks
+    state = getattr(input_processor, _STATE_ATTR, None)
+    if state is None:
+        config = input_processor.vllm_config
+        model = config.model_config
+        import torch
+
+        state = hooks.engine_state(EngineFacts(
+            additional_config=dict(config.additional_config or {}),
+            hidden_size=model.get_hidden_size(),
+            num_layers=model.get_total_num_hidden_layers(),
+            architecture=next(iter(model.architectures or []), ""),
+            dtype_max=float(torch.finfo(model.dtype).max),
+        ))
+        setattr(input_processor, _STATE_ATTR, False if state is None else state)
+    return state or None
+
+
+def engine_state(engine: Any) -> Any:
+    """The dynsteer frontend state of an offline ``LLM`` or an ``AsyncLLM`` engine client
+    (None: dynsteer is not enabled on it, or no request or engine config went through the
+    patched frontend)."""
+    processor = getattr(engine, "llm_engine", engine).input_processor
+    state = getattr(processor, _STATE_ATTR, None)
+    if state is None and _hooks is not None:
+        state = _engine_state(_hooks, processor)
+    return state or None
+
+
+@functools.cache
+def _client_error_class(kind: type[ValueError]) -> type[ValueError] | None:
+    """A subclass of ``kind`` that vLLM's server also reports as HTTP 400 with our message.
+
+    vLLM 0.32 turns any exception of a request's preprocessing into a bare HTTP 500 unless it
+    is a ``VLLMValidationError``, which is no longer a ValueError; vLLM 0.26 answers 400 for
+    ValueErrors already (None: nothing to do).
+    """
+    from vllm.exceptions import VLLMValidationError
+
+    if issubclass(VLLMValidationError, ValueError):
+        return None
+
+    class ClientError(kind, VLLMValidationError):  # type: ignore[valid-type, misc]
+        def __init__(self, message: str) -> None:
+            ValueError.__init__(self, message)
+            self.parameter = "dynsteer"
+            self.value = None
+
+        def __str__(self) -> str:
+            return str(self.args[0])
+
+    ClientError.__name__ = ClientError.__qualname__ = f"Dynsteer{kind.__name__}"
+    return ClientError
+
+
+def _client_error(error: ValueError) -> ValueError:
+    cls = _client_error_class(type(error))
+    return error if cls is None else cls(str(error))
+
+
+def prompt_request_ids(request_id: str) -> list[str]:
+    """Ids vLLM's completion route gives the prompts of one call with ``request_id``."""
+    return [f"{request_id}-{i}" for i in range(8)]
+
+
+def rpc(llm: Any, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+    """``LLM.collective_rpc``: one reply per worker."""
+    return llm.collective_rpc(method, args=args)
+
+
+async def rpc_async(engine_client: Any, method: str, args: tuple[Any, ...] = (),
+                    timeout: float | None = None) -> list[Any]:
+    """``AsyncLLM.collective_rpc`` (the API server's engine client)."""
+    return await engine_client.collective_rpc(method, timeout=timeout, args=args)
+
+
+def engine_core_call(llm: Any, name: str) -> Any:
+    """An engine-core utility method of an offline ``LLM`` (see :mod:`.scheduler`)."""
+    client = llm.llm_engine.engine_core
+    if hasattr(client, "call_utility"):
+        return client.call_utility(name)
+    return getattr(client.engine_core, name)()  # in-process engine core
+
+
+async def engine_core_call_async(engine_client: Any, name: str) -> Any:
+    """An engine-core utility method of an ``AsyncLLM``."""
+    return await engine_client.engine_core.call_utility_async(name)
+
+
+def one_token_params(extra_args: dict[str, Any]) -> Any:
+    """``SamplingParams`` of an internal request that only needs its prompt processed (one
+    greedy token, no detokenizing, only the final output) and carries ``extra_args``."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                          output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra_args)

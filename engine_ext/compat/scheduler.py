@@ -1,0 +1,134 @@
+"""vLLM's engine core: where the prefix-cache guard meets the scheduler and the KV cache.
+
+dynsteer's guard (:mod:`dynsteer.engine_ext.prefix_guard`) decides; this module only calls it
+at vLLM's decision points:
+
+* ``kv_cache_utils.generate_block_hash_extra_keys``: a block's extra hash key (steered blocks
+  fork from unsteered ones);
+* ``KVCacheCoordinator.cache_blocks``: how many computed tokens may be cached now;
+* ``KVCacheManager.free``: a request's blocks leave (count what was withheld);
+* ``Scheduler.update_from_output``: the workers' report (:data:`REPORT_ATTR` on the step's
+  ``ModelRunnerOutput``) advances requests' cacheable frontiers;
+* ``EngineCore.dynsteer_cache_stats``: a utility call returning the guard's counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .patching import patch, when_imported
+
+REPORT_ATTR = "dynsteer_cache_report"
+"""Attribute of the workers' ``ModelRunnerOutput`` that carries the guard report:
+``{request id: (positions processed, first dynamically steered position or None)}``."""
+STATS_UTILITY = "dynsteer_cache_stats"
+"""Name of the engine-core utility method returning the guard's counters."""
+_GUARD_ATTR = "_dynsteer_guard"
+
+
+class RequestGuard(Protocol):
+    """The guard of one request, as the scheduler calls it."""
+
+    withhold: bool
+
+    def extra_key(self, start: int, end: int) -> Any: ...
+
+    def cacheable(self, num_computed: int) -> int: ...
+
+    def freed(self, block_size: int) -> None: ...
+
+    def reported(self, processed: int, first_dynamic: int | None,
+                 num_computed: int) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class SchedulerHooks:
+    """How the adapter calls dynsteer's prefix-cache guard."""
+
+    guard_of: Callable[[dict[str, Any] | None], RequestGuard | None]
+    """The guard of a request from its ``SamplingParams.extra_args`` (None: unguarded)."""
+    stats: Callable[[], dict[str, int]]
+    """The guard's counters in this engine core."""
+
+
+def install(hooks: SchedulerHooks) -> None:
+    def guard(request: Any) -> RequestGuard | None:
+        """Parsed once and kept on vLLM's ``Request`` (False: none)."""
+        found = getattr(request, _GUARD_ATTR, None)
+        if found is None:
+            params = getattr(request, "sampling_params", None)
+            found = hooks.guard_of(params.extra_args if params is not None else None) or False
+            setattr(request, _GUARD_ATTR, found)
+        return found or None
+
+    when_imported("vllm.v1.core.kv_cache_utils", lambda m: patch(
+        m, "generate_block_hash_extra_keys", lambda original: _extra_keys(guard, original)))
+    when_imported("vllm.v1.core.kv_cache_coordinator", lambda m: patch(
+        m.KVCacheCoordinator, "cache_blocks", lambda original: _cache_blocks(guard, original)))
+    when_imported("vllm.v1.core.kv_cache_manager", lambda m: patch(
+        m.KVCacheManager, "free", lambda original: _free(guard, original)))
+    when_imported("vllm.v1.core.sched.scheduler", lambda m: patch(
+        m.Scheduler, "update_from_output", lambda original: _update_from_output(guard, original)))
+    when_imported("vllm.v1.engine.core", lambda m: setattr(
+        m.EngineCore, STATS_UTILITY, lambda self: hooks.stats()))
+
+
+Guard = Callable[[Any], RequestGuard | None]
+
+
+def _extra_keys(guard: Guard, original: Callable[..., Any]) -> Callable[..., Any]:
+    def generate_block_hash_extra_keys(request: Any, start: int, end: int, *args: Any,
+                                       **kwargs: Any) -> Any:
+        keys, next_mm = original(request, start, end, *args, **kwargs)
+        found = guard(request)
+        extra = found.extra_key(start, end) if found is not None else None
+        if extra is not None:
+            keys = (*(keys or ()), extra)
+        return keys, next_mm
+
+    return generate_block_hash_extra_keys
+
+
+def _cache_blocks(guard: Guard, original: Callable[..., Any]) -> Callable[..., Any]:
+    def cache_blocks(self: Any, request: Any, num_computed_tokens: int, *args: Any,
+                     **kwargs: Any) -> Any:
+        found = guard(request)
+        if found is not None and found.withhold:
+            num_computed_tokens = found.cacheable(num_computed_tokens)
+        return original(self, request, num_computed_tokens, *args, **kwargs)
+
+    return cache_blocks
+
+
+def _free(guard: Guard, original: Callable[..., Any]) -> Callable[..., Any]:
+    def free(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        found = guard(request)
+        if found is not None and found.withhold:
+            found.freed(self.coordinator.scheduler_block_size)
+        return original(self, request, *args, **kwargs)
+
+    return free
+
+
+def _update_from_output(guard: Guard, original: Callable[..., Any]) -> Callable[..., Any]:
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any,
+                           *args: Any, **kwargs: Any) -> Any:
+        report = getattr(model_runner_output, REPORT_ATTR, None)
+        if report:  # before the original: it frees requests that finish in this step
+            _apply_report(self, guard, report)
+        return original(self, scheduler_output, model_runner_output, *args, **kwargs)
+
+    return update_from_output
+
+
+def _apply_report(scheduler: Any, guard: Guard, report: dict[str, Any]) -> None:
+    for req_id, (processed, first_dynamic) in report.items():
+        request = scheduler.requests.get(req_id)
+        found = guard(request) if request is not None else None
+        if found is None or not found.withhold:
+            continue
+        clean = found.reported(processed, first_dynamic, request.num_computed_tokens)
+        if clean is not None:
+            scheduler.kv_cache_manager.cache_blocks(request, clean)

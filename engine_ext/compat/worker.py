@@ -1,0 +1,209 @@
+"""vLLM's model runners and workers.
+
+* ``load_model`` of each runner class: dynsteer attaches once the model exists, before the
+  first forward (the profile run is the first trace).
+* Per-step hooks, installed on the runner *instance* only when dynsteer attaches:
+  V1 (``GPUModelRunner`` / ``CPUModelRunner``): ``_update_states`` + ``_prepare_inputs``;
+  V2 (``vllm.v1.worker.gpu.model_runner``): ``add_requests`` + ``_remove_request`` +
+  ``prepare_inputs``; both: ``sample_tokens``, whose output carries the prefix-guard report to
+  the scheduler (:data:`.scheduler.REPORT_ATTR`).
+* The worker extension (``worker_extension_cls``) reaches its runner and rank here.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .patching import patch, when_imported
+from .scheduler import REPORT_ATTR
+
+_RUNNERS = (
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+)
+
+
+def install(on_model_loaded: Callable[[Any, dict[str, Any]], None]) -> None:
+    """Call ``on_model_loaded(runner, additional_config)`` after every runner's ``load_model``
+    (patched when, if ever, the runner's module is imported)."""
+    for module, cls_name in _RUNNERS:
+        when_imported(module, lambda mod, c=cls_name: patch(
+            getattr(mod, c), "load_model", functools.partial(_load_model, on_model_loaded)))
+
+
+def _load_model(on_model_loaded: Callable[[Any, dict[str, Any]], None],
+                original: Callable[..., Any]) -> Callable[..., Any]:
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        on_model_loaded(self, dict(self.vllm_config.additional_config or {}))
+        return result
+
+    return load_model
+
+
+@dataclass(frozen=True)
+class RunnerFacts:
+    """What a worker's steering state needs to know about its runner."""
+
+    model: Any
+    """The loaded ``nn.Module``."""
+    hidden_size: int
+    num_layers: int
+    """Decoder layers of the whole model (all pipeline stages)."""
+    max_tokens: int
+    """Largest token count a forward can see (batched tokens or a padded CUDA-graph size)."""
+    max_requests: int
+    block_size: int
+    """Tokens per KV-cache block (the prefix cache shares whole blocks)."""
+    device: Any
+
+
+def runner_facts(runner: Any) -> RunnerFacts:
+    config = runner.vllm_config
+    capture = config.compilation_config.max_cudagraph_capture_size or 0
+    return RunnerFacts(
+        model=runner.get_model(),
+        hidden_size=config.model_config.get_hidden_size(),
+        num_layers=config.model_config.get_total_num_hidden_layers(),
+        max_tokens=max(runner.max_num_tokens, capture),
+        max_requests=config.scheduler_config.max_num_seqs,
+        block_size=int(config.cache_config.block_size),
+        device=runner.device,
+    )
+
+
+STATE_ATTR = "dynsteer_state"
+"""Attribute of the model runner holding dynsteer's worker state."""
+
+
+def runner_state(runner: Any) -> Any:
+    return getattr(runner, STATE_ATTR, None)
+
+
+def set_runner_state(runner: Any, state: Any) -> None:
+    setattr(runner, STATE_ATTR, state)
+
+
+def worker_state(worker: Any) -> Any:
+    """dynsteer's state on a worker (the extension's ``self``), None before the model loads."""
+    return runner_state(worker.model_runner)
+
+
+def replies(worker: Any) -> bool:
+    """Whether this worker is TP rank 0 of its pipeline stage.
+
+    vLLM's executors set ``is_driver_worker`` exactly when ``rank % tp_size == 0``
+    (multiproc, Ray; the single-process executor has one worker, the driver).
+    """
+    return bool(getattr(worker, "is_driver_worker", True))
+
+
+def is_internal_id_of(internal_id: str, request_id: str) -> bool:
+    """Whether the engine's ``internal_id`` belongs to the caller's ``request_id``: vLLM
+    appends ``-`` and 8 random characters to the latter."""
+    prefix = request_id + "-"
+    return internal_id.startswith(prefix) and len(internal_id) == len(prefix) + 8
+
+
+def is_v2_runner(runner: Any) -> bool:
+    return type(runner).__module__.startswith("vllm.v1.worker.gpu.")
+
+
+def install_step_hooks(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str], None],
+                       on_step: Callable[..., None],
+                       on_output: Callable[[], dict[str, Any]]) -> None:
+    """Hook the runner instance so the state sees admissions, removals and each step.
+
+    ``on_add(req_id, slot_or_None, extra_args, prompt_len)`` (V1 passes None: the caller
+    picks a slot), ``on_remove(req_id)``, ``on_step(req_ids, slots_or_None, num_computed,
+    num_scheduled)``; ``on_output()`` returns the prefix-guard report that rides on the step's
+    ``ModelRunnerOutput`` to the scheduler.
+    """
+    if is_v2_runner(runner):
+        _install_v2(runner, on_add, on_remove, on_step)
+    else:
+        _install_v1(runner, on_add, on_remove, on_step)
+    sample_tokens = runner.sample_tokens
+
+    def _sample_tokens(*args: Any, **kwargs: Any) -> Any:
+        return _attach_report(sample_tokens(*args, **kwargs), on_output())
+
+    runner.sample_tokens = _sample_tokens
+
+
+def _attach_report(result: Any, report: dict[str, Any]) -> Any:
+    """``result`` (a ModelRunnerOutput, or an async one that makes it later) carrying
+    ``report``; a shallow copy, since vLLM reuses shared empty outputs."""
+    if not report or result is None:
+        return result
+    if hasattr(result, "get_output"):
+        get_output = result.get_output
+        result.get_output = lambda: _attach_report(get_output(), report)
+        return result
+    if hasattr(result, "sampled_token_ids"):
+        result = copy.copy(result)
+        setattr(result, REPORT_ATTR, report)
+    return result
+
+
+def _install_v1(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str], None],
+                on_step: Callable[..., None]) -> None:
+    update_states = runner._update_states
+    prepare_inputs = runner._prepare_inputs
+
+    def _update_states(scheduler_output: Any) -> Any:
+        for req_id in scheduler_output.finished_req_ids:
+            on_remove(req_id)
+        result = update_states(scheduler_output)
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            req = runner.requests[new.req_id]
+            on_add(new.req_id, None, params.extra_args if params else None, req.num_prompt_tokens)
+        return result
+
+    def _prepare_inputs(scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
+        result = prepare_inputs(scheduler_output, num_scheduled_tokens)
+        batch = runner.input_batch
+        n = batch.num_reqs
+        on_step(batch.req_ids[:n], None, batch.num_computed_tokens_cpu[:n], num_scheduled_tokens)
+        return result
+
+    runner._update_states = _update_states
+    runner._prepare_inputs = _prepare_inputs
+
+
+def _install_v2(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str], None],
+                on_step: Callable[..., None]) -> None:
+    add_requests = runner.add_requests
+    remove_request = runner._remove_request
+    prepare_inputs = runner.prepare_inputs
+
+    def _add_requests(scheduler_output: Any) -> Any:
+        result = add_requests(scheduler_output)
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            slot = runner.req_states.req_id_to_index[new.req_id]
+            extra = params.extra_args if params else None
+            on_add(new.req_id, slot, extra, len(new.prompt_token_ids))
+        return result
+
+    def _remove_request(req_id: str) -> Any:
+        on_remove(req_id)
+        return remove_request(req_id)
+
+    def _prepare_inputs(scheduler_output: Any, batch_desc: Any) -> Any:
+        batch = prepare_inputs(scheduler_output, batch_desc)
+        on_step(batch.req_ids, batch.idx_mapping_np, batch.num_computed_tokens_np,
+                batch.num_scheduled_tokens)
+        return batch
+
+    runner.add_requests = _add_requests
+    runner._remove_request = _remove_request
+    runner.prepare_inputs = _prepare_inputs

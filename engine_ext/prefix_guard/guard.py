@@ -1,0 +1,64 @@
+"""The guard of one request, its block keys and frontier, and the guard's counters."""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+DYNAMIC_EPSILON = 1e-3
+"""A position's KV counts as dynamically steered when its gate is above this (and the gate
+steers that position's phase): below it the gated entries add under 0.1% of their vector, so
+the KV is treated as unsteered and stays shareable through the prefix cache."""
+NONE = np.iinfo(np.int64).max
+"""Sentinel of position arrays: no such position (yet)."""
+
+
+class CacheGuard(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str
+    """Fingerprint of everything that changes this request's KV."""
+    fork: int = Field(ge=0)
+    """First steered position: blocks from the one holding it on hash under ``key``."""
+    withhold: bool = False
+    """Cache blocks only below the reported first dynamically steered position."""
+
+
+def fork_keys(guard: CacheGuard, start: int, end: int) -> tuple[str, str] | None:
+    """The extra hash key of the block ``[start, end)``, None where the hash stays unsteered."""
+    return ("dynsteer", guard.key) if start <= guard.fork < end else None
+
+
+def frontier(processed: int, first_dynamic: int | None) -> int:
+    """Positions below this may be cached: all processed ones until one is dynamically steered."""
+    return processed if first_dynamic is None else min(processed, first_dynamic)
+
+
+def grown_frontiers(processed: np.ndarray, first_dynamic: np.ndarray,
+                    reported_blocks: np.ndarray, block_size: int) -> np.ndarray:
+    """The workers' side of :func:`frontier`, for all request slots at once: the slots whose
+    frontier grew by a whole block since last reported (``reported_blocks`` is updated).
+    ``first_dynamic`` holds :data:`NONE` where no position was dynamically steered."""
+    blocks = np.minimum(processed, first_dynamic) // block_size
+    grown = np.flatnonzero(blocks > reported_blocks)
+    reported_blocks[grown] = blocks[grown]
+    return grown
+
+
+@dataclass
+class GuardStats:
+    """Counters of the scheduler side (exported as metrics)."""
+
+    guarded_requests: int = 0
+    """Requests whose blocks were withheld until reported clean."""
+    reports: int = 0
+    """Per-request reports received from the workers."""
+    blocks_withheld: int = 0
+    """Full blocks never cached because they hold dynamically steered (or unreported) KV."""
+
+
+STATS = GuardStats()
+"""This engine-core process's counters."""

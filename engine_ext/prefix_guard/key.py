@@ -1,0 +1,37 @@
+"""What a request's guard is: computed once by the frontend when the request is admitted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dynsteer.controller.wire import PHASE, SCALE, WireEntry, fingerprint
+
+from .guard import CacheGuard
+
+
+def guard_for(wire: dict[str, Any] | None, global_wire: Sequence[WireEntry],
+              global_key: str | None, registry_generation: int,
+              prompt_len: int) -> CacheGuard | None:
+    """How a request's blocks may be shared (None: unsteered, share everything).
+
+    ``wire`` is the request's resolved spec. The key covers everything that changes the
+    request's KV: its spec (vectors by their bytes), the global steering and the registry
+    generation (named vectors/probes may have changed). With phase-specific entries a
+    position's KV also depends on whether it is a prompt or a generated position, so the
+    prompt length joins the key.
+    """
+    own = wire["steer"] if wire else []
+    gate = wire["gate"] if wire else None
+    static = [e for e in (*global_wire, *own) if e[SCALE] != 0]
+    if gate is not None or any(e[PHASE] != "decode" for e in static):
+        fork = 0
+    elif static:
+        fork = prompt_len
+    else:
+        return None
+    entries = [*global_wire, *own, *(gate["steer"] if gate is not None else [])]
+    phase_specific = any(e[PHASE] != "all" for e in entries)
+    key = fingerprint(wire["key"] if wire else "-", global_key or "-", registry_generation,
+                      prompt_len if phase_specific else -1)
+    return CacheGuard(key=key.hex(), fork=fork, withhold=gate is not None)
