@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from dynsteer.engine_ext.worker.telemetry import DYNAMIC_EPSILON, GATE_ON, GateTelemetry
@@ -90,3 +91,25 @@ def test_no_gated_tokens_costs_nothing_and_reports_nothing():
     tele.before_step(empty, empty, empty, 0)
     assert tele.cache_report() == {} and tele.tokens_monitored == {}
     assert tele.report("nope") is None
+
+
+def test_finishing_never_waits_and_a_reused_slot_starts_a_new_record():
+    """A request that finishes while its last step is unfolded keeps its record until the fold
+    (finish does not drain); the runner may hand its slot to a new request at once, and the two
+    requests' counters stay apart."""
+    rng = np.random.default_rng(1)
+    tele, values = make()
+    tele.admit("a", 1, prompt_len=3, site=SITES[0], dynamic_from=0, trace=True)
+    seen_a = {p: v for (_, p), v in step(tele, values, rng, [(1, 0, 3)]).items()}
+    tele._launch_copy()  # the forward ran: its read-back is in flight, not folded (as on a GPU)
+    tele.finish("a")
+    assert tele._in_flight, "the step of 'a' must still be unfolded"
+    tele.admit("b", 1, prompt_len=2, site=SITES[1], dynamic_from=0, trace=True)
+    seen_b = {p: v for (_, p), v in step(tele, values, rng, [(1, 0, 2)]).items()}
+    for name, seen, prompt_len in (("a", seen_a, 3), ("b", seen_b, 2)):
+        report = tele.report(name)
+        want = expected(seen, prompt_len, 0)
+        assert report["tokens_monitored"] == want["tokens_monitored"], name
+        assert report["gated_prefill"] == want["gated_prefill"], name
+        assert report["max_score"] == want["max_score"], name
+        assert report["gates"] == [pytest.approx(seen[p][0]) for p in sorted(seen)], name

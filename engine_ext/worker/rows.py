@@ -177,18 +177,28 @@ class RowTable:
 
     def _write(self, row: int, static: Contents, dynamic: Contents) -> None:
         n, hidden = len(self.sites), self.hidden_size
-        host = torch.zeros(2, n, hidden, dtype=torch.float32)
-        flags = torch.zeros(n, dtype=torch.int32)
+        device = self.table.device
+        host = _host_buffer((2, n, hidden), torch.float32, device)
+        flags = _host_buffer((n,), torch.int32, device)
         for part, contents, flag in ((0, static, STATIC_FLAG), (1, dynamic, DYNAMIC_FLAG)):
             for site, vec in contents.items():
                 i = self._site_index[site]
                 host[part, i] = torch.from_numpy(np.asarray(vec, dtype=np.float32))
                 flags[i] |= flag
         # Issued on the current stream: ordered after every forward that read the old contents.
-        device = self.table.device
-        self.table[:, row].copy_(host[0].to(device))
-        self.dyn[:, row].copy_(host[1].to(device))
-        self.flags[:, row].copy_(flags.to(device))
+        self.table[:, row].copy_(host[0], non_blocking=True)
+        self.dyn[:, row].copy_(host[1], non_blocking=True)
+        self.flags[:, row].copy_(flags, non_blocking=True)
+
+
+def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed host tensor to copy to ``device`` without waiting for the GPU.
+
+    A copy from pageable memory first waits for everything queued on the stream (the forward in
+    flight), stalling the step that admits a new config; from pinned memory it is queued behind
+    that work instead. PyTorch's pinned allocator keeps the buffer until the copy has run.
+    """
+    return torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 @dataclass(frozen=True)
@@ -225,9 +235,11 @@ class ProbeTable:
         row, fresh = self._slots.take(key)
         if fresh:
             device = self.probes.device
-            self.probes[row].copy_(torch.from_numpy(probe.weights.astype(np.float32)).to(device))
-            params = torch.tensor([probe.threshold, probe.sharpness, float(site)])
-            self.params[row].copy_(params.to(device))
+            host = _host_buffer((self.probes.shape[1] + 3,), torch.float32, device)
+            host[:-3] = torch.from_numpy(probe.weights.astype(np.float32))
+            host[-3:] = torch.tensor([probe.threshold, probe.sharpness, float(site)])
+            self.probes[row].copy_(host[:-3], non_blocking=True)
+            self.params[row].copy_(host[-3:], non_blocking=True)
         return row
 
     def release(self, row: int) -> None:

@@ -1,8 +1,9 @@
 """Per-request gate telemetry and the prefix-guard report, folded per step in whole arrays.
 
 A step's host work must not grow with the number of requests in it (issue: serving at batch
-256), so nothing here loops over requests per step. Each gated request owns a *slot* (the
-runner's request slot) and every counter is a per-slot numpy array, updated for all tokens of
+256), so nothing here loops over requests per step. Each gated request owns a *record* (mapped
+from the runner's request slot when a step starts) and every counter is a per-record numpy
+array, updated for all tokens of
 a step at once with ``bincount`` / ``minimum.at`` / ``maximum.at``. Python work per request
 happens at admission and finish only; per step, only for requests that asked for a full gate
 trace (``"trace": true`` in their gate) and for the few requests whose cacheable prefix grew
@@ -12,16 +13,18 @@ decode step).
 Read-back: the gates and scores of a step live in one ``[2, T]`` device buffer. At the start
 of the next step (before its forward is launched) one non-blocking copy of the step's part goes
 to a preallocated pinned ring slot; it is folded once its event completed, never by waiting on
-the hot path. A query (``report``) drains everything, waiting if it must.
+the hot path. A finished request keeps its record until the steps it ran in are folded (the
+runner may give its slot to a new request at once), so finishing never waits for the GPU
+either. A query (``report``) drains everything, waiting if it must.
 
 Positions counted are the ones the engine processed: the prompt (less prefix-cache hits) and
 every generated token but the last (never fed back). A position recomputed after preemption
-is counted once (tokens below the slot's processed frontier are skipped by the counters).
+is counted once (tokens below the record's processed frontier are skipped by the counters).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,13 +45,13 @@ _COUNTERS = ("monitored", "gated_prefill", "gated_decode", "first_decode_gated",
 
 @dataclass
 class _Request:
-    slot: int
+    record: int
     prompt_len: int
     site: int
     dynamic_from: int
     trace: bool
     counters: tuple[Any, ...] | None = None
-    """The slot's counters, saved when the request left the engine (restored on resume)."""
+    """The record's counters, saved when the request left the engine (restored on resume)."""
     gates: np.ndarray | None = None
     scores: np.ndarray | None = None
 
@@ -58,7 +61,7 @@ class _Step:
     tokens: int
     index: np.ndarray
     """Token indices (into the step) of gated requests' tokens."""
-    slot: np.ndarray
+    record: np.ndarray
     pos: np.ndarray
     buffer: int = -1
     """Pinned ring slot holding the step's copy (GPU)."""
@@ -87,7 +90,16 @@ class GateTelemetry:
         self._in_flight: list[_Step] = []
         self._live: dict[str, _Request] = {}
         self._done: OrderedDict[str, _Request] = OrderedDict()
-        self._req_of_slot: list[str | None] = []
+        self._record_of_slot = np.zeros(max_slots, dtype=np.int64)
+        """The runner's request slot -> the record of the request holding it."""
+        self._req_of_record: list[str | None] = []
+        """Live request id of each record (None: free, or its request finished)."""
+        self._request_of_record: list[_Request | None] = []
+        self._free_records: list[int] = []
+        self._steps_started = 0
+        self._steps_folded = 0
+        self._retiring: deque[tuple[int, str, _Request]] = deque()
+        """Finished requests whose steps are not all folded: (steps started, id, request)."""
         self._traced = 0
         self._site_monitored = np.zeros(len(sites), dtype=np.int64)
         self._site_gated = np.zeros(len(sites), dtype=np.int64)
@@ -96,29 +108,44 @@ class GateTelemetry:
     # ---- lifecycle (once per request) ------------------------------------------------------
     def admit(self, req_id: str, slot: int, prompt_len: int, site: str,
               dynamic_from: int | None, trace: bool) -> None:
-        """Start a record (a resumed request continues its old one)."""
-        if slot >= len(self._req_of_slot):
-            self._grow(max(slot + 1, 2 * len(self._req_of_slot)))
+        """Start a record for the request in runner slot ``slot`` (a resumed request continues
+        its old one)."""
+        if any(rid == req_id for _, rid, _ in self._retiring):
+            self.drain()  # resumed before its last steps were folded (rare)
+        if not self._free_records:
+            self._grow(2 * len(self._req_of_record))
+        record = self._free_records.pop()
+        if slot >= len(self._record_of_slot):
+            grown = np.zeros(max(slot + 1, 2 * len(self._record_of_slot)), dtype=np.int64)
+            grown[: len(self._record_of_slot)] = self._record_of_slot
+            self._record_of_slot = grown
+        self._record_of_slot[slot] = record
         old = self._done.pop(req_id, None)
-        req = old or _Request(slot, prompt_len, self._sites.index(site),
+        req = old or _Request(record, prompt_len, self._sites.index(site),
                               NONE if dynamic_from is None else dynamic_from, trace)
-        req.slot = slot
-        self._reset(slot, req)
+        req.record = record
+        self._reset(record, req)
         self._live[req_id] = req
-        self._req_of_slot[slot] = req_id
+        self._req_of_record[record] = req_id
+        self._request_of_record[record] = req
         self._traced += req.trace
 
     def finish(self, req_id: str) -> None:
-        """The request left the engine: fold what is pending, keep its counters."""
-        req = self._live.get(req_id)
+        """The request left the engine; its counters are kept once its last step is folded."""
+        req = self._live.pop(req_id, None)
         if req is None:
             return
-        if self._pending is not None or self._in_flight:
-            self.drain()
-        self._live.pop(req_id)
-        req.counters = tuple(getattr(self, f"_{name}")[req.slot].copy()
+        self._req_of_record[req.record] = None  # no more prefix-guard reports
+        if self._steps_folded == self._steps_started:
+            self._retire(req_id, req)
+        else:
+            self._retiring.append((self._steps_started, req_id, req))
+
+    def _retire(self, req_id: str, req: _Request) -> None:
+        req.counters = tuple(getattr(self, f"_{name}")[req.record].copy()
                              for name in _COUNTERS)
-        self._req_of_slot[req.slot] = None
+        self._request_of_record[req.record] = None
+        self._free_records.append(req.record)
         self._traced -= req.trace
         self._done[req_id] = req
         while len(self._done) > self._keep:
@@ -132,7 +159,8 @@ class GateTelemetry:
         self._launch_copy()
         self._fold(wait=False)
         if len(index):
-            self._pending = _Step(tokens, index, slot, pos)
+            self._pending = _Step(tokens, index, self._record_of_slot[slot], pos)
+            self._steps_started += 1
 
     def cache_report(self) -> dict[str, tuple[int, int | None]]:
         """Requests whose cacheable prefix grew by a whole block: (positions processed, first
@@ -142,11 +170,11 @@ class GateTelemetry:
         self._fold(wait=False)
         grown = grown_frontiers(self._upto, self._first_dynamic, self._reported, self._block)
         report = {}
-        for slot in grown.tolist():
-            req_id = self._req_of_slot[slot]
+        for record in grown.tolist():
+            req_id = self._req_of_record[record]
             if req_id is not None:
-                first = int(self._first_dynamic[slot])
-                report[req_id] = (int(self._upto[slot]), None if first == NONE else first)
+                first = int(self._first_dynamic[record])
+                report[req_id] = (int(self._upto[record]), None if first == NONE else first)
         return report
 
     # ---- queries -------------------------------------------------------------------------
@@ -181,8 +209,10 @@ class GateTelemetry:
 
     # ---- internals -----------------------------------------------------------------------
     def _grow(self, size: int) -> None:
-        old = len(self._req_of_slot)
-        self._req_of_slot += [None] * (size - old)
+        old = len(self._req_of_record)
+        self._req_of_record += [None] * (size - old)
+        self._request_of_record += [None] * (size - old)
+        self._free_records[:0] = range(size - 1, old - 1, -1)
         for name, dtype, fill in (("prompt_len", np.int64, 0), ("dynamic_from", np.int64, NONE),
                                   ("site", np.int64, 0), ("trace", bool, False),
                                   ("monitored", np.int64, 0), ("gated_prefill", np.int64, 0),
@@ -196,15 +226,15 @@ class GateTelemetry:
                 new[:old] = getattr(self, f"_{name}")
             setattr(self, f"_{name}", new)
 
-    def _reset(self, slot: int, req: _Request) -> None:
-        self._prompt_len[slot] = req.prompt_len
-        self._dynamic_from[slot] = req.dynamic_from
-        self._site[slot] = req.site
-        self._trace[slot] = req.trace
+    def _reset(self, record: int, req: _Request) -> None:
+        self._prompt_len[record] = req.prompt_len
+        self._dynamic_from[record] = req.dynamic_from
+        self._site[record] = req.site
+        self._trace[record] = req.trace
         fresh = (0, 0, 0, NONE, np.nan, NONE, 0)
         for name, value in zip(_COUNTERS, req.counters or fresh, strict=True):
-            getattr(self, f"_{name}")[slot] = value
-        self._reported[slot] = 0  # a resumed request re-reports its clean prefix
+            getattr(self, f"_{name}")[record] = value
+        self._reported[record] = 0  # a resumed request re-reports its clean prefix
 
     def _launch_copy(self) -> None:
         step, self._pending = self._pending, None
@@ -238,10 +268,13 @@ class GateTelemetry:
                 values = self._ring[step.buffer][:, : step.tokens].numpy()
             self._in_flight.pop(0)
             self._fold_step(step, values[0, step.index], values[1, step.index])
+            self._steps_folded += 1
+            while self._retiring and self._retiring[0][0] <= self._steps_folded:
+                self._retire(*self._retiring.popleft()[1:])
             done += 1
 
     def _fold_step(self, step: _Step, gates: np.ndarray, scores: np.ndarray) -> None:
-        slot, pos = step.slot, step.pos  # finish() drains first: every slot here is live
+        slot, pos = step.record, step.pos  # a finished request's record waits for this fold
         sites = self._site[slot]
         on = gates > GATE_ON
         self._site_monitored += np.bincount(sites, minlength=len(self._sites))
@@ -249,7 +282,7 @@ class GateTelemetry:
             np.int64)
         new = pos >= self._upto[slot]  # recomputed positions were counted the first time
         s, p, on_new = slot[new], pos[new], on[new]
-        size = len(self._req_of_slot)
+        size = len(self._req_of_record)
         prompt = p < self._prompt_len[s]
         self._monitored += np.bincount(s, minlength=size)
         self._gated_prefill += np.bincount(s, weights=on_new & prompt, minlength=size).astype(
@@ -267,9 +300,10 @@ class GateTelemetry:
             for one in np.unique(slot[traced]).tolist():
                 self._put_trace(one, pos, gates, scores, slot == one)
 
-    def _put_trace(self, slot: int, pos: np.ndarray, gates: np.ndarray, scores: np.ndarray,
+    def _put_trace(self, record: int, pos: np.ndarray, gates: np.ndarray, scores: np.ndarray,
                    mask: np.ndarray) -> None:
-        req = self._live[self._req_of_slot[slot]]  # type: ignore[index]
+        req = self._request_of_record[record]
+        assert req is not None
         end = int(pos[mask].max()) + 1
         if req.gates is None or end > len(req.gates):
             size = max(end, 2 * (0 if req.gates is None else len(req.gates)))
@@ -281,7 +315,7 @@ class GateTelemetry:
         req.scores[pos[mask]] = scores[mask]
 
     def _summary(self, req: _Request) -> dict[str, Any]:
-        values = req.counters or tuple(getattr(self, f"_{n}")[req.slot] for n in _COUNTERS)
+        values = req.counters or tuple(getattr(self, f"_{n}")[req.record] for n in _COUNTERS)
         counts = dict(zip(_COUNTERS, values, strict=True))
         first_decode = int(counts["first_decode_gated"])
         max_score = float(counts["max_score"])
