@@ -71,29 +71,40 @@ MODES = {"gated": 4, "idle": 2, "capture": 6}
 def case(tokens: int, hidden: int, mode: str) -> dict[str, Any]:
     import torch
 
+    from dynsteer.engine_ext.worker.ops import (
+        INDEX_CAPTURE,
+        INDEX_PROBE,
+        INDEX_ROW,
+        INDEX_ROWS,
+        SteerBuffers,
+        stream_limit,
+    )
     from dynsteer.engine_ext.worker.triton_kernels import steer_triton
 
     steered = mode == "gated"
+    captured = mode == "capture"
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     h = torch.randn_like(x)
-    rows = torch.full((tokens,), int(steered), dtype=torch.int32, device="cuda")
-    probe_rows = torch.full((tokens,), int(steered), dtype=torch.int32, device="cuda")
-    table = torch.randn(3, hidden, device="cuda")
-    dyn = torch.randn(3, hidden, device="cuda")
-    flags = torch.tensor([0, 3, 3], dtype=torch.int32, device="cuda")
-    probes = torch.randn(2, hidden, device="cuda")
-    params = torch.tensor([[0, 0, 0], [0.0, 1.0, 0.0]], device="cuda")
-    gate = torch.zeros(tokens, device="cuda")
-    score = torch.zeros(tokens, device="cuda")
-    captured = mode == "capture"
-    capture_rows = (torch.arange(1, tokens + 1, dtype=torch.int32, device="cuda") if captured
-                    else torch.zeros(tokens, dtype=torch.int32, device="cuda"))
-    capture = torch.zeros(1, tokens + 1 if captured else 1, hidden, device="cuda")
-    site_lane = torch.tensor([0 if captured else -1], dtype=torch.int32, device="cuda")
+    index = torch.zeros(INDEX_ROWS, tokens, dtype=torch.int32, device="cuda")
+    index[INDEX_ROW] = int(steered)
+    index[INDEX_PROBE] = int(steered)
+    if captured:
+        index[INDEX_CAPTURE] = torch.arange(1, tokens + 1, dtype=torch.int32, device="cuda")
+    buffers = SteerBuffers(
+        index=index,
+        gate_score=torch.zeros(2, tokens, device="cuda"),
+        table=torch.randn(3, hidden, device="cuda"),
+        dyn=torch.randn(3, hidden, device="cuda"),
+        flags=torch.tensor([0, 3, 3], dtype=torch.int32, device="cuda"),
+        probes=torch.randn(2, hidden, device="cuda"),
+        params=torch.tensor([[0, 0, 0], [0.0, 1.0, 0.0]], device="cuda"),
+        capture=torch.zeros(1, tokens + 1 if captured else 1, hidden, device="cuda"),
+        site_lane=torch.tensor([0 if captured else -1], dtype=torch.int32, device="cuda"),
+    )
+    limit = stream_limit(x.dtype)
 
     def run() -> Any:
-        return steer_triton(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate,
-                            score, capture_rows, capture, site_lane, 0)
+        return steer_triton(x, h, buffers, 0, limit)
 
     eager_ms = _time_ms(run, 50)
     graph_us = _graph_time_us(run, launches=200 if tokens <= 256 else 20)

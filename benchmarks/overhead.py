@@ -18,8 +18,9 @@ Scenarios, each request of a batch carrying its own spec:
 
 Shapes: decode-heavy (128 prompt + 128 generated tokens) at batches 1, 32, 256 and a
 prefill-heavy one (2048 prompt + 16 generated) at batch 32. Prints a table (tokens/s = generated
-tokens / wall time, median of the repetitions, ratio to stock in the same run, spread) and
-writes ``overhead.json``.
+tokens / wall time, median of the repetitions, ratio to stock in the same run, spread; for plugin
+runs the worker's dynsteer host time per step: index fill + telemetry fold and report, and per
+admitted request) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
 """
@@ -137,6 +138,19 @@ def calibrate_gate(llm: Any, steering: Any) -> float:
     return threshold
 
 
+def add_host_time(total: dict[str, float], before: dict[str, Any],
+                  after: dict[str, Any]) -> None:
+    """Accumulate the worker's dynsteer host time of one run (see engine_ext/worker/host_time)."""
+    for key, hook, field in (("step_us", "step", "us"), ("output_us", "output", "us"),
+                             ("steps", "step", "calls"), ("admit_us", "admit", "us"),
+                             ("admits", "admit", "calls")):
+        total[key] = total.get(key, 0.0) + after[hook][field] - before[hook][field]
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -175,28 +189,42 @@ def main() -> None:
                 timed(engines[engine], prompts(batch, prompt_len, seed), loads[scenario])
             before = steering.info()[0]
             samples: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
+            host: dict[str, dict[str, float]] = {}
             for rep in range(args.reps):
                 for engine, scenario in runs if rep % 2 == 0 else runs[::-1]:
                     seed += 1
+                    start_time = steering.info()[0]["host_time"] if engine == "plugin" else None
                     samples[f"{engine}/{scenario}"].append(timed(
                         engines[engine], prompts(batch, prompt_len, seed), loads[scenario]))
+                    if start_time is not None:
+                        add_host_time(host.setdefault(scenario, {}), start_time,
+                                      steering.info()[0]["host_time"])
             after = steering.info()[0]
             site = f"post_block@{MONITOR}"
             monitored = (after["tokens_monitored"].get(site, 0)
                          - before["tokens_monitored"].get(site, 0))
             gated = after["tokens_gated"].get(site, 0) - before["tokens_gated"].get(site, 0)
-            results["runs"][shape] = {"samples": samples,
+            results["runs"][shape] = {"samples": samples, "host_time": host,
                                       "gate_on_fraction": gated / max(monitored, 1)}
     print(f"device: {results['device']}  vLLM {results['vllm']}  reps={args.reps}")
-    print(f"{'shape':>14} {'scenario':<22} {'tok/s (median)':>15} {'ratio':>7} {'spread':>7}")
+    print(f"{'shape':>14} {'scenario':<22} {'tok/s (median)':>15} {'ratio':>7} {'spread':>7} "
+          f"{'host us/step':>13} {'us/request':>11}")
     summary = {}
     for shape, run in results["runs"].items():
         stock = statistics.median(run["samples"]["stock/idle"])
         for key, values in run["samples"].items():
             med = statistics.median(values)
             spread = (max(values) - min(values)) / med
-            summary[f"{shape}/{key}"] = {"tok_s": med, "ratio": med / stock, "spread": spread}
-            print(f"{shape:>14} {key:<22} {med:>15.1f} {med / stock:>7.4f} {spread:>7.2%}")
+            host = run["host_time"].get(key.split("/", 1)[1]) if key.startswith("plugin") else None
+            per_step = per_request = None
+            if host:
+                per_step = (host["step_us"] + host["output_us"]) / max(host["steps"], 1)
+                per_request = host["admit_us"] / max(host["admits"], 1)
+            summary[f"{shape}/{key}"] = {"tok_s": med, "ratio": med / stock, "spread": spread,
+                                         "host_us_per_step": per_step,
+                                         "host_us_per_request": per_request}
+            print(f"{shape:>14} {key:<22} {med:>15.1f} {med / stock:>7.4f} {spread:>7.2%} "
+                  f"{_fmt(per_step):>13} {_fmt(per_request):>11}")
         print(f"{shape:>14} gate on for {run['gate_on_fraction']:.0%} of monitored tokens")
     results["summary"] = summary
     args.out.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,9 @@ cheap (no pydantic model, no vLLM, no torch) and every rule exists once:
   (:func:`resolve_sites`, the only parser); sites sort in forward order (:func:`site_order`);
 * **names** of registered vectors and probes (:data:`NAME_PATTERN`);
 * **keys** in vLLM's ``SamplingParams.extra_args`` (:data:`SPEC_KEY`);
-* **float32 on the wire**: base64 of little-endian float32 (:func:`encode_f32`,
-  :func:`decode_f32`).
+* **float32 on the wire**: little-endian float32 bytes (:func:`f32_bytes`), in JSON as their
+  base64 (:func:`encode_f32`, :func:`decode_f32`);
+* the message for a site the engine was not configured with (:func:`unconfigured_site`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ class SpecError(ValueError):
 def site_name(site: tuple[str, int]) -> str:
     """``hook@layer``: the name of one site in the site grammar and in every API."""
     return f"{site[0]}@{site[1]}"
+
+
+def unconfigured_site(site: tuple[str, int]) -> str:
+    """Why ``site`` cannot be used, and the fix (callers prefix the field at fault)."""
+    name = site_name(site)
+    return f"{name} is not a configured site; add '{name}' to the engine option dynsteer.sites"
 
 
 def parse_site_name(name: str, field: str = "site") -> Site:
@@ -123,20 +130,28 @@ def resolve_sites(sites: str | list[str], num_layers: int,
 
 
 # ---- float32 on the wire -----------------------------------------------------------------
+def f32_bytes(values: Any) -> bytes:
+    """The little-endian float32 bytes of ``values`` (what the resolved form and worker RPCs
+    carry, :mod:`dynsteer.controller.wire`)."""
+    return np.ascontiguousarray(values, dtype=F32).tobytes()
+
+
 def encode_f32(values: Any) -> str:
     """Base64 of little-endian float32 (what ``*_b64`` fields carry)."""
-    return base64.b64encode(np.ascontiguousarray(values, dtype=F32).tobytes()).decode("ascii")
+    return base64.b64encode(f32_bytes(values)).decode("ascii")
 
 
 def decode_f32(field: str, text: Any) -> np.ndarray:
-    """Inverse of :func:`encode_f32` (a writable native float32 array); a :class:`SpecError`
-    naming ``field`` when malformed."""
+    """Inverse of :func:`encode_f32` (a writable native float32 array, never empty); a
+    :class:`SpecError` naming ``field`` when malformed."""
     if not isinstance(text, str):
-        raise SpecError(f"{field}: expected a base64 string, got {type(text).__name__}")
+        raise SpecError(f"{field}: must be a string (base64 of little-endian float32), got "
+                        f"{type(text).__name__}")
     try:
         raw = base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError) as e:
         raise SpecError(f"{field}: not valid base64 ({e})") from e
-    if len(raw) % 4:
-        raise SpecError(f"{field}: {len(raw)} bytes is not a whole number of float32 values")
+    if not raw or len(raw) % 4:
+        raise SpecError(f"{field}: decodes to {len(raw)} bytes; expected a non-empty multiple "
+                        "of 4 (little-endian float32)")
     return np.frombuffer(raw, dtype=F32).astype(np.float32)

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .contract import SPEC_KEY, Hook, decode_f32, site_order
+from .contract import SPEC_KEY, Hook, decode_f32, site_order, unconfigured_site
 from .limits import (
     DEFAULT_MAX_STEER_NORM,
     FLOAT32_MAX,
@@ -227,16 +227,22 @@ def check_json_depth(text: str | bytes, prefix: str, limit: int = MAX_JSON_DEPTH
         raise SpecError(f"{prefix}: JSON nested deeper than {limit} levels")
 
 
+def _from_json_text(raw: Any, prefix: str) -> Any:
+    """``raw`` decoded when it is JSON text (bounded depth; SpecError naming ``prefix``)."""
+    if not isinstance(raw, (str, bytes)):
+        return raw
+    check_json_depth(raw, prefix)
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{prefix}: malformed JSON ({e.msg} at position {e.pos})") from e
+
+
 def parse_spec(raw: Any, prefix: str = SPEC_KEY) -> SteeringSpec:
     """Parse a spec given as a dict, a JSON string or a :class:`SteeringSpec`."""
     if isinstance(raw, SteeringSpec):
         return raw
-    if isinstance(raw, (str, bytes)):
-        check_json_depth(raw, prefix)
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"{prefix}: malformed JSON ({e.msg} at position {e.pos})") from e
+    raw = _from_json_text(raw, prefix)
     if not isinstance(raw, dict):
         kind = type(raw).__name__
         raise SpecError(f"{prefix}: expected an object or its JSON string, got {kind}")
@@ -248,12 +254,7 @@ def parse_spec(raw: Any, prefix: str = SPEC_KEY) -> SteeringSpec:
 
 def parse_entries(raw: Any, prefix: str = "steer") -> list[SteerEntry]:
     """Parse a list of steer entries (the body of global steering)."""
-    if isinstance(raw, (str, bytes)):
-        check_json_depth(raw, prefix)
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"{prefix}: malformed JSON ({e.msg} at position {e.pos})") from e
+    raw = _from_json_text(raw, prefix)
     if not isinstance(raw, list):
         raise SpecError(f"{prefix}: expected a list of steer entries")
     if len(raw) > MAX_ENTRIES:
@@ -302,10 +303,7 @@ def _check_site(where: str, hook: Hook, layer: int, shape: ModelShape, what: str
             f"(the model has layers 0..{shape.num_layers - 1})"
         )
     if (hook, layer) not in shape.sites:
-        raise SpecError(
-            f"{where}: {what}({hook}, layer {layer}) is not a configured site; "
-            f"add '{hook}@{layer}' to the engine option dynsteer.sites"
-        )
+        raise SpecError(f"{where}: {what}{unconfigured_site((hook, layer))}")
 
 
 def check_entries(entries: Iterable[SteerEntry], shape: ModelShape, prefix: str) -> None:

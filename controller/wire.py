@@ -15,7 +15,8 @@ Layout (positional, so msgpack stays small):
   of the rest, so workers can reuse what they built for an identical spec and the prefix-cache
   fingerprint hashes a few bytes per request;
 * gate: ``{"probe", "hook", "layer", "threshold", "sharpness", "steer": [entry...], "trace"}``,
-  ``probe`` = a registered probe's name or ``[weights bytes, threshold, sharpness]``;
+  ``probe`` = a registered probe's name or ``[weights bytes, threshold, sharpness]``
+  (:data:`WireProbe`, also what registering a probe sends the workers);
   ``threshold`` / ``sharpness`` are the request's overrides (None: the probe's).
 
 No vLLM import.
@@ -26,34 +27,39 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import numpy as np
-
+from .contract import F32, f32_bytes
 from .spec import GateSpec, SteerEntry, SteeringSpec
 
 WIRE_KEY = "dynsteer_wire"
 """Key of the resolved spec in ``SamplingParams.extra_args`` (set by the frontend only)."""
 
-F32 = np.dtype("<f4")
+__all__ = ["F32", "HOOK", "LAYERS", "PHASE", "SCALE", "VECTOR", "WIRE_KEY", "WireEntry",
+           "WireProbe", "entry_to_wire", "fingerprint", "gate_to_wire", "probe_to_wire",
+           "spec_to_wire"]
 
 WireEntry = list[Any]
 HOOK, LAYERS, PHASE, SCALE, VECTOR = range(5)
 """Positions in a wire entry."""
 
-
-def vector_bytes(values: Any) -> bytes:
-    """Little-endian float32 bytes of a vector (a float list or an array)."""
-    return np.asarray(values, dtype=F32).tobytes()
+WireProbe = list[Any]
+"""``[weights bytes, threshold, sharpness]``: an inline probe, and what a worker is sent when a
+probe is registered."""
 
 
 def entry_to_wire(entry: SteerEntry) -> WireEntry:
-    vector = entry.name if entry.name is not None else vector_bytes(entry.values())
+    vector = entry.name if entry.name is not None else f32_bytes(entry.values())
     return [entry.hook, list(entry.layers), entry.phase, float(entry.scale), vector]
+
+
+def probe_to_wire(weights: Any, threshold: float, sharpness: float) -> WireProbe:
+    """A checked probe's numbers in the resolved form (see :data:`WireProbe`)."""
+    return [f32_bytes(weights), float(threshold), float(sharpness)]
 
 
 def gate_to_wire(gate: GateSpec) -> dict[str, Any]:
     probe: Any = gate.probe
     if not isinstance(probe, str):
-        probe = [vector_bytes(probe.values()), float(probe.threshold), float(probe.sharpness)]
+        probe = probe_to_wire(probe.values(), probe.threshold, probe.sharpness)
     return {"probe": probe, "hook": gate.hook, "layer": gate.layer,
             "threshold": gate.threshold, "sharpness": gate.sharpness,
             "steer": [entry_to_wire(e) for e in gate.steer], "trace": gate.trace}

@@ -47,8 +47,9 @@ def register() -> None:
         parent_watch.install()
     if _registered or os.environ.get(KILL_SWITCH_ENV, "") in ("1", "true", "True"):
         return
-    from .compat import frontend, scheduler, worker
+    from .compat import compile_cache, frontend, scheduler, worker
 
+    compile_cache.install()
     frontend.install(frontend.FrontendHooks(
         configure=_configure, engine_state=_engine_state, admit=_admit, admitted=_admitted))
     scheduler.install(scheduler.SchedulerHooks(guard_of=_guard_of, stats=_guard_stats))

@@ -37,22 +37,23 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 def kernel_check() -> list[dict[str, Any]]:
     """Fused Triton op vs the float64 reference of tests/test_ops.py (same inputs)."""
     import torch
-    from test_ops import SITE, capture_reference, make_inputs, reference
+    from test_ops import capture_reference, make_inputs, on, reference, steer
 
-    from dynsteer.engine_ext.worker import ops  # noqa: F401  (defines torch.ops.dynsteer.steer)
+    from dynsteer.engine_ext.worker import ops
 
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         for tokens, hidden in [(1, 2048), (33, 4096), (4096, 4096), (16384, 8192), (7, 576)]:
             for extreme in (False, True):
-                args = make_inputs(tokens, hidden, dtype, seed=tokens + hidden, extreme=extreme)
-                want, gates, scores = reference(*args[:10])
-                want_capture = capture_reference(args[0], args[1], *args[11:])
-                cuda = [a.cuda() for a in args]
-                out = torch.ops.dynsteer.steer(*cuda, SITE).cpu()
-                gate = cuda[9].cpu()
-                capture = cuda[12].cpu()
+                x, h, b = make_inputs(tokens, hidden, dtype, seed=tokens + hidden, extreme=extreme)
+                want, gates, scores = reference(x, h, b)
+                want_capture = capture_reference(x, h, b)
+                xc, hc, bc = on("cuda", x, h, b)
+                out = steer(xc, hc, bc).cpu()
+                gate = bc.gate_score[ops.GATE].cpu()
+                capture = bc.capture.cpu()
                 mon = ~torch.isnan(scores[:tokens])
+                row0 = b.index[ops.INDEX_ROW, :tokens] == 0
                 results.append({
                     "dtype": str(dtype), "tokens": tokens, "hidden": hidden, "extreme": extreme,
                     "max_abs_err_vs_f64": (out.double() - want).abs().max().item(),
@@ -62,7 +63,7 @@ def kernel_check() -> list[dict[str, Any]]:
                                      - gates[:tokens][mon]).abs().max().item()
                     if mon.any() else 0.0,
                     "finite": bool(torch.isfinite(out).all() and torch.isfinite(gate).all()),
-                    "row0_untouched": bool(torch.equal(out[args[2] == 0], args[0][args[2] == 0])),
+                    "row0_untouched": bool(torch.equal(out[row0], x[row0])),
                     "max_capture_err_vs_f64": (capture.double() - want_capture).abs().max().item(),
                 })
     return results
@@ -72,16 +73,16 @@ def poison_kernel_check() -> list[dict[str, Any]]:
     """The Triton op on tests/test_ops.py's overflowing rows: finite, poisoned rows untouched,
     NaN scores gate nothing."""
     import torch
-    from test_ops import SITE, poison_inputs
+    from test_ops import on, poison_inputs, steer
 
     from dynsteer.engine_ext.worker import ops
 
     results = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        args = [a.cuda() if isinstance(a, torch.Tensor) else a
-                for a in poison_inputs(64, 4096, dtype, seed=3)]
-        out = torch.ops.dynsteer.steer(*args, SITE)
-        x, rows, probe_rows, gate = args[0], args[2], args[3], args[9][:64]
+        x, h, b = on("cuda", *poison_inputs(64, 4096, dtype, seed=3))
+        out = steer(x, h, b)
+        rows, probe_rows = b.index[ops.INDEX_ROW, :64], b.index[ops.INDEX_PROBE, :64]
+        gate = b.gate_score[ops.GATE, :64]
         results.append({
             "dtype": str(dtype),
             "finite_and_bounded": bool(torch.isfinite(out).all()

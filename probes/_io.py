@@ -1,9 +1,10 @@
-"""Bytes on disk and on the wire for probes: safetensors files, base64 weights, atomic writes.
+"""Bytes on disk for probes and vectors: safetensors files, atomic writes.
 
 This module knows nothing about :class:`~dynsteer.probes.Probe`; it moves a float32 vector and a
-JSON header. Nothing here unpickles: safetensors is a plain header + raw-bytes format, and the
-header is parsed here (bounded, JSON only) before the safetensors library sees the data, so that
-garbage files fail with a message that says what is wrong.
+JSON header (their base64 form for HTTP is :func:`dynsteer.controller.contract.encode_f32`).
+Nothing here unpickles: safetensors is a plain header + raw-bytes format, and the header is
+parsed here (bounded, JSON only) before the safetensors library sees the data, so that garbage
+files fail with a message that says what is wrong.
 
 File layout (safetensors): one tensor ``weights`` (F32, shape ``[hidden_size]``) and string
 metadata ``{"format": "dynsteer.probe", "format_version": "1", "probe": <JSON header>,
@@ -15,8 +16,6 @@ probe would steer the wrong tokens.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import hashlib
 import json
@@ -29,12 +28,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from dynsteer.controller.contract import F32, f32_bytes
+
 FORMAT_VERSION = 1
 TENSOR_KEY = "weights"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 """Refuse absurd header lengths before allocating (a probe header is a few hundred bytes)."""
-
-_LE_F32 = np.dtype("<f4")
 
 
 class ProbeFileError(ValueError):
@@ -100,7 +99,7 @@ def _safetensors_numpy() -> Any:
 
 
 def _weights_sha256(weights: NDArray[np.float32]) -> str:
-    return hashlib.sha256(np.ascontiguousarray(weights, dtype=_LE_F32).tobytes()).hexdigest()
+    return hashlib.sha256(f32_bytes(weights)).hexdigest()
 
 
 def write_probe_file(
@@ -118,7 +117,7 @@ def write_probe_file(
         kind: json.dumps(header, sort_keys=True, allow_nan=False, separators=(",", ":")),
         "weights_sha256": _weights_sha256(weights),
     }
-    data = st.save({TENSOR_KEY: np.ascontiguousarray(weights, dtype=_LE_F32)}, metadata=metadata)
+    data = st.save({TENSOR_KEY: np.ascontiguousarray(weights, dtype=F32)}, metadata=metadata)
     return atomic_write_bytes(path, data)
 
 
@@ -197,27 +196,3 @@ def read_probe_file(path: str | PathLike[str],
     weights.setflags(write=False)
     return weights, header
 
-
-# --- base64 (HTTP) ----------------------------------------------------------------------------
-
-
-def encode_weights_b64(weights: NDArray[np.float32]) -> str:
-    """Standard base64 of the little-endian float32 bytes (explicit byte order: the wire format
-    must not depend on the sender's machine)."""
-    return base64.b64encode(np.ascontiguousarray(weights, dtype=_LE_F32).tobytes()).decode("ascii")
-
-
-def decode_weights_b64(text: Any) -> NDArray[np.float32]:
-    """Inverse of :func:`encode_weights_b64`, strict about the alphabet and the length."""
-    if not isinstance(text, str):
-        raise ValueError(f"'weights_b64' must be a string, got {type(text).__name__}")
-    try:
-        raw = base64.b64decode(text.encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError) as e:
-        raise ValueError(f"'weights_b64' is not valid base64: {e}") from e
-    if len(raw) == 0 or len(raw) % 4:
-        raise ValueError(
-            f"'weights_b64' decodes to {len(raw)} bytes; expected a non-empty multiple of 4 "
-            "(little-endian float32)"
-        )
-    return np.frombuffer(raw, dtype=_LE_F32).astype(np.float32)

@@ -23,7 +23,13 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dynsteer.controller.contract import NAME_PATTERN, NAME_RULE, Hook
+from dynsteer.controller.contract import (
+    NAME_PATTERN,
+    NAME_RULE,
+    Hook,
+    decode_f32,
+    encode_f32,
+)
 
 from . import _io
 
@@ -165,23 +171,27 @@ class Probe(BaseModel):
         fields.update(changes)
         return type(self).model_validate(fields)
 
-    def check_compatible(self, model: ModelFingerprint) -> None:
-        """Raise ``ValueError`` if this probe cannot be applied to ``model``.
+    def incompatibilities(self, model: ModelFingerprint) -> list[str]:
+        """Why this probe cannot be applied to ``model`` (empty: it can), each problem starting
+        with the field at fault and naming the probe's and the model's values.
 
         Hidden size and layer range are always checked; the architecture only when the probe
-        carries a fingerprint. The message names the probe's and the model's values.
+        carries a fingerprint (whose own hidden size is the weights', see the validator).
         """
-        problems = self.fingerprint.mismatches(model) if self.fingerprint is not None else []
-        if self.hidden_size != model.hidden_size and not any(
-            p.startswith("hidden_size") for p in problems
-        ):
-            problems.append(
-                f"hidden_size: probe has {self.hidden_size} weights, model has {model.hidden_size}"
-            )
+        fp = self.fingerprint
+        problems = [f"fingerprint: {p}" for p in fp.mismatches(model)] if fp is not None else []
+        if self.hidden_size != model.hidden_size and fp is None:
+            problems.append(f"weights: probe has {self.hidden_size} weights, model has "
+                            f"{model.hidden_size} (its hidden_size)")
         if self.site.layer >= model.num_layers:
-            problems.append(
-                f"layer: probe reads layer {self.site.layer}, model has {model.num_layers} layers"
-            )
+            problems.append(f"site.layer: {self.site.layer} does not exist (the model has "
+                            f"{model.num_layers} layers)")
+        return problems
+
+    def check_compatible(self, model: ModelFingerprint) -> None:
+        """Raise ``ValueError`` naming the probe and :meth:`incompatibilities` if this probe
+        cannot be applied to ``model``."""
+        problems = self.incompatibilities(model)
         if problems:
             fp = self.fingerprint
             trained = f" (trained on {fp.describe()})" if fp is not None else ""
@@ -260,7 +270,7 @@ class Probe(BaseModel):
         """
         out = self._header()
         if weights_format == "b64":
-            out["weights_b64"] = _io.encode_weights_b64(self.weights)
+            out["weights_b64"] = encode_f32(self.weights)
         elif weights_format == "list":
             out["weights"] = [float(v) for v in self.weights]
         else:
@@ -283,7 +293,7 @@ class Probe(BaseModel):
                 "float32) or 'weights' (list of floats)"
             )
         if has_b64:
-            weights = _io.decode_weights_b64(fields.pop("weights_b64"))
+            weights = decode_f32("weights_b64", fields.pop("weights_b64"))
         else:
             raw = fields.pop("weights")
             if not isinstance(raw, list) or not all(

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models on disk (one per architecture per session)."""
+"""Shared fixtures: tiny models on disk (one per architecture per session), the HF reference
+model of the tiny Llama, and the tiny chat model a `dynsteer serve` test serves."""
 
 from __future__ import annotations
 
@@ -23,3 +24,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tiny_model_dir):
+    """The tiny Llama in HF transformers (the reference of ``hf_reference``)."""
+    from hf_reference import load_hf  # on use: unit-test runs need neither helper module
+
+    return load_hf(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with the embedded model's tokenizer and chat template (see
+    ``server_utils.make_chat_model``)."""
+    from server_utils import make_chat_model
+
+    return make_chat_model(tmp_path_factory.mktemp("chat_model"))

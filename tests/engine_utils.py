@@ -8,6 +8,12 @@ from typing import Any
 
 import numpy as np
 
+ALL_SITES = "pre_attn@*,post_attn@*,post_block@*"
+"""Every hook at every layer (the ``sites`` engine option)."""
+
+LOGPROB_ATOL = 2e-3
+"""Two fp32 computations of the same logprobs (the engine vs HF, TP=2 vs TP=1) agree to this."""
+
 ENGINE_DEFAULTS: dict[str, Any] = dict(
     dtype="float32", max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
     skip_tokenizer_init=True, seed=0,
@@ -63,10 +69,25 @@ def run(llm: Any, prompts: list[list[int]], sps: list[Any]) -> list[Any]:
     return list(outs)
 
 
+def generated_logprobs(out: Any) -> tuple[list[int], np.ndarray]:
+    """(generated tokens, their logprobs) of one finished request."""
+    gen = list(out.outputs[0].token_ids)
+    lps = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, gen, strict=True)]
+    return gen, np.asarray(lps, dtype=np.float64)
+
+
 def logprobs_of(out: Any) -> tuple[list[int], np.ndarray]:
     """(all tokens, logprob of tokens[1:]) of one finished request: prompt then generated."""
     prompt = list(out.prompt_token_ids)
-    gen = list(out.outputs[0].token_ids)
+    gen, gen_lps = generated_logprobs(out)
     lps = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
-    lps += [d[t].logprob for d, t in zip(out.outputs[0].logprobs, gen, strict=True)]
-    return prompt + gen, np.asarray(lps, dtype=np.float64)
+    return prompt + gen, np.concatenate([np.asarray(lps, dtype=np.float64), gen_lps])
+
+
+def assert_same_output(out: Any, ref: Any, atol: float = 1e-5) -> None:
+    """Two finished requests generated the same tokens with the same logprobs (to ``atol``; the
+    default for the same computation run twice): of the prompt and generated tokens, or of the
+    generated ones where ``out`` asked for no prompt logprobs."""
+    assert list(out.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
+    read = generated_logprobs if out.prompt_logprobs is None else logprobs_of
+    np.testing.assert_allclose(read(out)[1], read(ref)[1], atol=atol)

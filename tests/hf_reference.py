@@ -5,6 +5,9 @@ after the attention residual add), ``post_block`` to the layer's output; each on
 positions of the entry's phase (prompt positions = prefill, generated = decode). A gate reads
 the stream at its monitor site *before* that site's steering, in float64, and scales its
 entries per position at that site and every later one.
+
+The comparisons of engine results with it (logprobs, captured streams) are here too, with their
+tolerances: one helper per kind of result, used by every test module.
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from engine_utils import LOGPROB_ATOL, generated_logprobs, logprobs_of
+from tiny_models import HIDDEN
 
 HOOKS = ("pre_attn", "post_attn", "post_block")
+
+CAPTURE_ATOL = 2e-4
+"""A stream the engine captured (fp32) vs the same stream recorded in HF."""
 
 
 def _phase_mask(phase: str, seq_len: int, prompt_len: int) -> torch.Tensor:
@@ -160,3 +168,41 @@ def load_hf(path: Any) -> Any:
         path, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
+
+
+def assert_logprobs_match_hf(hf: Any, out: Any, entries: Sequence[dict[str, Any]] = (),
+                             vectors: dict | None = None, gate: dict[str, Any] | None = None,
+                             probes: dict[str, dict] | None = None
+                             ) -> tuple[list[int], np.ndarray, Steerer]:
+    """The logprobs a finished engine request reported equal an HF run over its tokens with the
+    same steering (``atol`` :data:`LOGPROB_ATOL`): of every prompt and generated token, or of
+    the generated ones only where the request asked for no prompt logprobs (vLLM reads the
+    prefix cache only then). Returns (all tokens, HF logprob of ``tokens[1:]``, HF steerer)."""
+    prompt_len = len(out.prompt_token_ids)
+    if out.prompt_logprobs is None:
+        gen, got = generated_logprobs(out)
+        tokens, first = list(out.prompt_token_ids) + gen, prompt_len - 1
+    else:
+        (tokens, got), first = logprobs_of(out), 0
+    want, steerer = run_reference(hf, tokens, prompt_len, entries, vectors, gate, probes)
+    np.testing.assert_allclose(got, want[first:], atol=LOGPROB_ATOL)
+    return tokens, want, steerer
+
+
+def assert_capture_matches_hf(result: dict[str, Any],
+                              streams: Sequence[dict[tuple[str, int], np.ndarray]],
+                              reduce: str) -> None:
+    """``result`` (one capture: site -> arrays) equals the HF streams of every prompt (from
+    :func:`record_streams`), reduced (``atol`` :data:`CAPTURE_ATOL`)."""
+    for site, got in result.items():
+        hook, layer = site.split("@")
+        want = [s[(hook, int(layer))] for s in streams]
+        if reduce == "all":
+            assert len(got) == len(want)
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == np.float32 and g.shape == w.shape
+                np.testing.assert_allclose(g, w, atol=CAPTURE_ATOL, err_msg=site)
+        else:
+            reduced = np.stack([w[-1] if reduce == "last" else w.mean(0) for w in want])
+            assert got.dtype == np.float32 and got.shape == (len(want), HIDDEN)
+            np.testing.assert_allclose(got, reduced, atol=CAPTURE_ATOL, err_msg=site)

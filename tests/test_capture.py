@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 from engine_utils import (
-    logprobs_of,
+    ALL_SITES,
+    assert_same_output,
     params,
     run,
     start_async_llm,
@@ -22,9 +23,8 @@ from engine_utils import (
     stop_async_llm,
     stop_llm,
 )
-from hf_reference import load_hf, record_streams
-from test_steering_reference import vec
-from tiny_models import HIDDEN, LAYERS
+from hf_reference import CAPTURE_ATOL, assert_capture_matches_hf, load_hf, record_streams
+from tiny_models import HIDDEN, LAYERS, vec
 
 from dynsteer.controller.contract import resolve_sites
 from dynsteer.engine_ext import Steering
@@ -43,10 +43,8 @@ from dynsteer.engine_ext.worker.capture_buffers import CAPTURE_KEY
 from dynsteer.engine_ext.worker.sites import SiteOp
 from dynsteer.engine_ext.worker.state import SteeringState
 
-ALL_SITES = "pre_attn@*,post_attn@*,post_block@*"
 LENGTHS = [5, 11, 8, 17, 3, 9, 24]
 PROMPTS = [[1, *np.random.RandomState(n).randint(3, 500, n - 1).tolist()] for n in LENGTHS]
-ATOL = 2e-4
 
 
 def fake_frontend(sites: str = "post_block@*,post_attn@1", lanes: int = 2, tokens: int = 24):
@@ -256,26 +254,6 @@ def test_worker_rejects_unconfigured_sites_and_too_many():
 
 
 # ---- real engines vs HF ------------------------------------------------------------------
-def site_key(site: str) -> tuple[str, int]:
-    hook, layer = site.split("@")
-    return hook, int(layer)
-
-
-def assert_matches_hf(result, streams, reduce):
-    """``result`` (one capture) equals the HF streams of every prompt, reduced."""
-    for site, got in result.items():
-        want = [s[site_key(site)] for s in streams]
-        if reduce == "all":
-            assert len(got) == len(want)
-            for g, w in zip(got, want, strict=True):
-                assert g.dtype == np.float32 and g.shape == w.shape
-                np.testing.assert_allclose(g, w, atol=ATOL, err_msg=site)
-        else:
-            reduced = np.stack([w[-1] if reduce == "last" else w.mean(0) for w in want])
-            assert got.dtype == np.float32 and got.shape == (len(want), HIDDEN)
-            np.testing.assert_allclose(got, reduced, atol=ATOL, err_msg=site)
-
-
 @pytest.fixture(scope="module")
 def hf_streams(tiny_model_dir):
     """HF reference streams of PROMPTS, per architecture."""
@@ -327,7 +305,7 @@ def test_async_capture_matches_hf(loop, async_engine, hf_streams, reduce):
     """Every site, every prompt: the engine's capture equals HF's stream, reduced."""
     result = loop.run_until_complete(capture_async(async_engine, PROMPTS, ALL_SITES, reduce))
     assert len(result) == 3 * LAYERS
-    assert_matches_hf(result, hf_streams("llama")[1], reduce)
+    assert_capture_matches_hf(result, hf_streams("llama")[1], reduce)
 
 
 @pytest.mark.engine
@@ -364,9 +342,8 @@ def test_capture_alongside_steered_requests(loop, async_engine, hf_streams):
     solo_a, solo_b, out_a, out_b, captured, overlapped = loop.run_until_complete(scenario())
     assert overlapped, "the steered request should be decoding during the whole capture"
     for solo, out in ((solo_a, out_a), (solo_b, out_b)):
-        assert list(out.outputs[0].token_ids) == list(solo.outputs[0].token_ids)
-        np.testing.assert_allclose(logprobs_of(out)[1], logprobs_of(solo)[1], atol=1e-5)
-    assert_matches_hf(captured, hf_streams("llama")[1], "all")
+        assert_same_output(out, solo)
+    assert_capture_matches_hf(captured, hf_streams("llama")[1], "all")
     info = loop.run_until_complete(engine.collective_rpc("dynsteer_info"))
     assert info[0]["capture_rows_in_use"] == 0
 
@@ -389,7 +366,7 @@ def test_offline_capture_matches_hf(offline_llm, hf_streams, reduce):
     """``Steering.capture`` on the offline LLM equals HF's streams, reduced."""
     result = Steering(offline_llm).capture(PROMPTS, OFFLINE_SITES, reduce=reduce)
     assert set(result) == {"post_attn@1", *(f"post_block@{i}" for i in range(LAYERS))}
-    assert_matches_hf(result, hf_streams("qwen3")[1], reduce)
+    assert_capture_matches_hf(result, hf_streams("qwen3")[1], reduce)
 
 
 @pytest.mark.engine
@@ -405,12 +382,12 @@ def test_capture_reads_the_stream_before_each_sites_steering(offline_llm, hf_str
         steering.clear_global()
     hf = hf_streams("qwen3")[0]
     want = [record_streams(hf, p, entries) for p in PROMPTS[:3]]
-    assert_matches_hf(result, want, "all")
+    assert_capture_matches_hf(result, want, "all")
     unsteered = hf_streams("qwen3")[1]
     earlier = np.abs(result["post_block@2"][0] - unsteered[0][("post_block", 2)]).max()
-    assert earlier > 100 * ATOL, "steering at layer 1 must show at post_block@2"
+    assert earlier > 100 * CAPTURE_ATOL, "steering at layer 1 must show at post_block@2"
     own = np.abs(result["post_block@1"][0] - unsteered[0][("post_block", 1)]).max()
-    assert own < ATOL, "post_block@1 is captured before its own vector is added"
+    assert own < CAPTURE_ATOL, "post_block@1 is captured before its own vector is added"
 
 
 @pytest.mark.engine
@@ -451,6 +428,6 @@ def test_tp2_capture_matches_hf_and_only_rank0_replies(tiny_model_dir, hf_stream
         llm.collective_rpc("dynsteer_capture_end", args=("probe.0",))
     finally:
         stop_llm(llm)
-    assert_matches_hf(result, hf_streams("llama")[1], "mean")
+    assert_capture_matches_hf(result, hf_streams("llama")[1], "mean")
     assert replies[0] is not None and replies[1] is None
 

@@ -10,6 +10,7 @@ from dynsteer.controller.spec import SpecError, check_against_model, parse_spec
 from dynsteer.engine_ext.frontend.admission import FrontendState
 from dynsteer.engine_ext.frontend.control_plane import ConflictError, ControlError, ControlPlane
 from dynsteer.engine_ext.options import EngineOptions
+from dynsteer.probes import ModelFingerprint, Probe, ProbeSite
 
 HIDDEN = 8
 
@@ -99,3 +100,29 @@ def test_probe_numbers(threshold, sharpness, fragment):
     with pytest.raises(ControlError if isinstance(threshold, (bool, str)) else ValueError,
                        match=fragment):
         plane().register_probe("p", np.ones(HIDDEN), threshold, sharpness)
+
+
+def test_changes_send_the_workers_the_checked_float32_bytes():
+    """Workers get the resolved form (msgpack-able bytes and numbers) and apply it unchecked."""
+    p = plane()
+    values = np.linspace(-1, 1, HIDDEN)
+    assert p.register_vector("v", values).args == ("v", values.astype("<f4").tobytes())
+    change = p.register_probe("p", values, 0.5, 2)
+    assert change.args == ("p", [values.astype("<f4").tobytes(), 0.5, 2.0])
+
+
+def test_probe_objects_are_checked_against_the_served_model():
+    """One compatibility check (``Probe.incompatibilities``), worded with the field at fault."""
+    trained = ModelFingerprint(architecture="Qwen3ForCausalLM", hidden_size=HIDDEN, num_layers=2)
+    probe = Probe(name="p", weights=np.ones(HIDDEN), site=ProbeSite(layer=1), fingerprint=trained)
+    with pytest.raises(ControlError, match=r"^fingerprint: architecture: probe was trained on "
+                                           r"'Qwen3ForCausalLM', model has 'unknown'$"):
+        plane().register_probe_object(probe)
+    bare = probe.replace(fingerprint=None)
+    with pytest.raises(ControlError, match=r"^site.layer: 5 does not exist \(the model has 2"):
+        plane().register_probe_object(bare.replace(site=ProbeSite(layer=5)))
+    with pytest.raises(ControlError, match=r"^site: pre_attn@1 is not a configured site"):
+        plane().register_probe_object(bare.replace(site=ProbeSite(layer=1, hook="pre_attn")))
+    p = plane()
+    p.register_probe_object(bare).commit()
+    assert p.frontend.probes == {"p": bare}

@@ -11,9 +11,9 @@ import math
 
 import numpy as np
 import pytest
-from engine_utils import logprobs_of, params, run, start_llm, stop_llm
-from hf_reference import load_hf, reference_logprobs
-from test_steering_reference import TOL, vec
+from engine_utils import assert_same_output, logprobs_of, params, run, start_llm, stop_llm
+from hf_reference import assert_logprobs_match_hf
+from tiny_models import vec
 
 from dynsteer.controller.spec import parse_entries
 from dynsteer.controller.wire import entry_to_wire
@@ -49,26 +49,10 @@ def llm(model_path, plain_outputs):
     stop_llm(llm)
 
 
-@pytest.fixture(scope="module")
-def hf(model_path):
-    return load_hf(model_path)
-
-
-def assert_same(out, ref):
-    assert list(out.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
-    np.testing.assert_allclose(logprobs_of(out)[1], logprobs_of(ref)[1], atol=1e-5)
-
-
-def assert_matches_hf(hf, out, entries, vectors=None):
-    tokens, got = logprobs_of(out)
-    want = reference_logprobs(hf, tokens, len(out.prompt_token_ids), entries, vectors)
-    np.testing.assert_allclose(got, want, atol=TOL)
-
-
-def test_plugin_after_plain_engine_on_same_path_steers(llm, hf):
+def test_plugin_after_plain_engine_on_same_path_steers(llm, hf_llama):
     """The compile cache never hands the plugin engine a graph compiled without its sites."""
     (out,) = run(llm, PROMPTS[:1], [params(spec={"steer": STEER_A})])
-    assert_matches_hf(hf, out, STEER_A)
+    assert_logprobs_match_hf(hf_llama, out, STEER_A)
 
 
 def test_unsteered_requests_in_mixed_batch_equal_stock_vllm(llm, plain_outputs):
@@ -76,7 +60,7 @@ def test_unsteered_requests_in_mixed_batch_equal_stock_vllm(llm, plain_outputs):
     specs = [None, {"steer": STEER_A}, None, {"steer": STEER_B}]
     outs = run(llm, PROMPTS, [params(spec=s) for s in specs])
     for i in (0, 2):
-        assert_same(outs[i], plain_outputs[i])
+        assert_same_output(outs[i], plain_outputs[i])
     assert list(outs[1].outputs[0].token_ids) != list(plain_outputs[1].outputs[0].token_ids) or (
         np.abs(logprobs_of(outs[1])[1] - logprobs_of(plain_outputs[1])[1]).max() > 1e-2
     )
@@ -86,54 +70,53 @@ GATE = {"probe": {"weights": vec(40, norm=1.0), "threshold": 0.0, "sharpness": 2
         "layer": 1, "steer": [{"vector": vec(41), "layers": [1, 2]}]}
 
 
-def test_plain_requests_batched_with_gated_and_static_equal_stock_vllm(llm, plain_outputs, hf):
+def test_plain_requests_batched_with_gated_and_static_equal_stock_vllm(llm, plain_outputs,
+                                                                       hf_llama):
     """A batch mixing gated, statically steered and plain requests: plain ones are untouched."""
     specs = [None, {"gate": GATE}, {"steer": STEER_A}, None]
     outs = run(llm, PROMPTS, [params(spec=s) for s in specs])
     for i in (0, 3):
-        assert_same(outs[i], plain_outputs[i])
-    tokens, got = logprobs_of(outs[1])
-    want = reference_logprobs(hf, tokens, len(PROMPTS[1]), gate=GATE)
-    np.testing.assert_allclose(got, want, atol=TOL)
-    assert_matches_hf(hf, outs[2], STEER_A)
+        assert_same_output(outs[i], plain_outputs[i])
+    assert_logprobs_match_hf(hf_llama, outs[1], gate=GATE)
+    assert_logprobs_match_hf(hf_llama, outs[2], STEER_A)
 
 
 def test_scale_zero_equals_baseline(llm, plain_outputs):
     """``scale: 0`` is exactly no steering."""
     spec = {"steer": [{**STEER_A[0], "scale": 0.0}]}
     (out,) = run(llm, PROMPTS[:1], [params(spec=spec)])
-    assert_same(out, plain_outputs[0])
+    assert_same_output(out, plain_outputs[0])
 
 
-def test_spec_as_json_string(llm, hf):
+def test_spec_as_json_string(llm, hf_llama):
     """The spec may be given as its JSON string (as ``vllm_xargs`` carries it)."""
     (out,) = run(llm, PROMPTS[1:2], [params(spec=json.dumps({"steer": STEER_B}))])
-    assert_matches_hf(hf, out, STEER_B)
+    assert_logprobs_match_hf(hf_llama, out, STEER_B)
 
 
-def test_global_and_request_steering_add(llm, hf, plain_outputs):
+def test_global_and_request_steering_add(llm, hf_llama, plain_outputs):
     """Global steering applies to every request and adds to each request's own entries."""
     steering = Steering(llm)
     global_entries = [{"vector": vec(13), "layers": [3], "scale": 0.75}]
     steering.set_global(global_entries)
     try:
         outs = run(llm, PROMPTS[:2], [params(), params(spec={"steer": STEER_A})])
-        assert_matches_hf(hf, outs[0], global_entries)
-        assert_matches_hf(hf, outs[1], global_entries + STEER_A)
+        assert_logprobs_match_hf(hf_llama, outs[0], global_entries)
+        assert_logprobs_match_hf(hf_llama, outs[1], global_entries + STEER_A)
     finally:
         steering.clear_global()
     (out,) = run(llm, PROMPTS[:1], [params()])
-    assert_same(out, plain_outputs[0])
+    assert_same_output(out, plain_outputs[0])
 
 
-def test_named_vectors(llm, hf):
+def test_named_vectors(llm, hf_llama):
     """A registered vector is usable by name; after unregistering, the name is rejected."""
     steering = Steering(llm)
     values = vec(14)
     steering.register_vector("happy", values)
     entries = [{"vector": "happy", "layers": [0, 3], "scale": 1.25}]
     (out,) = run(llm, PROMPTS[2:3], [params(spec={"steer": entries})])
-    assert_matches_hf(hf, out, entries, vectors={"happy": values})
+    assert_logprobs_match_hf(hf_llama, out, entries, vectors={"happy": values})
     assert "happy" in steering.vectors()
     steering.unregister_vector("happy")
     with pytest.raises(ValueError, match="unknown vector name 'happy'"):
@@ -177,7 +160,7 @@ def test_bad_spec_rejected_and_engine_keeps_serving(llm, plain_outputs, case):
     with pytest.raises(ValueError, match=message):
         run(llm, PROMPTS[:1], [params(spec=spec)])
     (out,) = run(llm, PROMPTS[:1], [params()])
-    assert_same(out, plain_outputs[0])
+    assert_same_output(out, plain_outputs[0])
 
 
 def test_rows_are_released_after_requests_finish(llm):
@@ -216,7 +199,7 @@ def test_hostile_request_is_rejected_and_later_requests_are_unchanged(llm, plain
         run(llm, PROMPTS[:1], [params(spec=spec)])
     for out, ref in zip(run(llm, PROMPTS, [params() for _ in PROMPTS]), plain_outputs,
                         strict=True):
-        assert_same(out, ref)
+        assert_same_output(out, ref)
 
 
 def test_one_value_one_error_on_every_path(llm):
@@ -253,9 +236,9 @@ def test_data_plane_drops_overflowing_steering(llm, plain_outputs):
             llm.collective_rpc("dynsteer_set_global", args=(wire,))
             for out, ref in zip(run(llm, PROMPTS, [params() for _ in PROMPTS]), plain_outputs,
                                 strict=True):
-                assert_same(out, ref)
+                assert_same_output(out, ref)
     finally:
         llm.collective_rpc("dynsteer_set_global", args=([],))
     for out, ref in zip(run(llm, PROMPTS, [params() for _ in PROMPTS]), plain_outputs,
                         strict=True):
-        assert_same(out, ref)
+        assert_same_output(out, ref)

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_utils import logprobs_of, params, run, start_llm, stop_llm
-from hf_reference import load_hf, run_reference
-from test_steering_reference import TOL, vec
-from tiny_models import HIDDEN
+from engine_utils import ALL_SITES, LOGPROB_ATOL, logprobs_of, params, run, start_llm, stop_llm
+from hf_reference import assert_logprobs_match_hf, load_hf, run_reference
+from tiny_models import vec
 
 from dynsteer.engine_ext import Steering
 
@@ -21,18 +20,13 @@ PROMPT = [1, 17, 42, 99, 7, 250, 3, 64, 120, 33, 5]
 MAX_TOKENS = 8
 
 
-def probe_weights(seed: int) -> list[float]:
-    v = np.random.RandomState(seed).randn(HIDDEN)
-    return (v / np.linalg.norm(v)).tolist()
-
-
 def base_cases() -> dict[str, dict]:
     """Gates without thresholds yet (filled from HF scores). All but ``registered-decode`` ask
     for the per-position gate trace; the counters come without it."""
     return {
-        "same-site": {"gate": {"probe": {"weights": probe_weights(1)}, "layer": 1, "trace": True,
+        "same-site": {"gate": {"probe": {"weights": vec(1, norm=1.0)}, "layer": 1, "trace": True,
                                "steer": [{"vector": vec(31), "layers": [1]}]}},
-        "cross-layer": {"gate": {"probe": {"weights": probe_weights(2)}, "layer": 1,
+        "cross-layer": {"gate": {"probe": {"weights": vec(2, norm=1.0)}, "layer": 1,
                                  "trace": True,
                                  "steer": [{"vector": vec(32), "layers": [1, 3]}]}},
         "registered-decode": {"gate": {"probe": "toxicity", "layer": 2, "hook": "pre_attn",
@@ -42,14 +36,14 @@ def base_cases() -> dict[str, dict]:
                                                   "phase": "decode"}]}},
         "prefill-with-static": {
             "steer": [{"vector": vec(35), "layers": [0], "scale": 0.5}],
-            "gate": {"probe": {"weights": probe_weights(4)}, "layer": 0, "hook": "post_attn",
+            "gate": {"probe": {"weights": vec(4, norm=1.0)}, "layer": 0, "hook": "post_attn",
                      "trace": True,
                      "steer": [{"vector": vec(36), "layers": [1], "hook": "pre_attn",
                                 "phase": "prefill"}]}},
     }
 
 
-REGISTERED = {"toxicity": {"weights": probe_weights(3), "threshold": 0.0, "sharpness": 1.0}}
+REGISTERED = {"toxicity": {"weights": vec(3, norm=1.0), "threshold": 0.0, "sharpness": 1.0}}
 
 
 def calibrate(hf, spec: dict) -> dict:
@@ -71,7 +65,7 @@ def gated_run(request, tiny_model_dir):
     path = tiny_model_dir(request.param)
     hf = load_hf(path)
     cases = {name: calibrate(hf, spec) for name, spec in base_cases().items()}
-    llm = start_llm(path, dynsteer={"sites": "pre_attn@*,post_attn@*,post_block@*"})
+    llm = start_llm(path, dynsteer={"sites": ALL_SITES})
     try:
         steering = Steering(llm)
         p = REGISTERED["toxicity"]
@@ -86,37 +80,32 @@ def gated_run(request, tiny_model_dir):
     return hf, cases, dict(zip(names, outs, strict=True)), telemetry
 
 
-def engine_and_reference(gated_run, case):
-    """(spec, tokens, engine logprobs, HF logprobs, HF steerer) of one case."""
-    hf, cases, outs, _ = gated_run
-    spec = cases[case]
-    tokens, got = logprobs_of(outs[case])
-    want, steerer = run_reference(hf, tokens, len(PROMPT), spec.get("steer", []),
-                                  gate=spec["gate"], probes=REGISTERED)
-    return spec, tokens, got, want, steerer
-
-
 @pytest.mark.parametrize("case", list(base_cases()))
 def test_gated_logprobs_match_hf(gated_run, case):
     """Prompt + decode logprobs under gated steering equal the HF hook reference."""
-    spec, tokens, got, want, steerer = engine_and_reference(gated_run, case)
-    np.testing.assert_allclose(got, want, atol=TOL)
+    hf, cases, outs, _ = gated_run
+    spec = cases[case]
+    tokens, want, steerer = assert_logprobs_match_hf(hf, outs[case], spec.get("steer", []),
+                                                     gate=spec["gate"], probes=REGISTERED)
     gates = steerer.gates.numpy()
     assert (gates > 0.9).any() and (gates < 0.1).any(), "threshold should split the tokens"
-    plain = run_reference(gated_run[0], tokens, len(PROMPT), spec.get("steer", []))[0]
-    assert np.abs(want - plain).max() > 20 * TOL, "gated steering too weak to be checked"
+    plain = run_reference(hf, tokens, len(PROMPT), spec.get("steer", []))[0]
+    assert np.abs(want - plain).max() > 20 * LOGPROB_ATOL, "gated steering too weak to be checked"
 
 
 @pytest.mark.parametrize("case", list(base_cases()))
 def test_telemetry_matches_hf(gated_run, case):
     """Telemetry (gated token counts, first decode position, max score) equals HF's."""
-    _, tokens, _, _, steerer = engine_and_reference(gated_run, case)
-    telemetry = gated_run[3]
+    hf, cases, outs, telemetry = gated_run
+    spec = cases[case]
+    tokens, _ = logprobs_of(outs[case])
+    _, steerer = run_reference(hf, tokens, len(PROMPT), spec.get("steer", []),
+                               gate=spec["gate"], probes=REGISTERED)
     processed = len(tokens) - 1  # the last generated token is never fed back
     want_gates = steerer.gates.numpy()[:processed]
     report = telemetry[case]
     assert report["tokens_monitored"] == processed
-    if gated_run[1][case]["gate"].get("trace"):
+    if spec["gate"].get("trace"):
         got_gates = np.array(report["gates"][:processed], dtype=np.float64)
         np.testing.assert_allclose(got_gates, want_gates, atol=2e-3)
     else:

@@ -1,20 +1,253 @@
-"""Site installation on module trees (no engine)."""
+"""Site installation on a fake vLLM module tree (no engine).
+
+The fakes keep vLLM's decoder-layer contract (``engine_ext/compat/model.py``): a layer takes
+``(positions, hidden_states, residual)`` with ``residual=None`` at layer 0 and returns
+``(hidden_states, residual)``; the post-attention norm is a fused add+norm taking
+``(x, residual)``. Their math is arbitrary but nonlinear, so a delta put at the wrong site
+changes the output.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 from torch import nn
+from vllm.model_executor.models.utils import PPMissingLayer
 
-from dynsteer.engine_ext.compat.model import SUPPORTED_ARCHITECTURES, arch_spec_for
+from dynsteer.controller.contract import resolve_sites
+from dynsteer.controller.spec import parse_entries
+from dynsteer.controller.wire import entry_to_wire
+from dynsteer.engine_ext.compat.model import SteeredLayer, SteeredNorm, wrap_sites
+from dynsteer.engine_ext.worker.sites import SiteOp, install_sites
+from dynsteer.engine_ext.worker.state import SteeringState
+
+H = 4
+LAYERS = 4
+TOKENS = 5
+SUPPORTED = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+
+
+class FakeNorm(nn.Module):
+    """A fused add+norm: ``(x, residual) -> (norm(x + residual), x + residual)``."""
+
+    def __init__(self, name: str, log: list) -> None:
+        super().__init__()
+        self.name, self.log = name, log
+
+    def forward(self, x, residual):
+        self.log.append((self.name, x.clone(), residual.clone()))
+        s = x + residual
+        return s / (1 + s.abs().mean(-1, keepdim=True)), s
+
+
+class FakeDecoderLayer(nn.Module):
+    """A decoder layer with vLLM's contract; logs its inputs, what it hands the norm and its
+    outputs as ``layer@i``, ``attn@i`` and ``out@i``."""
+
+    def __init__(self, index: int, log: list) -> None:
+        super().__init__()
+        self.index, self.log = index, log
+        self.post_attention_layernorm = FakeNorm(f"norm@{index}", log)
+
+    def forward(self, positions, hidden_states, residual):
+        i = self.index
+        self.log.append((f"layer@{i}", hidden_states.clone(),
+                         None if residual is None else residual.clone()))
+        residual = hidden_states if residual is None else hidden_states + residual
+        attn = torch.tanh((i + 2) * residual) + positions[:, None]
+        self.log.append((f"attn@{i}", attn.clone(), residual.clone()))
+        hidden_states, residual = self.post_attention_layernorm(attn, residual)
+        hidden_states = torch.sin(3 * hidden_states)
+        self.log.append((f"out@{i}", hidden_states.clone(), residual.clone()))
+        return hidden_states, residual
+
+
+class FakeCausalLM(nn.Module):
+    def __init__(self, log: list, missing: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(
+            PPMissingLayer() if i in missing else FakeDecoderLayer(i, log) for i in range(LAYERS))
+
+    def forward(self, positions, x):
+        hidden_states, residual = x, None
+        for layer in self.model.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        return hidden_states, residual
+
+
+def fake_model(name: str = "LlamaForCausalLM", log: list | None = None,
+               missing: tuple[int, ...] = ()) -> FakeCausalLM:
+    """A fake model whose class is called ``name`` (what vLLM's model classes are matched by)."""
+    return type(name, (FakeCausalLM,), {})([] if log is None else log, missing)
+
+
+class RecordingOp(nn.Module):
+    """A site op that logs ``(name, x, h)`` and adds ``delta`` to ``x``."""
+
+    def __init__(self, name: str, log: list, delta: torch.Tensor) -> None:
+        super().__init__()
+        self.name, self.log, self.delta = name, log, delta
+
+    def forward(self, x, h=None):
+        self.log.append((self.name, x.clone(), None if h is None else h.clone()))
+        return x + self.delta
+
+
+# Layer 0: pre_attn only (on hidden_states: residual is None there); layer 1: every hook;
+# layer 2: post_block only; layer 3: post_attn only (the layer itself stays unwrapped).
+SITES = (("pre_attn", 0), ("pre_attn", 1), ("post_attn", 1), ("post_block", 1),
+         ("post_block", 2), ("post_attn", 3))
+
+
+def recording_ops(log: list) -> dict[tuple[str, int], RecordingOp]:
+    gen = torch.Generator().manual_seed(0)
+    return {(hook, layer): RecordingOp(f"{hook}@{layer}", log, torch.randn(H, generator=gen))
+            for hook, layer in SITES}
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_each_hook_wraps_its_module(name):
+    """pre_attn and post_block wrap the layer, post_attn its post-attention norm; modules of
+    layers without that hook are left as they were."""
+    model = fake_model(name)
+    layers = list(model.model.layers)
+    norms = [layer.post_attention_layernorm for layer in layers]
+    ops = recording_ops([])
+    installed = wrap_sites(model, ops)
+    assert sorted(installed) == sorted(SITES)
+    wrapped = model.model.layers
+    for i, (pre, post) in enumerate([(True, False), (True, True), (False, True)]):
+        assert isinstance(wrapped[i], SteeredLayer) and wrapped[i].layer is layers[i]
+        assert wrapped[i].pre is (ops[("pre_attn", i)] if pre else None)
+        assert wrapped[i].post is (ops[("post_block", i)] if post else None)
+    assert wrapped[3] is layers[3]
+    for i in (0, 2):
+        assert layers[i].post_attention_layernorm is norms[i]
+    for i in (1, 3):
+        norm = layers[i].post_attention_layernorm
+        assert isinstance(norm, SteeredNorm)
+        assert norm.norm is norms[i] and norm.site is ops[("post_attn", i)]
+
+
+def test_ops_run_in_order_on_the_residual_stream():
+    """Each op runs at its place in the forward and steers the stream there: pre_attn before
+    the layer (on hidden_states at layer 0, else on the residual, reading residual + hidden);
+    post_attn on the norm's residual input, reading it + the attention output; post_block
+    after the layer, on its residual output (every later layer sees the delta)."""
+    log: list = []
+    model = fake_model(log=log)
+    ops = recording_ops(log)
+    wrap_sites(model, ops)
+    x = torch.randn(TOKENS, H, generator=torch.Generator().manual_seed(1))
+    hidden_out, residual_out = model(torch.arange(TOKENS, dtype=torch.float32), x)
+
+    assert [name for name, *_ in log] == [
+        "pre_attn@0", "layer@0", "attn@0", "norm@0", "out@0",
+        "pre_attn@1", "layer@1", "attn@1", "post_attn@1", "norm@1", "out@1", "post_block@1",
+        "layer@2", "attn@2", "norm@2", "out@2", "post_block@2",
+        "layer@3", "attn@3", "post_attn@3", "norm@3", "out@3",
+    ]
+    seen = {name: tensors for name, *tensors in log}
+
+    def delta(site: str) -> torch.Tensor:
+        hook, layer = site.split("@")
+        return ops[(hook, int(layer))].delta
+
+    def called_with(name: str, first: torch.Tensor, second: torch.Tensor | None) -> None:
+        """An op got ``(x, h)``, a layer ``(hidden_states, residual)``, a norm ``(x,
+        residual)``."""
+        got_first, got_second = seen[name]
+        assert torch.equal(got_first, first), name
+        assert (got_second is None) if second is None else torch.equal(got_second, second), name
+
+    # Layer 0: residual is None, so pre_attn steers hidden_states (reading it alone).
+    called_with("pre_attn@0", x, None)
+    called_with("layer@0", x + delta("pre_attn@0"), None)
+    called_with("norm@0", *seen["attn@0"])  # no post_attn site at layer 0
+    # Layer 1: pre_attn on the residual, reading residual + hidden_states.
+    hidden, residual = seen["out@0"]
+    called_with("pre_attn@1", residual, hidden)
+    called_with("layer@1", hidden, residual + delta("pre_attn@1"))
+    attn, residual = seen["attn@1"]
+    called_with("post_attn@1", residual, attn)
+    called_with("norm@1", attn, residual + delta("post_attn@1"))
+    hidden, residual = seen["out@1"]
+    called_with("post_block@1", residual, hidden)
+    called_with("layer@2", hidden, residual + delta("post_block@1"))
+    # Layer 2: post_block only; layer 3: post_attn only.
+    hidden, residual = seen["out@2"]
+    called_with("post_block@2", residual, hidden)
+    called_with("layer@3", hidden, residual + delta("post_block@2"))
+    attn, residual = seen["attn@3"]
+    called_with("post_attn@3", residual, attn)
+    called_with("norm@3", attn, residual + delta("post_attn@3"))
+    assert torch.equal(hidden_out, seen["out@3"][0])
+    assert torch.equal(residual_out, seen["out@3"][1])
+
+
+def test_layers_of_another_pipeline_stage_are_skipped():
+    """Sites on a ``PPMissingLayer`` are not installed; the placeholders stay as they were."""
+    model = fake_model(missing=(0, 2))
+    layers = list(model.model.layers)
+    ops = {(hook, layer): RecordingOp(f"{hook}@{layer}", [], torch.zeros(H))
+           for layer in range(LAYERS) for hook in ("pre_attn", "post_attn", "post_block")}
+    installed = wrap_sites(model, ops)
+    assert sorted(installed) == sorted(site for site in ops if site[1] in (1, 3))
+    for i in (0, 2):
+        assert model.model.layers[i] is layers[i]
+    for i in (1, 3):
+        assert isinstance(model.model.layers[i], SteeredLayer)
+        assert isinstance(layers[i].post_attention_layernorm, SteeredNorm)
 
 
 def test_unsupported_architecture_names_the_model_class():
-    """An architecture whose layer contract is not verified fails at startup, by name."""
-    gemma = type("Gemma3ForCausalLM", (nn.Module,), {})()
+    """An architecture whose layer contract is not verified fails at startup, by name, and
+    nothing is wrapped."""
+    model = fake_model("Gemma3ForCausalLM")
+    layers = list(model.model.layers)
     with pytest.raises(RuntimeError, match="does not support the model class Gemma3ForCausalLM"):
-        arch_spec_for(gemma)
+        wrap_sites(model, recording_ops([]))
+    assert list(model.model.layers) == layers
 
 
-def test_verified_architectures():
-    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= set(
-        SUPPORTED_ARCHITECTURES)
+def test_a_model_without_decoder_layers_is_refused():
+    model = type("LlamaForCausalLM", (nn.Module,), {})()
+    with pytest.raises(RuntimeError, match=r"LlamaForCausalLM has no model\.layers"):
+        wrap_sites(model, recording_ops([]))
+
+
+def test_install_sites_steers_each_site_from_its_own_buffers():
+    """``install_sites`` puts one steering op per configured site, each reading its own rows of
+    the worker's buffers: with a different global vector at every site, the steered forward
+    equals the fake model with plain "add this site's vector" ops."""
+    sites = resolve_sites("pre_attn@0-1,post_attn@1,post_attn@3,post_block@1-2", LAYERS)
+    rng = np.random.default_rng(2)
+    vectors = {site: rng.standard_normal(H).astype(np.float32) for site in sites}
+    state = SteeringState(sites, H, max_rows=2, max_tokens=16, max_slots=2,
+                          device=torch.device("cpu"))
+    entries = [{"vector": v.tolist(), "layers": [layer], "hook": hook}
+               for (hook, layer), v in vectors.items()]
+    state.set_global([entry_to_wire(e) for e in parse_entries(entries)])
+    state.add_request("r", 1, None, prompt_len=TOKENS)
+    state.fill(np.array([1]), np.array([0]), np.array([TOKENS]))
+
+    steered = fake_model()
+    installed = install_sites(steered, state.site_buffers())
+    assert sorted(installed) == sorted(sites)
+    layers = steered.model.layers
+    assert all(isinstance(op, SiteOp) for op in (
+        layers[0].pre, layers[1].pre, layers[1].post, layers[2].post,
+        layers[1].layer.post_attention_layernorm.site, layers[3].post_attention_layernorm.site))
+
+    reference = fake_model()
+    wrap_sites(reference, {site: RecordingOp("reference", [], torch.from_numpy(v))
+                           for site, v in vectors.items()})
+    positions = torch.arange(TOKENS, dtype=torch.float32)
+    x = torch.randn(TOKENS, H, generator=torch.Generator().manual_seed(3))
+    unsteered = fake_model()(positions, x)
+    with torch.no_grad():
+        got, want = steered(positions, x), reference(positions, x)
+    torch.testing.assert_close(got, want)
+    assert (got[1] - unsteered[1]).abs().max() > 0.1

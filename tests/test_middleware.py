@@ -12,7 +12,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from dynsteer.controller.spec import MAX_JSON_DEPTH
-from dynsteer.engine_ext.server.middleware import DynsteerMiddleware
+from dynsteer.engine_ext.server.middleware import DynsteerMiddleware, move_spec_to_xargs
 
 DYNSTEER_CAP = 4096
 REQUEST_CAP = 64 * 1024
@@ -109,6 +109,16 @@ def test_top_level_spec_moves_into_vllm_xargs(client, path):
     assert r.headers["x-content-length"] == str(len(r.content))
     r = client.post(path, json={"dynsteer": SPEC, "vllm_xargs": {"dynsteer": "{}"}})
     assert r.status_code == 400 and "give it once" in message_of(r)
+
+
+def test_spec_as_a_string_is_moved_as_is_and_other_bodies_are_not_rewritten():
+    """The rewrite itself: a spec given as its JSON string is not encoded again; a body with no
+    top-level spec (or that is not JSON) comes back as the same bytes."""
+    as_string = json.dumps({"dynsteer": json.dumps(SPEC)}).encode()
+    assert json.loads(move_spec_to_xargs(as_string))["vllm_xargs"]["dynsteer"] == json.dumps(SPEC)
+    plain = b'{"model": "m", "messages": []}'
+    assert move_spec_to_xargs(plain) is plain
+    assert move_spec_to_xargs(b'{"x": "dynsteer"') == b'{"x": "dynsteer"'
 
 
 def test_body_over_the_cap_is_413_by_content_length(client):

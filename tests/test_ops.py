@@ -13,7 +13,14 @@ SENTINEL = -1e6
 """What capture rows hold before the op: rows the op must not write keep it."""
 
 
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+"""CUDA runs the Triton kernel against the same float64 reference (on a GPU machine)."""
+
+
 def make_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, extreme: bool = False):
+    """``(x, h, buffers)``. The per-token buffers have 3 columns past the step's tokens, as the
+    worker's do (``max_tokens`` wide): they point at a monitored probe and unused capture rows,
+    so an op that read past ``x.shape[0]`` would write where the checks see it."""
     g = torch.Generator().manual_seed(seed)
     rows_n, probes_n = 5, 4
     table = torch.randn(rows_n, hidden, generator=g) * 3
@@ -30,26 +37,49 @@ def make_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, extreme
         probes[2] *= 1e4
     x = (torch.randn(tokens, hidden, generator=g) * 10).to(dtype)
     h = (torch.randn(tokens, hidden, generator=g) * 10).to(dtype)
-    rows = torch.randint(0, rows_n, (tokens,), generator=g, dtype=torch.int32)
-    probe_rows = torch.randint(0, probes_n, (tokens,), generator=g, dtype=torch.int32)
-    gate = torch.rand(tokens + 3, generator=g)  # stale values from "an earlier site"
-    score = torch.zeros(tokens + 3)
+    width = tokens + 3
+    index = torch.zeros(ops.INDEX_ROWS, width, dtype=torch.int32)
+    rows, probe_rows, capture_rows = (index[i] for i in (ops.INDEX_ROW, ops.INDEX_PROBE,
+                                                         ops.INDEX_CAPTURE))
+    rows[:tokens] = torch.randint(0, rows_n, (tokens,), generator=g, dtype=torch.int32)
+    probe_rows[:tokens] = torch.randint(0, probes_n, (tokens,), generator=g, dtype=torch.int32)
+    gate_score = torch.zeros(2, width)
+    gate_score[ops.GATE] = torch.rand(width, generator=g)  # stale values from "an earlier site"
     capacity = tokens + 5
     capture = torch.full((3, capacity + 1, hidden), SENTINEL)
-    capture_rows = (torch.randperm(capacity, generator=g)[:tokens] + 1).to(torch.int32)
-    capture_rows[torch.rand(tokens, generator=g) < 0.5] = 0  # about half the tokens captured
+    capture_rows[:] = (torch.randperm(capacity, generator=g)[:width] + 1).to(torch.int32)
+    capture_rows[:tokens][torch.rand(tokens, generator=g) < 0.5] = 0  # about half captured
+    # Past the step's tokens: steered rows, a probe monitored here, capture rows no token uses.
+    rows[tokens:] = torch.randint(1, rows_n, (width - tokens,), generator=g, dtype=torch.int32)
+    probe_rows[tokens:] = 1
     site_lane = torch.full((SITE + 2,), -1, dtype=torch.int32)
     site_lane[SITE] = LANE
     site_lane[SITE + 1] = 0  # another site's lane: not this op's business
-    return (x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score, capture_rows,
-            capture, site_lane)
+    return x, h, ops.SteerBuffers(index=index, gate_score=gate_score, table=table, dyn=dyn,
+                                  flags=flags, probes=probes, params=params, capture=capture,
+                                  site_lane=site_lane)
 
 
-def reference(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate):
-    """float64 math, written independently of the op."""
+def on(device: str, x, h, b: ops.SteerBuffers):
+    """The same inputs on ``device`` (copies on another device)."""
+    return (x.to(device), None if h is None else h.to(device),
+            ops.SteerBuffers(*(t.to(device) for t in b)))
+
+
+def steer(x, h, b: ops.SteerBuffers, site: int = SITE) -> torch.Tensor:
+    return torch.ops.dynsteer.steer(x, h, *b, site)
+
+
+def reference(x, h, b: ops.SteerBuffers):
+    """float64 math, written independently of the op (call it before the op: the op writes
+    ``gate_score`` in place)."""
+    tokens = x.shape[0]
+    rows, probe_rows = b.index[ops.INDEX_ROW, :tokens], b.index[ops.INDEX_PROBE, :tokens]
+    table, dyn, probes, params = b.table, b.dyn, b.probes, b.params
     out = x.double().clone()
+    gate = b.gate_score[ops.GATE]
     gates, scores = gate.double().clone(), torch.full_like(gate.double(), float("nan"))
-    for t in range(x.shape[0]):
+    for t in range(tokens):
         p = int(probe_rows[t])
         if p and int(params[p, 2]) == SITE:
             s = ((x[t].double() + h[t].double()) * probes[p].double()).sum()
@@ -61,12 +91,12 @@ def reference(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate):
     return out, gates, scores
 
 
-def capture_reference(x, h, capture_rows, capture, site_lane):
+def capture_reference(x, h, b: ops.SteerBuffers):
     """float64 capture buffer after the op: the pre-steering stream of each captured token."""
-    want = capture.double().clone()
-    lane = int(site_lane[SITE])
+    want = b.capture.double().clone()
+    lane = int(b.site_lane[SITE])
     for t in range(x.shape[0]):
-        c = int(capture_rows[t])
+        c = int(b.index[ops.INDEX_CAPTURE, t])
         if c and lane >= 0:
             want[lane, c] = x[t].double() + (h[t].double() if h is not None else 0)
     return want
@@ -77,14 +107,18 @@ CASES = [(1, 64), (7, 576), (33, 2048), (256, 4096), (4096, 64), (1024, 4096)]
 
 @pytest.mark.parametrize(("tokens", "hidden"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_steer_matches_float64(tokens, hidden, dtype):
-    """Monitor, gate and both tiers against float64; row-0 tokens are untouched."""
-    args = make_inputs(tokens, hidden, dtype, seed=tokens * hidden)
-    x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score = args[:11]
-    want, gates, scores = reference(x, h, rows, probe_rows, table, dyn, flags, probes, params,
-                                    gate)
-    want_capture = capture_reference(x, h, *args[11:])
-    out = torch.ops.dynsteer.steer(*args, SITE)
+@pytest.mark.parametrize("device", DEVICES)
+def test_steer_matches_float64(tokens, hidden, dtype, device):
+    """Monitor, gate and both tiers against float64; row-0 tokens are untouched; columns of the
+    per-token buffers past the step's tokens are neither read nor written."""
+    x, h, b = make_inputs(tokens, hidden, dtype, seed=tokens * hidden)
+    want, gates, scores = reference(x, h, b)
+    want_capture = capture_reference(x, h, b)
+    stale = b.gate_score[:, tokens:].clone()
+    xd, hd, bd = on(device, x, h, b)
+    out = steer(xd, hd, bd).cpu()
+    gate_score = bd.gate_score.cpu()
+    gate, score = gate_score[ops.GATE], gate_score[ops.SCORE]
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want.to(dtype).double(), rtol=tol, atol=tol * 10)
     monitored = ~torch.isnan(scores[:tokens])
@@ -92,21 +126,24 @@ def test_steer_matches_float64(tokens, hidden, dtype):
                                rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(score[:tokens][monitored].double(), scores[:tokens][monitored],
                                rtol=1e-4, atol=1e-3)
-    untouched = rows == 0
+    untouched = b.index[ops.INDEX_ROW, :tokens] == 0
     assert torch.equal(out[untouched], x[untouched])
-    torch.testing.assert_close(args[12].double(), want_capture, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(bd.capture.cpu().double(), want_capture, rtol=1e-6, atol=1e-5)
+    assert torch.equal(gate_score[:, tokens:], stale)
 
 
 @pytest.mark.parametrize("with_h", [True, False])
-def test_capture_stores_the_pre_steering_stream(with_h):
+@pytest.mark.parametrize("device", DEVICES)
+def test_capture_stores_the_pre_steering_stream(with_h, device):
     """Captured tokens store x + h (x alone without h) before steering, at this site's lane
     only; other rows, other lanes and uncaptured tokens stay untouched."""
-    args = list(make_inputs(40, 96, torch.bfloat16, seed=11))
+    x, h, b = make_inputs(40, 96, torch.bfloat16, seed=11)
     if not with_h:
-        args[1] = None
-    capture_rows, capture, site_lane = args[11:]
-    want = capture_reference(args[0], args[1], capture_rows, capture, site_lane)
-    torch.ops.dynsteer.steer(*args, SITE)
+        h = None
+    want = capture_reference(x, h, b)
+    xd, hd, bd = on(device, x, h, b)
+    steer(xd, hd, bd)
+    capture, capture_rows = bd.capture.cpu(), b.index[ops.INDEX_CAPTURE, :40]
     assert (capture_rows != 0).any() and (capture_rows == 0).any()
     torch.testing.assert_close(capture.double(), want, rtol=0, atol=0)  # bf16 sums are exact
     written = capture[LANE][capture_rows[capture_rows != 0].long()]
@@ -115,16 +152,16 @@ def test_capture_stores_the_pre_steering_stream(with_h):
 
 
 def test_site_without_lane_captures_nothing():
-    args = make_inputs(16, 64, torch.float32, seed=2)
-    args[13][SITE] = -1
-    torch.ops.dynsteer.steer(*args, SITE)
-    assert (args[12] == SENTINEL).all()
+    x, h, b = make_inputs(16, 64, torch.float32, seed=2)
+    b.site_lane[SITE] = -1
+    steer(x, h, b)
+    assert (b.capture == SENTINEL).all()
 
 
 def test_extreme_scores_saturate_without_nan():
-    args = make_inputs(512, 256, torch.float32, seed=1, extreme=True)
-    out = torch.ops.dynsteer.steer(*args, SITE)
-    gate = args[9]
+    x, h, b = make_inputs(512, 256, torch.float32, seed=1, extreme=True)
+    out = steer(x, h, b)
+    gate = b.gate_score[ops.GATE]
     assert torch.isfinite(out).all() and torch.isfinite(gate).all()
     assert ((gate >= 0) & (gate <= 1)).all()
 
@@ -132,29 +169,29 @@ def test_extreme_scores_saturate_without_nan():
 def poison_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int):
     """Inputs whose rows overflow on purpose: row 1 holds inf, NaN and 1e30 (finite but far
     past the stream limit), probe 1 scores NaN; other rows are ordinary."""
-    args = list(make_inputs(tokens, hidden, dtype, seed))
-    table, probes = args[4], args[7]
-    table[1, 0], table[1, 1], table[1, 2:] = float("inf"), float("nan"), 1e30
-    probes[1, 0], probes[1, 1] = float("inf"), float("-inf")  # score inf - inf = NaN
-    args[0][:, :2], args[1][:, :2] = 1, 0
-    return args
+    x, h, b = make_inputs(tokens, hidden, dtype, seed)
+    b.table[1, 0], b.table[1, 1], b.table[1, 2:] = float("inf"), float("nan"), 1e30
+    b.probes[1, 0], b.probes[1, 1] = float("inf"), float("-inf")  # score inf - inf = NaN
+    x[:, :2], h[:, :2] = 1, 0
+    return x, h, b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_overflowing_rows_leave_the_stream_finite(dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_overflowing_rows_leave_the_stream_finite(dtype, device):
     """The op never writes NaN, inf or a value past the stream limit: such elements keep their
     unsteered value, other elements and rows are steered as usual, NaN gates count as 0."""
-    args = poison_inputs(64, 128, dtype, seed=3)
-    x, rows = args[0], args[2]
-    out = torch.ops.dynsteer.steer(*args, SITE)
+    x, h, b = on(device, *poison_inputs(64, 128, dtype, seed=3))
+    out = steer(x, h, b)
     assert torch.isfinite(out).all()
     assert (out.float().abs() <= ops.stream_limit(dtype)).all()
+    rows, probe_rows = b.index[ops.INDEX_ROW, :64], b.index[ops.INDEX_PROBE, :64]
     poisoned = rows == 1
     assert poisoned.any()
     assert torch.equal(out[poisoned], x[poisoned])  # every element of row 1 overflowed
-    gate, probe_rows = args[9][:64], args[3]
+    gate, score = b.gate_score[ops.GATE, :64], b.gate_score[ops.SCORE, :64]
     nan_scored = probe_rows == 1
-    assert nan_scored.any() and torch.isnan(args[10][:64][nan_scored]).all()
+    assert nan_scored.any() and torch.isnan(score[nan_scored]).all()
     assert (gate[nan_scored] == 0).all()
     fine = rows == 3
     assert fine.any() and not torch.equal(out[fine], x[fine])
@@ -165,29 +202,34 @@ def test_fake_impl_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        args = make_inputs(3, 8, torch.float32, seed=0)
-        out = torch.ops.dynsteer.steer(*args, SITE)
+        x, h, b = make_inputs(3, 8, torch.float32, seed=0)
+        out = steer(x, h, b)
     assert out.shape == (3, 8)
 
 
+def test_schema_follows_the_buffers():
+    """The op's arguments are x, h, the SteerBuffers fields in order, and the site."""
+    schema = torch.ops.dynsteer.steer.default._schema
+    assert [a.name for a in schema.arguments] == ["x", "h", *ops.SteerBuffers._fields, "site"]
+    assert not any(a.alias_info for a in schema.arguments)  # nothing declared as mutated
+
+
 def test_compiled_graph_reads_buffers_in_place():
-    """Under torch.compile (fullgraph) new buffer contents apply without retracing, and a
-    gate written at the monitor site is read by a later site in the same graph."""
-    (x0, h0, rows, probe_rows, table, dyn, flags, probes, params, gate, score, capture_rows,
-     capture, site_lane) = make_inputs(8, 16, torch.float32, seed=5)
-    rows.zero_()
-    probe_rows.zero_()
-    capture_rows.zero_()
+    """Under torch.compile (fullgraph) the site ops (:class:`SiteOp`, whole per-token buffers)
+    apply new buffer contents without retracing, and a gate written at the monitor site is read
+    by a later site in the same graph."""
+    from dynsteer.engine_ext.worker.sites import SiteBuffers, SiteOp
+
+    x0, h0, b = make_inputs(8, 16, torch.float32, seed=5)
+    b.index.zero_()
+    rows, probe_rows, capture_rows = (b.index[i] for i in (ops.INDEX_ROW, ops.INDEX_PROBE,
+                                                           ops.INDEX_CAPTURE))
+    capture, dyn, probes, params = b.capture, b.dyn, b.probes, b.params
+    first, second = SiteOp(SiteBuffers(SITE, b)), SiteOp(SiteBuffers(SITE + 1, b))
 
     @torch.compile(fullgraph=True, dynamic=True)
     def f(x, h):
-        n = x.shape[0]
-        y = torch.ops.dynsteer.steer(x, h, rows[:n], probe_rows[:n], table, dyn, flags, probes,
-                                     params, gate, score, capture_rows[:n], capture, site_lane,
-                                     SITE)
-        return torch.ops.dynsteer.steer(y * 1.0, None, rows[:n], probe_rows[:n], table, dyn,
-                                        flags, probes, params, gate, score, capture_rows[:n],
-                                        capture, site_lane, SITE + 1)
+        return second(first(x, h) * 1.0)
 
     x, h = x0[:5], h0[:5]
     assert torch.equal(f(x, h), x)

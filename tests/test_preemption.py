@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_utils import logprobs_of, params, run, start_llm, stop_llm
-from hf_reference import load_hf, reference_logprobs
-from test_gating_reference import probe_weights
-from test_steering_reference import TOL, vec
+from engine_utils import params, run, start_llm, stop_llm
+from hf_reference import assert_logprobs_match_hf, load_hf
+from tiny_models import vec
 
 pytestmark = pytest.mark.engine
 
@@ -16,7 +15,7 @@ SPECS = [
     {"steer": [{"vector": vec(61), "layers": [1], "phase": "prefill"},
                {"vector": vec(62), "layers": [2], "phase": "decode"}]},
     None,
-    {"gate": {"probe": {"weights": probe_weights(63), "threshold": 0.0, "sharpness": 2.0},
+    {"gate": {"probe": {"weights": vec(63, norm=1.0), "threshold": 0.0, "sharpness": 2.0},
               "layer": 0, "steer": [{"vector": vec(64), "layers": [0, 2]}]}},
     {"steer": [{"vector": vec(65), "layers": [3]}]},
 ]
@@ -42,10 +41,7 @@ def preempted_outputs(tiny_model_dir):
 def test_outputs_match_hf_despite_preemption(preempted_outputs, i):
     hf, outs, _ = preempted_outputs
     spec = SPECS[i] or {}
-    tokens, got = logprobs_of(outs[i])
-    want = reference_logprobs(hf, tokens, len(outs[i].prompt_token_ids), spec.get("steer", []),
-                              gate=spec.get("gate"))
-    np.testing.assert_allclose(got, want, atol=TOL)
+    assert_logprobs_match_hf(hf, outs[i], spec.get("steer", []), gate=spec.get("gate"))
 
 
 def test_the_scheduler_did_preempt(preempted_outputs):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_utils import params, run, start_llm, stop_llm
-from hf_reference import load_hf, reference_logprobs
-from test_steering_reference import TOL, vec
+from engine_utils import assert_same_output, params, run, start_llm, stop_llm
+from hf_reference import assert_logprobs_match_hf
+from tiny_models import vec
 
 from dynsteer.engine_ext import Steering
 from dynsteer.engine_ext.worker.telemetry import DYNAMIC_EPSILON
@@ -37,11 +37,6 @@ def llm(tiny_model_dir):
     stop_llm(llm)
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):
-    return load_hf(tiny_model_dir("llama"))
-
-
 def one(llm, tokens, spec=None, max_tokens=4, cache_salt=None, seed=None):
     """One request without prompt logprobs (vLLM never reads the prefix cache for those);
     greedy, or sampled at temperature 1 with ``seed``."""
@@ -55,22 +50,6 @@ def one(llm, tokens, spec=None, max_tokens=4, cache_salt=None, seed=None):
     return out
 
 
-def gen_logprobs(out):
-    gen = list(out.outputs[0].token_ids)
-    return gen, np.array([d[t].logprob for d, t in zip(out.outputs[0].logprobs, gen,
-                                                        strict=True)])
-
-
-def assert_matches_hf(hf, out, entries=(), gate=None):
-    """Generated-token logprobs equal a cold HF run with the same steering."""
-    prompt_len = len(out.prompt_token_ids)
-    gen = list(out.outputs[0].token_ids)
-    got = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, gen, strict=True)]
-    tokens = list(out.prompt_token_ids) + gen
-    want = reference_logprobs(hf, tokens, prompt_len, entries, gate=gate)[prompt_len - 1:]
-    np.testing.assert_allclose(got, want, atol=TOL)
-
-
 def test_unsteered_traffic_keeps_full_prefix_hits(llm):
     """No collateral loss: an unsteered repeat hits every full block of the first run."""
     p = prompt(1)
@@ -78,26 +57,26 @@ def test_unsteered_traffic_keeps_full_prefix_hits(llm):
     assert one(llm, p).num_cached_tokens == (len(p) - 1) // BLOCK * BLOCK
 
 
-def test_prefill_steered_request_does_not_hit_unsteered_blocks(llm, hf):
+def test_prefill_steered_request_does_not_hit_unsteered_blocks(llm, hf_llama):
     """Same tokens, prefill-steered: no cached blocks, logprobs equal a cold steered run."""
     p = prompt(2)
     one(llm, p)
     out = one(llm, p, {"steer": PREFILL})
     assert out.num_cached_tokens == 0
-    assert_matches_hf(hf, out, PREFILL)
+    assert_logprobs_match_hf(hf_llama, out, PREFILL)
 
 
-def test_unsteered_request_does_not_hit_steered_blocks(llm, hf):
+def test_unsteered_request_does_not_hit_steered_blocks(llm, hf_llama):
     """KV computed under steering (static or gated) is never served to an unsteered request."""
     for i, spec in enumerate([{"steer": PREFILL}, {"gate": GATED}]):
         p = prompt(10 + i)
         one(llm, p, spec)
         out = one(llm, p)
         assert out.num_cached_tokens == 0
-        assert_matches_hf(hf, out)
+        assert_logprobs_match_hf(hf_llama, out)
 
 
-def test_identically_steered_requests_share_blocks(llm, hf):
+def test_identically_steered_requests_share_blocks(llm, hf_llama):
     """The same spec computes the same KV, so it may be (and is) shared: static entries, and a
     gate that never fired (every block reported free of dynamic steering)."""
     quiet = {**GATED, "probe": {**GATED["probe"], "threshold": 1e6}}
@@ -106,10 +85,10 @@ def test_identically_steered_requests_share_blocks(llm, hf):
         one(llm, p, spec)
         out = one(llm, p, spec)
         assert out.num_cached_tokens == (len(p) - 1) // BLOCK * BLOCK, spec
-        assert_matches_hf(hf, out, spec.get("steer", ()), gate=spec.get("gate"))
+        assert_logprobs_match_hf(hf_llama, out, spec.get("steer", ()), gate=spec.get("gate"))
 
 
-def test_global_steering_forks_the_cache(llm, hf):
+def test_global_steering_forks_the_cache(llm, hf_llama):
     """Under global steering nothing computed before is reused; after clearing, it is again."""
     p = prompt(4)
     one(llm, p)
@@ -119,13 +98,13 @@ def test_global_steering_forks_the_cache(llm, hf):
     try:
         out = one(llm, p)
         assert out.num_cached_tokens == 0
-        assert_matches_hf(hf, out, entries)
+        assert_logprobs_match_hf(hf_llama, out, entries)
     finally:
         steering.clear_global()
     assert one(llm, p).num_cached_tokens > 0
 
 
-def test_phase_specific_steering_never_reuses_decode_kv_as_prompt(llm, hf):
+def test_phase_specific_steering_never_reuses_decode_kv_as_prompt(llm, hf_llama):
     """A follow-up whose prompt is a decode-steered request's prompt + output: positions that
     were generated (decode phase) are prompt positions now, so their KV must be recomputed;
     the blocks before the first generated position were computed unsteered and are shared."""
@@ -135,10 +114,10 @@ def test_phase_specific_steering_never_reuses_decode_kv_as_prompt(llm, hf):
     follow = p + list(first.outputs[0].token_ids)
     out = one(llm, follow, decode_only)
     assert out.num_cached_tokens == len(p) // BLOCK * BLOCK
-    assert_matches_hf(hf, out, decode_only["steer"])
+    assert_logprobs_match_hf(hf_llama, out, decode_only["steer"])
 
 
-def test_decode_only_steering_does_not_fork_prompt_blocks(llm, hf):
+def test_decode_only_steering_does_not_fork_prompt_blocks(llm, hf_llama):
     """Decode-only steering leaves the prompt unsteered: its blocks are shared both ways with
     unsteered requests, while the blocks holding generated (steered) positions are not."""
     decode_only = {"steer": [{"vector": vec(56), "layers": [2], "phase": "decode"}]}
@@ -146,14 +125,14 @@ def test_decode_only_steering_does_not_fork_prompt_blocks(llm, hf):
     one(llm, p)
     steered = one(llm, p, decode_only, max_tokens=40)
     assert steered.num_cached_tokens == len(p) // BLOCK * BLOCK
-    assert_matches_hf(hf, steered, decode_only["steer"])
+    assert_logprobs_match_hf(hf_llama, steered, decode_only["steer"])
     follow = p + list(steered.outputs[0].token_ids)
     out = one(llm, follow)
     assert out.num_cached_tokens == len(p) // BLOCK * BLOCK  # not the steered decode blocks
-    assert_matches_hf(hf, out)
+    assert_logprobs_match_hf(hf_llama, out)
 
 
-def _firing_gate(llm, hf, p, max_tokens):
+def _firing_gate(llm, hf_llama, p, max_tokens):
     """A gate that fires first at a chosen decode position: monitor ``pre_attn@0`` (the token
     embedding) with the embedding of a token that first appears there as the probe."""
     plain = one(llm, p, max_tokens=max_tokens, seed=SEED)
@@ -161,7 +140,7 @@ def _firing_gate(llm, hf, p, max_tokens):
     fresh = [t for t in range(len(p) + 1, len(tokens) - 1) if tokens[t] not in tokens[:t]]
     assert fresh, "no novel generated token to gate on"
     pos = next((t for t in fresh if 2 * BLOCK <= t < 3 * BLOCK), fresh[0])
-    embed = hf.get_input_embeddings().weight[tokens[pos]].detach().double().numpy()
+    embed = hf_llama.get_input_embeddings().weight[tokens[pos]].detach().double().numpy()
     norm2 = float(embed @ embed)
     gate = {"probe": {"weights": embed.tolist(), "threshold": norm2 / 2,
                       "sharpness": 50.0 / norm2},
@@ -170,12 +149,12 @@ def _firing_gate(llm, hf, p, max_tokens):
     return pos, gate
 
 
-def test_gated_follow_up_hits_only_blocks_before_the_first_dynamic_position(llm, hf):
+def test_gated_follow_up_hits_only_blocks_before_the_first_dynamic_position(llm, hf_llama):
     """The gate fires first at decode position ``pos``; a follow-up with the same gate whose
     prompt is the first request's prompt + output hits exactly the blocks before the one
     holding ``pos``, and generates what a cold run (no cache hits) generates."""
     p = prompt(7, n=2 * BLOCK - 4)
-    pos, gate = _firing_gate(llm, hf, p, max_tokens=48)
+    pos, gate = _firing_gate(llm, hf_llama, p, max_tokens=48)
     spec = {"gate": gate}
     withheld_before = Steering(llm).cache_stats()["blocks_withheld"]
     first = one(llm, p, spec, max_tokens=48, seed=SEED)
@@ -189,7 +168,4 @@ def test_gated_follow_up_hits_only_blocks_before_the_first_dynamic_position(llm,
     assert warm.num_cached_tokens == pos // BLOCK * BLOCK
     cold = one(llm, follow, spec, max_tokens=6, cache_salt="cold-run")
     assert cold.num_cached_tokens == 0
-    warm_tokens, warm_lp = gen_logprobs(warm)
-    cold_tokens, cold_lp = gen_logprobs(cold)
-    assert warm_tokens == cold_tokens
-    np.testing.assert_allclose(warm_lp, cold_lp, atol=1e-5)
+    assert_same_output(warm, cold)

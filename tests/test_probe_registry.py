@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from server_utils import Server, http, make_chat_model
+from server_utils import Server, http
 
 from dynsteer.controller.client import DynsteerClient, DynsteerHTTPError
 from dynsteer.probes import ModelFingerprint, Probe, ProbeSite, from_sklearn, upload
@@ -22,11 +22,6 @@ POSITIVE = ["The storm hit the ship hard.", "Waves crashed over the deck.",
             "The sailors fought the sea.", "Thunder rolled across the ocean."]
 NEGATIVE = ["I like quiet gardens.", "The cat sleeps on the sofa.",
             "We baked bread this morning.", "The library was calm today."]
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    return make_chat_model(tmp_path_factory.mktemp("chat_model"))
 
 
 @pytest.fixture(scope="module")

@@ -121,13 +121,10 @@ def test_valid_names(name: str) -> None:
     assert make_probe(name=name).name == name
 
 
-def test_no_heavy_imports() -> None:
-    """The probe package must stay importable by clients without vLLM, torch or sklearn."""
-    code = (
-        "import sys, dynsteer.probes; "
-        "bad = [m for m in ('vllm', 'torch', 'sklearn') if m in sys.modules]; "
-        "assert not bad, bad"
-    )
+def test_import_without_sklearn() -> None:
+    """The probe package must stay importable by clients without sklearn (vLLM and torch:
+    ``test_imports.py``)."""
+    code = "import sys, dynsteer.probes; assert 'sklearn' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -207,7 +204,7 @@ def test_check_compatible_without_fingerprint_checks_shape() -> None:
     p.check_compatible(ModelFingerprint(architecture="Any", hidden_size=H, num_layers=6))
     with pytest.raises(ValueError, match=rf"probe has {H} weights, model has 4096"):
         p.check_compatible(ModelFingerprint(architecture="Any", hidden_size=4096, num_layers=6))
-    with pytest.raises(ValueError, match="probe reads layer 5, model has 5 layers"):
+    with pytest.raises(ValueError, match=r"site.layer: 5 does not exist \(the model has 5 layers"):
         p.check_compatible(ModelFingerprint(architecture="Any", hidden_size=H, num_layers=5))
 
 

@@ -1,4 +1,5 @@
-"""`dynsteer serve` argument handling and the extra_body rewrite, without starting a server."""
+"""`dynsteer serve` argument handling, without starting a server (the extra_body rewrite:
+``test_middleware.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import pytest
 
 from dynsteer.engine_ext.server import cli as serve_cli
 from dynsteer.engine_ext.server.cli import ServeError, prepare
-from dynsteer.engine_ext.server.middleware import move_spec_to_xargs
 from dynsteer.engine_ext.server.settings import ServerSettings
 
 
@@ -94,25 +94,6 @@ def test_cli_reports_bad_arguments(capsys):
 
     assert main(["serve", "/m", "--dynsteer-api-key"]) == 2
     assert "dynsteer serve: error: --dynsteer-api-key" in capsys.readouterr().err
-
-
-def test_extra_body_spec_moves_into_vllm_xargs():
-    spec = {"steer": [{"vector": "v", "layers": [1]}]}
-    body = json.dumps({"model": "m", "dynsteer": spec, "vllm_xargs": {"other": 1}}).encode()
-    moved = json.loads(move_spec_to_xargs(body))
-    assert "dynsteer" not in moved
-    assert moved["vllm_xargs"] == {"other": 1, "dynsteer": json.dumps(spec)}
-    as_string = json.dumps({"dynsteer": json.dumps(spec)}).encode()
-    assert json.loads(move_spec_to_xargs(as_string))["vllm_xargs"]["dynsteer"] == json.dumps(spec)
-    plain = b'{"model": "m", "messages": []}'
-    assert move_spec_to_xargs(plain) is plain
-    assert move_spec_to_xargs(b'{"x": "dynsteer"') == b'{"x": "dynsteer"'
-
-
-def test_spec_in_both_places_is_an_error():
-    body = json.dumps({"dynsteer": {}, "vllm_xargs": {"dynsteer": "{}"}}).encode()
-    with pytest.raises(ValueError, match="give it once"):
-        move_spec_to_xargs(body)
 
 
 def test_settings_from_env():

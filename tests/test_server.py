@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 from engine_utils import start_llm, stop_llm
-from server_utils import Server, http, make_chat_model
+from server_utils import Server, http
 
 from dynsteer.controller.client import DynsteerClient, DynsteerHTTPError
 from dynsteer.controller.contract import encode_f32
@@ -27,11 +27,6 @@ VECTOR = (RNG.standard_normal(128) * 4).tolist()
 STATIC = {"steer": [{"vector": VECTOR, "layers": [1, 2]}]}
 GATED = {"gate": {"probe": {"weights": VECTOR, "threshold": 0.0}, "layer": 0, "trace": True,
                   "steer": [{"vector": VECTOR, "layers": [2], "scale": 2.0}]}}
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    return make_chat_model(tmp_path_factory.mktemp("chat_model"))
 
 
 @pytest.fixture(scope="module")

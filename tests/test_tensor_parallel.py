@@ -6,22 +6,30 @@ import os
 
 import numpy as np
 import pytest
-from engine_utils import logprobs_of, params, run, start_llm, stop_llm
-from test_steering_reference import CASES, TOL
+from engine_utils import (
+    ALL_SITES,
+    LOGPROB_ATOL,
+    assert_same_output,
+    logprobs_of,
+    params,
+    run,
+    start_llm,
+    stop_llm,
+)
+from tiny_models import STATIC_CASES
 
 pytestmark = [pytest.mark.engine, pytest.mark.tp2]
 
 PROMPTS = [[1, 17, 42, 99, 7, 250, 3, 64], [1, 17, 42, 99, 7, 250, 3, 64], [1, 9, 8, 7]]
 SPECS = [
     None,
-    {"steer": CASES["mixed-phases"]},
-    {"steer": CASES["post_attn-all"] + CASES["post_block-decode"]},
+    {"steer": STATIC_CASES["mixed-phases"]},
+    {"steer": STATIC_CASES["post_attn-all"] + STATIC_CASES["post_block-decode"]},
 ]
 
 
 def _outputs(path, tp: int):
-    llm = start_llm(path, dynsteer={"sites": "pre_attn@*,post_attn@*,post_block@*"},
-                    tensor_parallel_size=tp)
+    llm = start_llm(path, dynsteer={"sites": ALL_SITES}, tensor_parallel_size=tp)
     try:
         return run(llm, PROMPTS, [params(spec=s) for s in SPECS])
     finally:
@@ -48,10 +56,7 @@ def tp_outputs(tiny_model_dir):
 def test_tp2_equals_tp1(tp_outputs, i):
     """Steered (and unsteered) logprobs under TP=2 equal the TP=1 result."""
     single, double = tp_outputs
-    tokens1, lp1 = logprobs_of(single[i])
-    tokens2, lp2 = logprobs_of(double[i])
-    assert tokens1 == tokens2
-    np.testing.assert_allclose(lp2, lp1, atol=TOL)
+    assert_same_output(double[i], single[i], atol=LOGPROB_ATOL)
 
 
 def test_tp2_steering_changes_output(tp_outputs):

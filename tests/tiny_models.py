@@ -1,4 +1,5 @@
-"""Tiny random-weight models saved to disk, loadable by both vLLM and HF transformers.
+"""Tiny random-weight models saved to disk, loadable by both vLLM and HF transformers, and the
+steering vectors and specs the tests use on them.
 
 Head dim 64 (the CPU attention backend's smallest supported size), fp32, 4 layers.
 """
@@ -7,11 +8,37 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 VOCAB = 512
 HIDDEN = 128
 LAYERS = 4
+
+
+def vec(seed: int, norm: float = 4.0) -> list[float]:
+    """A random direction of the tiny models' residual stream with norm ``norm`` (a steering
+    vector; ``norm=1.0`` for probe weights)."""
+    v = np.random.RandomState(seed).randn(HIDDEN)
+    return (v / np.linalg.norm(v) * norm).tolist()
+
+
+STATIC_CASES = {
+    "pre_attn-all": [{"vector": vec(1), "layers": [0, 2], "hook": "pre_attn"}],
+    "pre_attn-prefill": [{"vector": vec(2), "layers": [1, 3], "hook": "pre_attn",
+                          "phase": "prefill"}],
+    "post_attn-all": [{"vector": vec(3), "layers": [1, 2], "hook": "post_attn", "scale": 1.5}],
+    "post_attn-decode": [{"vector": vec(4), "layers": [0, 3], "hook": "post_attn",
+                          "phase": "decode"}],
+    "post_block-all": [{"vector": vec(5), "layers": [0, 1, 3], "hook": "post_block"}],
+    "post_block-decode": [{"vector": vec(6), "layers": [2], "phase": "decode", "scale": -2.0}],
+    "mixed-phases": [
+        {"vector": vec(7), "layers": [1], "hook": "pre_attn", "phase": "prefill"},
+        {"vector": vec(8), "layers": [1, 2], "hook": "post_attn", "phase": "decode"},
+        {"vector": vec(9), "layers": [3], "hook": "post_block"},
+    ],
+}
+"""Static steering entries per case: every hook, every phase, scales, several layers."""
 
 
 def make_tiny_model(arch: str, path: Path, seed: int = 0, vocab: int = VOCAB) -> Path:

@@ -49,9 +49,15 @@ class FrontendHooks:
     exists (enabled engines only): the request's new ``extra_args``."""
 
 
+_hooks: FrontendHooks | None = None
+"""The installed hooks (what :func:`engine_state` builds a missing state with)."""
+
+
 def install(hooks: FrontendHooks) -> None:
+    global _hooks
     from vllm.engine.arg_utils import EngineArgs
 
+    _hooks = hooks
     patch(EngineArgs, "create_engine_config", functools.partial(_create_engine_config, hooks))
     when_imported("vllm.v1.engine.input_processor", lambda m: patch(
         m.InputProcessor, "process_inputs", functools.partial(_process_inputs, hooks)))
@@ -98,13 +104,10 @@ def _process_inputs(hooks: FrontendHooks, original: Callable[..., Any]) -> Calla
 
 
 _STATE_ATTR = "_dynsteer_frontend"
-_hooks: FrontendHooks | None = None
 
 
 def _engine_state(hooks: FrontendHooks, input_processor: Any) -> Any:
     """The engine's dynsteer frontend state, built on first use (None: not enabled)."""
-    global _hooks
-    _hooks = hooks
     state = getattr(input_processor, _STATE_ATTR, None)
     if state is None:
         config = input_processor.vllm_config

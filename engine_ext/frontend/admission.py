@@ -15,7 +15,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynsteer.controller.contract import Site, resolve_sites
+import numpy as np
+
+from dynsteer.controller.contract import Site, resolve_sites, site_name
 from dynsteer.controller.limits import FLOAT32_MAX, SpecError
 from dynsteer.controller.spec import (
     SPEC_KEY,
@@ -25,6 +27,7 @@ from dynsteer.controller.spec import (
     parse_spec,
 )
 from dynsteer.controller.wire import WIRE_KEY, WireEntry, fingerprint, spec_to_wire
+from dynsteer.probes import ModelFingerprint, Probe
 
 from ..compat.frontend import EngineFacts, prompt_request_ids
 from ..options import CONFIG_KEY, EngineOptions, options_from_additional_config
@@ -70,12 +73,14 @@ class FrontendState:
     """The served model class (``config.architectures[0]``), for probe fingerprints."""
     dtype_max: float = FLOAT32_MAX
     """Largest finite value of the model's dtype (steering must not overflow it)."""
-    vectors: dict[str, list[float]] = field(default_factory=dict)
-    """Registered vectors (mirrors the workers)."""
+    vectors: dict[str, np.ndarray] = field(default_factory=dict)
+    """Registered vectors, checked read-only float32 (mirrors the workers)."""
     vector_norms: dict[str, float] = field(default_factory=dict)
     """L2 norm of each registered vector (specs' ``scale`` is checked against it)."""
-    probes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Registered probes as their JSON description (mirrors the workers)."""
+    probes: dict[str, Probe | None] = field(default_factory=dict)
+    """Registered probe names (mirrors the workers), with the :class:`~dynsteer.probes.Probe`
+    each was registered as (what the HTTP routes list and return); None for one registered
+    from bare weights (``Steering.register_probe(name, weights=...)``)."""
     global_entries: list[dict[str, Any]] = field(default_factory=list)
     """Current global steering entries as clients gave them (what ``GET /global`` returns)."""
     global_wire: list[WireEntry] = field(default_factory=list)
@@ -128,7 +133,12 @@ class FrontendState:
 
     def site_names(self) -> list[str]:
         """Configured sites, ``hook@layer``, in forward order."""
-        return [f"{hook}@{layer}" for hook, layer in self.sites]
+        return [site_name(site) for site in self.sites]
+
+    def model(self) -> ModelFingerprint:
+        """The served model, as probes' training fingerprints describe theirs."""
+        return ModelFingerprint(architecture=self.architecture or "unknown",
+                                hidden_size=self.hidden_size, num_layers=self.num_layers)
 
     def record_request(self, request_id: str, spec: SteeringSpec | None) -> None:
         """Count a request and remember how it was steered (steered requests only)."""

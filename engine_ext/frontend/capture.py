@@ -33,7 +33,6 @@ capture prompts too (they carry no spec of their own).
 from __future__ import annotations
 
 import asyncio
-import base64
 import inspect
 import secrets
 import threading
@@ -45,7 +44,13 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dynsteer.controller.contract import resolve_sites, site_name
+from dynsteer.controller.contract import (
+    decode_f32,
+    encode_f32,
+    resolve_sites,
+    site_name,
+    unconfigured_site,
+)
 
 from ..compat import frontend as vllm_frontend
 from ..worker.capture_buffers import CAPTURE_KEY, REDUCES, Reduce, capture_key
@@ -164,9 +169,7 @@ def plan_capture(prompts: list[list[int]], args: CaptureArgs, frontend: Any) -> 
     configured = set(frontend.sites)
     for site in sites:
         if site not in configured:
-            name = site_name(site)
-            raise ValueError(f"sites: {name} is not a configured site; add '{name}' to the "
-                             "engine option dynsteer.sites")
+            raise ValueError(f"sites: {unconfigured_site(site)}")
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"prompts[{i}]: empty prompt")
@@ -213,15 +216,17 @@ class _Assembler:
             for key, item in answer.items.items():
                 i = index[key]
                 per_site = item.tokens if answer.reduce == "all" else 1
-                raw = base64.b64decode(item.data)
-                expected = len(answer.sites) * per_site * hidden * 4
-                if len(raw) != expected or item.tokens != len(self._plan.prompts[i]):
-                    raise RuntimeError(f"capture of prompts[{i}]: got {len(raw)} bytes for "
+                try:
+                    values = decode_f32("data", item.data)  # a writable copy
+                except ValueError as e:
+                    raise RuntimeError(f"capture of prompts[{i}]: {e}") from e
+                expected = len(answer.sites) * per_site * hidden
+                if values.size != expected or item.tokens != len(self._plan.prompts[i]):
+                    raise RuntimeError(f"capture of prompts[{i}]: got {values.size} floats for "
                                        f"{item.tokens} tokens, expected {expected}")
-                data = np.frombuffer(raw, dtype="<f4").reshape(len(answer.sites), per_site,
-                                                               hidden)
+                data = values.reshape(len(answer.sites), per_site, hidden)
                 for lane, site in enumerate(answer.sites):
-                    self._rows[site][i] = data[lane].astype(np.float32)  # a writable copy
+                    self._rows[site][i] = data[lane]
 
     def result(self) -> CaptureResult:
         out: CaptureResult = {}
@@ -404,9 +409,7 @@ def encode_result(result: CaptureResult) -> dict[str, Any]:
     float32) for ``last``/``mean``, a list of those (one per prompt) for ``all``."""
 
     def one(array: np.ndarray) -> dict[str, Any]:
-        data = np.ascontiguousarray(array, dtype="<f4")
-        return {"dtype": "float32", "shape": list(data.shape),
-                "data": base64.b64encode(data.tobytes()).decode("ascii")}
+        return {"dtype": "float32", "shape": list(array.shape), "data": encode_f32(array)}
 
     return {site: [one(a) for a in value] if isinstance(value, list) else one(value)
             for site, value in result.items()}

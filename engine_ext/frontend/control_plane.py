@@ -4,6 +4,8 @@ Every change (register a vector, set global steering, ...) is first checked agai
 model in the frontend, with the same messages as per-request specs, and turned into a
 :class:`Change`: the worker RPC that applies it on every TP rank (``collective_rpc``, so all
 ranks change in the same order) and the frontend update to make once the RPC succeeded. The
+RPC carries the checked values in the resolved form of :mod:`dynsteer.controller.wire` (float32
+bytes, numbers, names), which the workers apply without checking or parsing again. The
 offline API (:class:`.offline_api.Steering`) runs changes with the blocking
 ``LLM.collective_rpc``; the HTTP routes run the same changes with ``AsyncLLM.collective_rpc``.
 """
@@ -17,14 +19,15 @@ from typing import Any
 
 import numpy as np
 
+from dynsteer.controller.contract import NAME_PATTERN, NAME_RULE, f32_bytes, unconfigured_site
 from dynsteer.controller.limits import (
     as_float32_vector,
     check_probe_numbers,
     check_steer_magnitude,
 )
 from dynsteer.controller.spec import SteerEntry, check_entries, parse_entries
-from dynsteer.controller.wire import entry_to_wire
-from dynsteer.probes import NAME_PATTERN, NAME_RULE, ModelFingerprint, Probe
+from dynsteer.controller.wire import entry_to_wire, probe_to_wire
+from dynsteer.probes import Probe
 
 from .admission import FrontendState
 
@@ -87,34 +90,27 @@ class ControlPlane:
         norm = float(np.linalg.norm(array.astype(np.float64)))
         check_steer_magnitude("vector", norm, 1.0, f.options.max_steer_norm, f.dtype_max)
         _check_room("vector", name, f.vectors, f.options.max_vectors, "max_vectors", replace)
-        values = array.tolist()
+        array.setflags(write=False)
 
         def commit() -> None:
-            f.vectors[name] = values
+            f.vectors[name] = array
             f.vector_norms[name] = norm
             f.registry_generation += 1
 
-        return Change("dynsteer_register_vector", (name, values), commit)
+        return Change("dynsteer_register_vector", (name, f32_bytes(array)), commit)
 
     def unregister_vector(self, name: str) -> Change:
         """Forget a named vector; requests already admitted keep their steering."""
-        if name not in self.frontend.vectors:
-            raise UnknownNameError(f"name: unknown vector {name!r}")
-
-        def commit() -> None:
-            self.frontend.vectors.pop(name, None)
-            self.frontend.vector_norms.pop(name, None)
-            self.frontend.registry_generation += 1
-
-        return Change("dynsteer_unregister_vector", (name,), commit)
+        return self._forget("vector", name, self.frontend.vectors, self.frontend.vector_norms)
 
     def register_probe(self, name: str, weights: Sequence[float] | np.ndarray, threshold: float,
-                       sharpness: float, description: dict[str, Any] | None = None,
-                       replace: bool = False) -> Change:
+                       sharpness: float, replace: bool = False,
+                       probe: Probe | None = None) -> Change:
         """Register a named probe usable as ``"probe": name`` in a gate (an existing name only
         with ``replace``); checked like an inline probe.
 
-        ``description`` (the probe's JSON form, weights included) is what listing routes return.
+        ``probe``: the :class:`~dynsteer.probes.Probe` these numbers come from (what listing
+        routes return); see :meth:`register_probe_object`.
         """
         f = self.frontend
         check_name(name)
@@ -124,47 +120,41 @@ class ControlPlane:
                 raise ControlError(f"{field}: expected a number, got {type(value).__name__}")
         check_probe_numbers("", float(threshold), float(sharpness), array)
         _check_room("probe", name, f.probes, f.options.max_probes, "max_probes", replace)
-        values = array.tolist()
-        info = dict(description or {})
-        info.update(name=name, threshold=float(threshold), sharpness=float(sharpness))
 
         def commit() -> None:
-            self.frontend.probes[name] = info
-            self.frontend.registry_generation += 1
+            f.probes[name] = probe
+            f.registry_generation += 1
 
-        return Change("dynsteer_register_probe", (name, values, float(threshold),
-                                                  float(sharpness)), commit)
+        return Change("dynsteer_register_probe",
+                      (name, probe_to_wire(array, threshold, sharpness)), commit)
 
     def register_probe_object(self, probe: Probe, replace: bool = False) -> Change:
         """Register a :class:`~dynsteer.probes.Probe` under its name, after checking that it
         was trained on this model (fingerprint) at a site this engine monitors."""
-        f = self.frontend
-        hook, layer = probe.site.hook, probe.site.layer
-        if layer >= f.num_layers:
-            raise ControlError(f"site.layer: {layer} does not exist (the model has "
-                               f"{f.num_layers} layers)")
-        if (hook, layer) not in f.sites:
-            raise ControlError(f"site: {hook}@{layer} is not a configured site; configured: "
-                               f"{', '.join(f.site_names())} (engine option dynsteer.sites)")
-        if probe.fingerprint is not None:
-            served = ModelFingerprint(architecture=f.architecture or "unknown",
-                                      hidden_size=f.hidden_size, num_layers=f.num_layers)
-            problems = probe.fingerprint.mismatches(served)
-            if problems:
-                raise ControlError("fingerprint: " + "; ".join(problems))
+        problems = probe.incompatibilities(self.frontend.model())
+        if problems:
+            raise ControlError("; ".join(problems))
+        site = (probe.site.hook, probe.site.layer)
+        if site not in self.frontend.sites:
+            raise ControlError(f"site: {unconfigured_site(site)}")
         return self.register_probe(probe.name, probe.weights, probe.threshold, probe.sharpness,
-                                   probe.to_json_dict(), replace=replace)
+                                   replace=replace, probe=probe)
 
     def unregister_probe(self, name: str) -> Change:
         """Forget a named probe; requests already admitted keep their gate."""
-        if name not in self.frontend.probes:
-            raise UnknownNameError(f"name: unknown probe {name!r}")
+        return self._forget("probe", name, self.frontend.probes)
+
+    def _forget(self, kind: str, name: str, *registries: dict[str, Any]) -> Change:
+        """Remove ``name`` from ``registries`` (the first one lists the registered names)."""
+        if name not in registries[0]:
+            raise UnknownNameError(f"name: unknown {kind} {name!r}")
 
         def commit() -> None:
-            self.frontend.probes.pop(name, None)
+            for registry in registries:
+                registry.pop(name, None)
             self.frontend.registry_generation += 1
 
-        return Change("dynsteer_unregister_probe", (name,), commit)
+        return Change(f"dynsteer_unregister_{kind}", (name,), commit)
 
     def set_global(self, entries: Sequence[SteerEntry | dict[str, Any]]) -> Change:
         """Steer every request with ``entries`` (added to each request's own steering)."""

@@ -14,6 +14,7 @@ import logging
 
 from fastapi import APIRouter, HTTPException
 
+from dynsteer.controller.contract import site_name
 from dynsteer.controller.http_models import (
     CaptureResponse,
     Deleted,
@@ -21,6 +22,7 @@ from dynsteer.controller.http_models import (
     ProbeSummary,
     ProbeUpload,
 )
+from dynsteer.probes import Probe
 
 from ..frontend.capture import CaptureArgs, capture_async, encode_result
 from .routes import (
@@ -37,11 +39,10 @@ logger = logging.getLogger("vllm.dynsteer.server")
 router = APIRouter(prefix=PREFIX, tags=["dynsteer probes"], route_class=DynsteerRoute)
 
 
-def _summary(info: dict) -> ProbeSummary:
-    site = info.get("site") or {}
-    return ProbeSummary(name=info["name"], site=f"{site.get('hook')}@{site.get('layer')}",
-                        threshold=info["threshold"], sharpness=info["sharpness"],
-                        metadata=info.get("metadata", {}))
+def _summary(probe: Probe) -> ProbeSummary:
+    return ProbeSummary(name=probe.name, site=site_name((probe.site.hook, probe.site.layer)),
+                        threshold=probe.threshold, sharpness=probe.sharpness,
+                        metadata=dict(probe.metadata))
 
 
 @router.post("/probes", response_model=ProbeSummary, status_code=201, dependencies=Guarded)
@@ -55,22 +56,23 @@ async def post_probe(body: ProbeUpload, replace: bool = False,
     if server.store is not None:
         server.store.save_probe(probe)
     await server.apply(change)
-    return _summary(server.frontend.probes[probe.name])
+    return _summary(probe)
 
 
 @router.get("/probes", response_model=ProbeList)
 async def list_probes(server: DynsteerServer = Server) -> ProbeList:
-    probes = server.frontend.probes
-    return ProbeList(probes=[_summary(probes[name]) for name in sorted(probes)])
+    probes = server.frontend.probes  # None: bare weights (offline API only), nothing to show
+    return ProbeList(probes=[_summary(probe) for _, probe in sorted(probes.items())
+                             if probe is not None])
 
 
 @router.get("/probes/{name}")
 async def get_probe(name: str, server: DynsteerServer = Server) -> dict:
     """The probe as :meth:`dynsteer.probes.Probe.to_json_dict` (weights base64 float32)."""
-    info = server.frontend.probes.get(name)
-    if info is None:
+    probe = server.frontend.probes.get(name)
+    if probe is None:
         raise HTTPException(404, f"name: unknown probe {name!r}")
-    return info
+    return probe.to_json_dict()
 
 
 @router.delete("/probes/{name}", response_model=Deleted, dependencies=Guarded)

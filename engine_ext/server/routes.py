@@ -159,7 +159,7 @@ async def post_vector(body: VectorIn, replace: bool = False,
     if server.store is not None:
         server.store.save_vector(body.name, values)
     await server.apply(change)
-    return VectorOut(name=body.name, vector=server.frontend.vectors[body.name])
+    return VectorOut(name=body.name, vector=server.frontend.vectors[body.name].tolist())
 
 
 @router.get("/vectors", response_model=NameList)
@@ -172,7 +172,7 @@ async def get_vector(name: str, server: DynsteerServer = Server) -> VectorOut:
     values = server.frontend.vectors.get(name)
     if values is None:
         raise HTTPException(404, f"name: unknown vector {name!r}")
-    return VectorOut(name=name, vector=values)
+    return VectorOut(name=name, vector=values.tolist())
 
 
 @router.delete("/vectors/{name}", response_model=Deleted, dependencies=Guarded)

@@ -91,7 +91,10 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         state.fill(slot_map.lookup(req_ids) if slots is None else slots, num_computed,
                    num_scheduled)
 
-    vllm_worker.install_step_hooks(runner, on_add, on_remove, on_step, state.cache_report)
+    timer = state.host_time
+    vllm_worker.install_step_hooks(
+        runner, timer.timed("admit", on_add), timer.timed("finish", on_remove),
+        timer.timed("step", on_step), timer.timed("output", state.cache_report))
     logger.info(
         "dynsteer: %d steering sites on %s (max_rows=%d, capture %d lanes x %d tokens)",
         len(installed), type(facts.model).__name__, options.max_rows, options.capture_lanes,

@@ -20,7 +20,6 @@ current pass's gets no rows, so it can neither write into another capture's rows
 
 from __future__ import annotations
 
-import base64
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from dynsteer.controller.contract import Site, parse_site_name, site_name
+from dynsteer.controller.contract import Site, encode_f32, parse_site_name, site_name
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -161,8 +160,8 @@ class CaptureBuffers:
                 continue
             if reply and lanes:
                 rows = self.capture[:, entry.start:entry.start + entry.length]
-                items[key] = {"tokens": entry.length,
-                              "data": _encode(_reduce(rows.index_select(0, lane_index), reduce))}
+                reduced = _reduce(rows.index_select(0, lane_index), reduce)
+                items[key] = {"tokens": entry.length, "data": encode_f32(reduced.cpu().numpy())}
         if not reply:
             return None
         return {"sites": [site_name(site) for _, site in lanes], "hidden": self.hidden_size,
@@ -271,7 +270,3 @@ def _reduce(rows: torch.Tensor, reduce: str) -> torch.Tensor:
         return rows.mean(dim=1, keepdim=True)
     return rows
 
-
-def _encode(values: torch.Tensor) -> str:
-    array = np.ascontiguousarray(values.detach().cpu().numpy(), dtype="<f4")
-    return base64.b64encode(array.tobytes()).decode("ascii")

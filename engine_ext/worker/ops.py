@@ -1,17 +1,24 @@
 """The in-graph steering op: ``dynsteer::steer``, one call per configured site.
 
 For every token ``t`` of the step (``x`` is the tensor steered, ``h`` the other half of the
-residual stream, so the stream is ``x + h``; ``h`` is None where ``x`` is the whole stream):
+residual stream, so the stream is ``x + h``; ``h`` is None where ``x`` is the whole stream;
+``gate``/``score`` are the rows ``GATE``/``SCORE`` of ``gate_score``):
 
-    p = probe_rows[t]                                   (0: no probe)
-    if p and params[p].site == site:                    (this is t's monitor site)
+    r, p, c = index[INDEX_ROW, t], index[INDEX_PROBE, t], index[INDEX_CAPTURE, t]  (0: none)
+    if p and params[p, PARAM_SITE] == site:             (this is t's monitor site)
         score[t] = (x[t] + h[t]) · probes[p]            (fp32 accumulate)
-        gate[t]  = sigmoid(params[p].sharpness * (score[t] - params[p].threshold))   (NaN: 0)
-    c, lane = capture_rows[t], site_lane[site]          (0 / -1: not captured)
+        gate[t]  = sigmoid(params[p, PARAM_SHARPNESS] * (score[t] - params[p, PARAM_THRESHOLD]))
+                                                        (NaN: 0)
+    lane = site_lane[site]                              (-1: this site is not captured)
     if c and lane >= 0:
         capture[lane, c] = x[t] + h[t]                   (fp32, the stream the monitor reads)
-    y = x[t] + table[rows[t]] + gate[t] * dyn[rows[t]]      (fp32)
-    out[t] = y where |y| <= limit, else x[t]                (element-wise; NaN fails the test)
+    y = x[t] + table[r] + gate[t] * dyn[r]              (fp32)
+    out[t] = y where |y| <= limit, else x[t]            (element-wise; NaN fails the test)
+
+The op's inputs besides ``x``, ``h`` and ``site`` are the fields of :class:`SteerBuffers`, in
+that order (the op's schema is derived from it). ``index`` and ``gate_score`` are the whole
+per-token buffers (``max_tokens`` columns): the op reads and writes only the first
+``T = x.shape[0]`` columns, so callers pass them unsliced.
 
 Row 0 of ``table``/``dyn`` is zero (not steered); ``flags[row]`` says which of the two a row
 uses so unused rows are never read. The monitor reads the stream *before* this site's
@@ -27,15 +34,16 @@ corrupt *their* outputs. An element the model itself made non-finite is passed t
 
 Capture (activations for probe training, see :mod:`.capture_buffers`) stores the same
 pre-steering stream into ``capture[K, C + 1, H]``: ``site_lane[S]`` maps each site to one of
-the K lanes (-1: this site is not being captured) and ``capture_rows[t]`` is the capture row
-of token ``t``, 0 meaning "not captured" like row 0 everywhere else, so padding tokens and a
-cleared index never write (row 0 of the buffer is never written). The buffer is float32: it
-holds exactly the fp32 sum the monitor's probes are applied to, and numpy (the consumer) has
-no bfloat16. Tokens that are not captured cost one int load.
+the K lanes (-1: this site is not being captured) and ``index[INDEX_CAPTURE, t]`` is the
+capture row of token ``t``, 0 meaning "not captured" like row 0 everywhere else, so padding
+tokens and a cleared index never write (row 0 of the buffer is never written). The buffer is
+float32: it holds exactly the fp32 sum the monitor's probes are applied to, and numpy (the
+consumer) has no bfloat16. Tokens that are not captured cost one int load.
 
-Graph safety: every input is a persistent buffer updated in place between steps; no host sync
-on CUDA, no Python state. ``gate``/``score`` are per-token scratch outputs written in place but
-*not* declared as mutated: declaring them would make functionalization copy both buffers at
+Graph safety: every input is a persistent buffer updated in place between steps (``index``
+is read only; the CUDA path reads its shapes and strides, never its values, on the host): no
+host sync on CUDA, no Python state. ``gate_score`` is per-token scratch output written in place
+but *not* declared as mutated: declaring it would make functionalization copy the buffer at
 every site. Their writes are ordered by the residual stream itself (a later site's input is
 computed from an earlier site's output), which no compiler pass can reorder. ``capture`` is
 written in place and not declared either, for the same reason (it is large); nothing in the
@@ -45,6 +53,8 @@ CUDA runs the Triton kernel in :mod:`.triton_kernels`; other devices run torch.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dynsteer.controller.limits import STREAM_ABS_LIMIT
@@ -52,7 +62,45 @@ from dynsteer.controller.limits import STREAM_ABS_LIMIT
 OP_NAMESPACE = "dynsteer"
 STATIC_FLAG = 1
 DYNAMIC_FLAG = 2
+"""Bits of ``flags[row]``: the row uses ``table`` (static) / ``dyn`` (gated)."""
 PARAM_THRESHOLD, PARAM_SHARPNESS, PARAM_SITE = 0, 1, 2
+"""Columns of ``params[probe]``."""
+INDEX_ROW, INDEX_PROBE, INDEX_CAPTURE = 0, 1, 2
+"""Rows of ``index``: steering row, probe row, capture row of each token."""
+INDEX_ROWS = 3
+GATE, SCORE = 0, 1
+"""Rows of ``gate_score``."""
+
+
+class SteerBuffers(NamedTuple):
+    """The op's persistent buffers, in the op's argument order (after ``x`` and ``h``, before
+    ``site``): the one place that lists them. Callers pass ``*buffers``."""
+
+    index: torch.Tensor
+    """int32 ``[INDEX_ROWS, T]``: each token's steering, probe and capture row (0: none)."""
+    gate_score: torch.Tensor
+    """float32 ``[2, T]``: each token's gate and probe score (written at its monitor site)."""
+    table: torch.Tensor
+    """float32 ``[R, H]``: this site's static tier per steering row."""
+    dyn: torch.Tensor
+    """float32 ``[R, H]``: this site's gated tier per steering row."""
+    flags: torch.Tensor
+    """int32 ``[R]``: ``STATIC_FLAG | DYNAMIC_FLAG`` bits of the tiers each row uses."""
+    probes: torch.Tensor
+    """float32 ``[P, H]``: probe weights."""
+    params: torch.Tensor
+    """float32 ``[P, 3]``: threshold, sharpness and monitor site of each probe."""
+    capture: torch.Tensor
+    """float32 ``[K, C + 1, H]``, contiguous: the capture buffer shared by all sites."""
+    site_lane: torch.Tensor
+    """int32 ``[S]``: each site's capture lane (-1: not captured)."""
+
+
+STEER_SCHEMA = ("(Tensor x, Tensor? h, " + "".join(f"Tensor {f}, " for f in SteerBuffers._fields)
+                + "int site) -> Tensor")
+"""The op's schema, derived from :class:`SteerBuffers` (nothing declared as mutated: see the
+module docstring), so adding an input is adding a field there and reading it in both
+implementations."""
 
 
 def _monitor(x, h, probe_rows, probes, params, gate, score, site: int) -> None:
@@ -85,15 +133,18 @@ def _capture(x, h, capture_rows, capture, site_lane, site: int) -> None:
     capture[lane].index_copy_(0, c.index_select(0, idx), stream)
 
 
-def steer_torch(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score,
-                capture_rows, capture, site_lane, site: int) -> torch.Tensor:
+def steer_torch(x: torch.Tensor, h: torch.Tensor | None, b: SteerBuffers,
+                site: int) -> torch.Tensor:
     """Plain torch version; the CPU implementation."""
-    _capture(x, h, capture_rows, capture, site_lane, site)
-    _monitor(x, h, probe_rows, probes, params, gate, score, site)
-    r = rows.to(torch.long)
-    delta = table.index_select(0, r)
-    if bool(((flags.index_select(0, r) & DYNAMIC_FLAG) != 0).any()):
-        delta = delta + gate[: x.shape[0], None] * dyn.index_select(0, r)
+    n = x.shape[0]
+    index = b.index[:, :n]
+    gate, score = b.gate_score[GATE], b.gate_score[SCORE]
+    _capture(x, h, index[INDEX_CAPTURE], b.capture, b.site_lane, site)
+    _monitor(x, h, index[INDEX_PROBE], b.probes, b.params, gate, score, site)
+    r = index[INDEX_ROW].to(torch.long)
+    delta = b.table.index_select(0, r)
+    if bool(((b.flags.index_select(0, r) & DYNAMIC_FLAG) != 0).any()):
+        delta = delta + gate[:n, None] * b.dyn.index_select(0, r)
     x32 = x.to(torch.float32)
     y = x32 + delta
     y = torch.where(y.abs() <= stream_limit(x.dtype), y, x32)
@@ -105,24 +156,23 @@ def stream_limit(dtype: torch.dtype) -> float:
     return min(STREAM_ABS_LIMIT, float(torch.finfo(dtype).max))
 
 
-@torch.library.custom_op(f"{OP_NAMESPACE}::steer", mutates_args=())
-def steer(
-    x: torch.Tensor, h: torch.Tensor | None, rows: torch.Tensor, probe_rows: torch.Tensor,
-    table: torch.Tensor, dyn: torch.Tensor, flags: torch.Tensor, probes: torch.Tensor,
-    params: torch.Tensor, gate: torch.Tensor, score: torch.Tensor, capture_rows: torch.Tensor,
-    capture: torch.Tensor, site_lane: torch.Tensor, site: int,
-) -> torch.Tensor:
-    """Capture + monitor + static + gated steering of one site (see the module docstring)."""
+@torch.library.custom_op(f"{OP_NAMESPACE}::steer", mutates_args=(), schema=STEER_SCHEMA)
+def steer(x: torch.Tensor, h: torch.Tensor | None, *args) -> torch.Tensor:
+    """Capture + monitor + static + gated steering of one site (see the module docstring):
+    ``steer(x, h, *buffers, site)`` with ``buffers`` a :class:`SteerBuffers`."""
+    *buffers, site = args
+    b = SteerBuffers(*buffers)
+    tokens = x.shape[0]
+    if b.index.shape[-1] < tokens or b.gate_score.shape[-1] < tokens:
+        raise ValueError(f"dynsteer::steer: {tokens} tokens, but index {tuple(b.index.shape)} "
+                         f"and gate_score {tuple(b.gate_score.shape)}")
     if x.is_cuda:
         from .triton_kernels import steer_triton
 
-        return steer_triton(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate,
-                            score, capture_rows, capture, site_lane, site, stream_limit(x.dtype))
-    return steer_torch(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score,
-                       capture_rows, capture, site_lane, site)
+        return steer_triton(x, h, b, site, stream_limit(x.dtype))
+    return steer_torch(x, h, b, site)
 
 
 @steer.register_fake
-def _steer_fake(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score,
-                capture_rows, capture, site_lane, site):
+def _steer_fake(x, h, *args):
     return torch.empty_like(x)

@@ -2,12 +2,16 @@
 
 Reached through ``collective_rpc`` so every TP rank applies the same change in the same order.
 Names carry a ``dynsteer_`` prefix so they cannot clash with the worker's own attributes.
-Arguments are plain JSON-able values (lists of floats, dicts), never pickled objects.
+Arguments are plain msgpack-able values, never pickled objects: the control plane's changes
+arrive checked, in the resolved form of :mod:`dynsteer.controller.wire` (float32 bytes, numbers,
+names; see :mod:`dynsteer.engine_ext.frontend.control_plane`), and are applied as they are.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from dynsteer.controller.wire import WireEntry, WireProbe
 
 from ..compat import worker as vllm_worker
 from .state import SteeringState
@@ -22,18 +26,19 @@ class DynsteerWorkerExtension:
             raise RuntimeError("dynsteer is not active on this worker (model not loaded?)")
         return state
 
-    def dynsteer_register_vector(self, name: str, values: list[float]) -> None:
-        self._dynsteer().register_vector(name, values)
+    def dynsteer_register_vector(self, name: str, data: bytes) -> None:
+        """``data``: the vector's little-endian float32 bytes."""
+        self._dynsteer().register_vector(name, data)
 
     def dynsteer_unregister_vector(self, name: str) -> None:
         self._dynsteer().unregister_vector(name)
 
-    def dynsteer_set_global(self, entries: list[dict[str, Any]]) -> None:
+    def dynsteer_set_global(self, entries: list[WireEntry]) -> None:
         self._dynsteer().set_global(entries)
 
-    def dynsteer_register_probe(self, name: str, weights: list[float], threshold: float,
-                                sharpness: float) -> None:
-        self._dynsteer().register_probe(name, weights, threshold, sharpness)
+    def dynsteer_register_probe(self, name: str, probe: WireProbe) -> None:
+        """``probe``: ``[weights float32 bytes, threshold, sharpness]``."""
+        self._dynsteer().register_probe(name, probe)
 
     def dynsteer_unregister_probe(self, name: str) -> None:
         self._dynsteer().unregister_probe(name)

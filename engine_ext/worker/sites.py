@@ -14,49 +14,33 @@ from torch import nn
 from dynsteer.controller.contract import Site
 
 from ..compat.model import wrap_sites
+from .ops import SteerBuffers
 
 
 @dataclass(frozen=True)
 class SiteBuffers:
-    """The persistent buffers one site's op reads (views into the worker's steering state)."""
+    """What one site's op reads: its position and the worker's steering buffers (views)."""
 
-    index: int
+    position: int
     """Position of the site in forward order (what probe params store as the monitor site)."""
-    rows: torch.Tensor
-    probe_rows: torch.Tensor
-    table: torch.Tensor
-    dyn: torch.Tensor
-    flags: torch.Tensor
-    probes: torch.Tensor
-    params: torch.Tensor
-    gate: torch.Tensor
-    score: torch.Tensor
-    capture_rows: torch.Tensor
-    """Per-token capture row (0: not captured)."""
-    capture: torch.Tensor
-    """The capture buffer ``[K, C + 1, H]`` shared by all sites."""
-    site_lane: torch.Tensor
-    """Per site: its capture lane, -1 when not captured."""
+    buffers: SteerBuffers
+    """The op's buffers; ``table``, ``dyn`` and ``flags`` are this site's."""
 
 
 class SiteOp(nn.Module):
     """The steering op of one site; buffers are shared with the worker's steering state."""
 
-    def __init__(self, buffers: SiteBuffers) -> None:
+    def __init__(self, site: SiteBuffers) -> None:
         super().__init__()
-        self.site_index = buffers.index
-        for name in ("rows", "probe_rows", "table", "dyn", "flags", "probes", "params", "gate",
-                     "score", "capture_rows", "capture", "site_lane"):
-            self.register_buffer(name, getattr(buffers, name), persistent=False)
+        self.position = site.position
+        for name, buffer in site.buffers._asdict().items():
+            self.register_buffer(name, buffer, persistent=False)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
-        """Steer ``x``; the stream the monitor reads is ``x + h`` (``x`` alone when h is None)."""
-        n = x.shape[0]
-        return torch.ops.dynsteer.steer(
-            x, h, self.rows[:n], self.probe_rows[:n], self.table, self.dyn, self.flags,
-            self.probes, self.params, self.gate, self.score, self.capture_rows[:n], self.capture,
-            self.site_lane, self.site_index,
-        )
+        """Steer ``x``; the stream the monitor reads is ``x + h`` (``x`` alone when h is None).
+        The per-token buffers go in whole: the op reads their first ``x.shape[0]`` columns."""
+        buffers = [getattr(self, name) for name in SteerBuffers._fields]
+        return torch.ops.dynsteer.steer(x, h, *buffers, self.position)
 
 
 def install_sites(model: nn.Module, buffers: dict[Site, SiteBuffers]) -> list[Site]:

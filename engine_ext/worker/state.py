@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from dynsteer.controller.contract import Site
+from dynsteer.controller.contract import Site, site_name
 from dynsteer.controller.wire import (
     F32,
     HOOK,
@@ -28,9 +28,12 @@ from dynsteer.controller.wire import (
     VECTOR,
     WIRE_KEY,
     WireEntry,
+    WireProbe,
 )
 
 from .capture_buffers import CaptureBuffers
+from .host_time import HostTime
+from .ops import GATE, SCORE, SteerBuffers
 from .rows import Contents, ProbeRow, ProbeTable, RowTable, add_contents
 from .sites import SiteBuffers
 from .telemetry import GateTelemetry
@@ -104,12 +107,14 @@ class SteeringState:
         self.probe_table = ProbeTable(sites, hidden_size, max_rows, device)
         self.token_rows = TokenRows(max_tokens, device)
         self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
-        """Per-token gate (row 0, written at each token's monitor site) and probe score (row 1)
-        of the step: one buffer, so the read-back is one copy."""
-        self.gate, self.score = self.gate_score[0], self.gate_score[1]
-        self.telemetry = GateTelemetry(self.gate_score, [f"{h}@{n}" for h, n in sites],
+        """Per-token gate (row ``GATE``, written at each token's monitor site) and probe score
+        (row ``SCORE``) of the step: one buffer, so the read-back is one copy."""
+        self.gate, self.score = self.gate_score[GATE], self.gate_score[SCORE]
+        self.telemetry = GateTelemetry(self.gate_score, [site_name(s) for s in sites],
                                        block_size, max_slots)
         """Gate counters and the prefix-guard report; ``block_size`` is the KV block size."""
+        self.host_time = HostTime()
+        """Host time of the runner hooks (attached by :mod:`.attach`)."""
         self.capture = CaptureBuffers(sites, capture_lanes, capture_tokens, hidden_size,
                                       max_slots, device)
         """Activation capture for probe training (off, and no memory, with 0 lanes)."""
@@ -130,14 +135,10 @@ class SteeringState:
         self._resolved: OrderedDict[tuple[str, int], _Resolved] = OrderedDict()
 
     # ---- control plane -------------------------------------------------------------------
-    def register_vector(self, name: str, values: list[float] | np.ndarray) -> None:
-        """Add or replace a named vector (requests already admitted keep the old values)."""
-        vec = np.asarray(values, dtype=np.float32)
-        if vec.shape != (self.hidden_size,) or not np.isfinite(vec).all():
-            raise ValueError(
-                f"vector {name!r}: expected {self.hidden_size} finite floats, got shape {vec.shape}"
-            )
-        self.vectors[name] = vec
+    def register_vector(self, name: str, data: bytes) -> None:
+        """Add or replace a named vector, given as the little-endian float32 bytes the frontend
+        checked (requests already admitted keep the old values)."""
+        self.vectors[name] = np.frombuffer(data, dtype=F32)
         self._versions[0] += 1
 
     def unregister_vector(self, name: str) -> None:
@@ -145,17 +146,13 @@ class SteeringState:
         del self.vectors[name]
         self._versions[0] += 1
 
-    def register_probe(self, name: str, weights: list[float] | np.ndarray, threshold: float,
-                       sharpness: float) -> None:
-        """Add or replace a named probe (requests already admitted keep the old one)."""
-        w = np.asarray(weights, dtype=np.float32)
-        if w.shape != (self.hidden_size,) or not np.isfinite(w).all():
-            raise ValueError(
-                f"probe {name!r}: expected {self.hidden_size} finite weights, got shape {w.shape}"
-            )
-        if not (np.isfinite(threshold) and np.isfinite(sharpness) and sharpness > 0):
-            raise ValueError(f"probe {name!r}: threshold must be finite and sharpness > 0")
-        self.probes[name] = RegisteredProbe(w, float(threshold), float(sharpness))
+    def register_probe(self, name: str, probe: WireProbe) -> None:
+        """Add or replace a named probe, given in the resolved form the frontend checked
+        (``[weights bytes, threshold, sharpness]``); requests already admitted keep the old
+        one."""
+        weights, threshold, sharpness = probe
+        self.probes[name] = RegisteredProbe(np.frombuffer(weights, dtype=F32), float(threshold),
+                                            float(sharpness))
         self._versions[0] += 1
 
     def unregister_probe(self, name: str) -> None:
@@ -201,9 +198,8 @@ class SteeringState:
         if self._steers(slot):
             self.requests_steered += 1
         if probe is not None:
-            hook, layer = probe.site
             dynamic_from = 0 if gated["prefill"] else (prompt_len if gated["decode"] else None)
-            self.telemetry.admit(req_id, slot, prompt_len, site=f"{hook}@{layer}",
+            self.telemetry.admit(req_id, slot, prompt_len, site=site_name(probe.site),
                                  dynamic_from=dynamic_from, trace=resolved.trace)
 
     def remove_request(self, req_id: str) -> None:
@@ -380,19 +376,18 @@ class SteeringState:
         out = {}
         for site in self.sites:
             i = self.rows.site_index(site)
-            out[site] = SiteBuffers(
-                index=i, rows=self.token_rows.rows, probe_rows=self.token_rows.probe_rows,
+            out[site] = SiteBuffers(position=i, buffers=SteerBuffers(
+                index=self.token_rows.buffer, gate_score=self.gate_score,
                 table=self.rows.table[i], dyn=self.rows.dyn[i], flags=self.rows.flags[i],
                 probes=self.probe_table.probes, params=self.probe_table.params,
-                gate=self.gate, score=self.score, capture_rows=self.token_rows.capture_rows,
                 capture=self.capture.capture, site_lane=self.capture.site_lane,
-            )
+            ))
         return out
 
     def info(self) -> dict[str, Any]:
         """Counters for tests, metrics and the info RPC."""
         return {
-            "sites": [f"{hook}@{layer}" for hook, layer in self.sites],
+            "sites": [site_name(s) for s in self.sites],
             "rows_in_use": self.rows.in_use,
             "rows_rejected": self.rows.rejected,
             "max_rows": self.rows.max_rows,
@@ -406,4 +401,5 @@ class SteeringState:
             "capture_rows_in_use": self.capture.rows_in_use,
             "tokens_monitored": dict(self.telemetry.tokens_monitored),
             "tokens_gated": dict(self.telemetry.tokens_gated),
+            "host_time": self.host_time.summary(),
         }

@@ -1,19 +1,23 @@
 """The per-token index: the steering, probe and capture row of each token of the step.
 
-A persistent ``int32[3, max_tokens]`` buffer (row 0: steering rows, row 1: probe rows, row 2:
-capture rows) the ops slice with the step's token count. 0 means "none" in all three, so a
-cleared index and padding are inert. It is filled once per step, before the forward, from
-per-request values (a steering row for prompt positions, one for generated positions, one
-probe row, the first capture row of the prompt) with vectorized numpy: no per-token or
-per-request Python on the hot path. Tokens past the step's count (CUDA-graph padding) are kept
-at 0. On CUDA the fill is one non-blocking copy from a pinned staging buffer, skipped entirely
-when nothing changed since the previous step (the common decode case) or nothing is steered.
+A persistent ``int32[INDEX_ROWS, max_tokens]`` buffer (rows ``INDEX_ROW``: steering rows,
+``INDEX_PROBE``: probe rows, ``INDEX_CAPTURE``: capture rows; see :mod:`.ops`) the ops take
+whole and read the first ``T`` columns of, ``T`` the step's token count. 0 means "none" in all
+three, so a cleared index and padding are inert. It is filled once per step, before the
+forward, from per-request values (a steering row for prompt positions, one for generated
+positions, one probe row, the first capture row of the prompt) with vectorized numpy: no
+per-token or per-request Python on the hot path. Tokens past the step's count (CUDA-graph
+padding) are kept at 0. On CUDA the fill is one non-blocking copy from a pinned staging buffer,
+skipped entirely when nothing changed since the previous step (the common decode case) or
+nothing is steered.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from .ops import INDEX_CAPTURE, INDEX_PROBE, INDEX_ROW, INDEX_ROWS
 
 
 def expand_positions(num_computed: np.ndarray, num_scheduled: np.ndarray) -> np.ndarray:
@@ -22,19 +26,15 @@ def expand_positions(num_computed: np.ndarray, num_scheduled: np.ndarray) -> np.
     return np.arange(int(num_scheduled.sum())) + np.repeat(num_computed - starts, num_scheduled)
 
 
-INDEX_ROWS = 3
-"""Rows of the index: steering row, probe row, capture row."""
-
-
 class TokenRows:
     """Owns the device index buffer the ops read and fills it each step."""
 
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.device = device
         self.buffer = torch.zeros(INDEX_ROWS, max_tokens, dtype=torch.int32, device=device)
-        self.rows = self.buffer[0]
-        self.probe_rows = self.buffer[1]
-        self.capture_rows = self.buffer[2]
+        self.rows = self.buffer[INDEX_ROW]
+        self.probe_rows = self.buffer[INDEX_PROBE]
+        self.capture_rows = self.buffer[INDEX_CAPTURE]
         self._on_host = device.type == "cpu"
         if self._on_host:
             self._host = [self.buffer.numpy()]
@@ -85,12 +85,12 @@ class TokenRows:
                             np.repeat(decode_rows, num_scheduled))
         else:
             rows = np.repeat(prefill_rows, num_scheduled)
+        index = np.zeros((INDEX_ROWS, len(rows)), dtype=np.int32)
+        index[INDEX_ROW] = rows
+        index[INDEX_PROBE] = np.repeat(probe_rows, num_scheduled)
         if capturing:
             starts = np.repeat(capture_starts, num_scheduled)
-            captured = np.where(in_prompt & (starts != 0), starts + positions, 0)
-        else:
-            captured = np.zeros_like(rows)
-        index = np.stack([rows, np.repeat(probe_rows, num_scheduled), captured]).astype(np.int32)
+            index[INDEX_CAPTURE] = np.where(in_prompt & (starts != 0), starts + positions, 0)
         if not index.any():
             self.clear()
         elif not np.array_equal(index, self._last):

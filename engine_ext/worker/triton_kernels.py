@@ -16,21 +16,40 @@ import torch
 import triton
 import triton.language as tl
 
+from . import ops
+
+# The layout constants of ops.py, as globals a jitted function may read.
+STATIC_FLAG = tl.constexpr(ops.STATIC_FLAG)
+DYNAMIC_FLAG = tl.constexpr(ops.DYNAMIC_FLAG)
+PARAM_THRESHOLD = tl.constexpr(ops.PARAM_THRESHOLD)
+PARAM_SHARPNESS = tl.constexpr(ops.PARAM_SHARPNESS)
+PARAM_SITE = tl.constexpr(ops.PARAM_SITE)
+INDEX_ROW = tl.constexpr(ops.INDEX_ROW)
+INDEX_PROBE = tl.constexpr(ops.INDEX_PROBE)
+INDEX_CAPTURE = tl.constexpr(ops.INDEX_CAPTURE)
+GATE = tl.constexpr(ops.GATE)
+SCORE = tl.constexpr(ops.SCORE)
+
 
 @triton.jit
 def _steer_kernel(
-    x_ptr, h_ptr, out_ptr, rows_ptr, prow_ptr, table_ptr, dyn_ptr, flags_ptr, probes_ptr,
-    params_ptr, gate_ptr, score_ptr, crow_ptr, capture_ptr, site_lane_ptr, site, hidden,
-    x_stride, h_stride, out_stride, lane_stride, limit,
+    x_ptr, h_ptr, out_ptr,
+    # SteerBuffers, in its order
+    index_ptr, gate_score_ptr, table_ptr, dyn_ptr, flags_ptr, probes_ptr, params_ptr,
+    capture_ptr, site_lane_ptr,
+    site, hidden, x_stride, h_stride, out_stride, index_stride, gate_score_stride,
+    params_stride, lane_stride, limit,
     HAS_H: tl.constexpr, BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    c = tl.load(crow_ptr + t)
-    row = tl.load(rows_ptr + t).to(tl.int64)
+    c = tl.load(index_ptr + INDEX_CAPTURE * index_stride + t)
+    row = tl.load(index_ptr + INDEX_ROW * index_stride + t).to(tl.int64)
     flags = tl.load(flags_ptr + row)
-    p = tl.load(prow_ptr + t).to(tl.int64)
-    g = tl.load(gate_ptr + t)
-    monitor_site = tl.load(params_ptr + p * 3 + 2).to(tl.int32)
+    p = tl.load(index_ptr + INDEX_PROBE * index_stride + t).to(tl.int64)
+    gate_ptr = gate_score_ptr + GATE * gate_score_stride + t
+    g = tl.load(gate_ptr)
+    param_ptr = params_ptr + p * params_stride
+    monitor_site = tl.load(param_ptr + PARAM_SITE).to(tl.int32)
     if (p != 0) & (monitor_site == site):
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, hidden, BLOCK):
@@ -42,15 +61,15 @@ def _steer_kernel(
             w = tl.load(probes_ptr + p * hidden + offs, mask=mask, other=0.0)
             acc += s * w
         score = tl.sum(acc, axis=0)
-        threshold = tl.load(params_ptr + p * 3)
-        sharpness = tl.load(params_ptr + p * 3 + 1)
+        threshold = tl.load(param_ptr + PARAM_THRESHOLD)
+        sharpness = tl.load(param_ptr + PARAM_SHARPNESS)
         z = sharpness * (score - threshold)
         g = 1.0 / (1.0 + tl.exp(-z))
         g = tl.where(g == g, g, 0.0)  # a NaN stream or score must not gate anything
-        tl.store(score_ptr + t, score)
-        tl.store(gate_ptr + t, g)
-    use_static = (flags & 1) != 0
-    use_dynamic = (flags & 2) != 0
+        tl.store(gate_score_ptr + SCORE * gate_score_stride + t, score)
+        tl.store(gate_ptr, g)
+    use_static = (flags & STATIC_FLAG) != 0
+    use_dynamic = (flags & DYNAMIC_FLAG) != 0
     for start in range(0, hidden, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hidden
@@ -75,26 +94,31 @@ def _steer_kernel(
                     v += tl.load(h_ptr + t * h_stride + offs, mask=mask, other=0.0).to(tl.float32)
                 tl.store(capture_ptr + base + offs, v, mask=mask)
 
+
 def _block_for(hidden: int) -> int:
     return min(2048, triton.next_power_of_2(hidden))
 
 
-def steer_triton(x, h, rows, probe_rows, table, dyn, flags, probes, params, gate, score,
-                 capture_rows, capture, site_lane, site: int, limit: float) -> torch.Tensor:
-    """CUDA implementation of ``dynsteer::steer`` (``capture``: contiguous float32)."""
+def steer_triton(x: torch.Tensor, h: torch.Tensor | None, b: ops.SteerBuffers, site: int,
+                 limit: float) -> torch.Tensor:
+    """CUDA implementation of ``dynsteer::steer``: reads the first ``x.shape[0]`` columns of
+    ``index`` and ``gate_score`` (row strides are passed; element strides must be 1)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if h is not None and h.stride(-1) != 1:
         h = h.contiguous()
+    if b.index.stride(-1) != 1 or b.gate_score.stride(-1) != 1 or not b.capture.is_contiguous():
+        # Not copied: the writes to gate_score and capture would be lost.
+        raise ValueError("dynsteer::steer: index, gate_score and capture need unit stride")
     tokens, hidden = x.shape
     out = torch.empty_like(x)
     if tokens == 0:
         return out
     block = _block_for(hidden)
+    hh = h if h is not None else x
     _steer_kernel[(tokens,)](
-        x, h if h is not None else x, out, rows, probe_rows, table, dyn, flags, probes, params,
-        gate, score, capture_rows, capture, site_lane, site, hidden, x.stride(0),
-        (h if h is not None else x).stride(0), out.stride(0), capture.stride(0), limit,
-        HAS_H=h is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8,
+        x, hh, out, *b, site, hidden, x.stride(0), hh.stride(0), out.stride(0),
+        b.index.stride(0), b.gate_score.stride(0), b.params.stride(0), b.capture.stride(0),
+        limit, HAS_H=h is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8,
     )
     return out
