@@ -215,7 +215,7 @@ def engine_check(workdir: Path) -> dict[str, Any]:
     import numpy as np
     from engine_utils import logprobs_of, params, run, start_llm, stop_llm
     from hf_reference import load_hf, reference_logprobs
-    from test_steering_reference import CASES
+    from tiny_models import STATIC_CASES as CASES
     from tiny_models import make_tiny_model
 
     from dynsteer.engine_ext import Steering
