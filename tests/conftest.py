@@ -10,18 +10,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, stable_model_dir
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
-    """``tiny_model_dir(arch)`` -> path of a tiny random model (built once per session)."""
-    cache: dict[str, Path] = {}
+def tiny_model_dir():
+    """``tiny_model_dir(arch)`` -> path of a tiny random model (the same path in every run,
+    so vLLM's compile cache is reused; see ``tiny_models.stable_model_dir``)."""
 
     def get(arch: str) -> Path:
-        if arch not in cache:
-            cache[arch] = make_tiny_model(arch, tmp_path_factory.mktemp(f"tiny_{arch}"))
-        return cache[arch]
+        return stable_model_dir(f"tiny-{arch}", lambda path: make_tiny_model(arch, path), arch)
 
     return get
 
@@ -35,9 +33,9 @@ def hf_llama(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def chat_model() -> Path:
     """A tiny Llama with the embedded model's tokenizer and chat template (see
-    ``server_utils.make_chat_model``)."""
+    ``server_utils.make_chat_model``), at a stable path like ``tiny_model_dir``."""
     from server_utils import make_chat_model
 
-    return make_chat_model(tmp_path_factory.mktemp("chat_model"))
+    return stable_model_dir("tiny-chat", make_chat_model, "chat")

@@ -6,6 +6,12 @@ Head dim 64 (the CPU attention backend's smallest supported size), fp32, 4 layer
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -72,3 +78,36 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0, vocab: int = VOCAB) ->
     model.config.torch_dtype = "float32"
     model.save_pretrained(path)
     return path
+
+
+MODELS_ENV = "DYNSTEER_TEST_MODELS"
+"""Where test models are kept between runs (default ``~/.cache/dynsteer/test-models``)."""
+
+
+def stable_model_dir(name: str, build: Callable[[Path], object], *key: object) -> Path:
+    """A model folder at a path that is the same in every run with the same ``key`` and the
+    same generating code, built once (atomically: parallel runs may race).
+
+    vLLM's compile cache is keyed by the model's path among the rest of the configuration, so
+    a test model in a fresh temporary folder is compiled from scratch at every run; at a stable
+    path a later run's engines load the compiled graph instead.
+    """
+    import transformers
+
+    digest = hashlib.sha256(repr((inspect.getsource(make_tiny_model), key,
+                                  transformers.__version__)).encode()).hexdigest()[:16]
+    root = Path(os.environ.get(MODELS_ENV) or Path.home() / ".cache/dynsteer/test-models")
+    folder = root / f"{name}-{digest}"
+    if (folder / "config.json").exists():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        build(staging)
+        os.replace(staging, folder)
+    except OSError:
+        if not (folder / "config.json").exists():  # lost a race: the winner's copy is used
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
