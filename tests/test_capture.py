@@ -202,9 +202,7 @@ def test_worker_captures_prompt_rows_of_its_pass_and_frees_them():
     SiteOp(buffers[("post_block", 0)])(x, h)  # no lane: writes nothing
     reply = state.capture.collect(["t.0:0", "stale.0:1"], "all", reply=True)
     assert reply["sites"] == ["post_block@1"] and list(reply["missing"]) == ["stale.0:1"]
-    import base64
-
-    data = np.frombuffer(base64.b64decode(reply["items"]["t.0:0"]["data"]), np.float32)
+    data = np.frombuffer(reply["items"]["t.0:0"]["data"], "<f4")
     np.testing.assert_allclose(data.reshape(3, 4), (x + h)[:3].numpy(), rtol=1e-6)
     assert state.capture.rows_in_use == 0 and not state.needs_fill
 

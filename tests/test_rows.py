@@ -182,3 +182,24 @@ def test_released_rows_stay_warm_until_their_slot_is_needed(monkeypatch):
     assert site_rows(rows, ("post_block", 1))[rc][0] == 3
     assert rows.acquire({("post_block", 1): b}) == rb and writes == [ra, rb, ra]
     assert rows.acquire({("post_block", 1): a}) is None  # both rows referenced: full
+
+
+def test_specs_with_equal_contents_share_one_row():
+    """Rows are shared by content, not by spec: 32 distinct gates (distinct probes) gating the
+    same vector in both phases take one row between them (keyed by spec and phase they took
+    64, so past ``max_rows`` requests ran unsteered). A repeated spec finds its row by key."""
+    state = SteeringState(SITES, 4, max_rows=32, max_tokens=64, max_slots=40,
+                          device=torch.device("cpu"), block_size=4)
+    rng = np.random.default_rng(0)
+    for i in range(32):
+        spec = {"gate": {"probe": {"weights": rng.standard_normal(4).tolist()}, "layer": 1,
+                         "steer": [{"vector": [1.0, 2.0, 3.0, 4.0], "layers": [1]}]}}
+        state.add_request(f"r{i}", i + 1, {WIRE_KEY: spec_to_wire(parse_spec(spec))}, 3)
+    info = state.info()
+    assert (info["rows_in_use"], info["rows_rejected"], info["probe_rows_in_use"]) == (1, 0, 32)
+    state.fill(np.arange(1, 33), np.zeros(32, np.int64), np.full(32, 2))
+    rows = state.token_rows.rows[:64].tolist()
+    assert len(set(rows)) == 1 and rows[0] != 0
+    state.remove_request("r0")
+    state.add_request("again", 1, {WIRE_KEY: spec_to_wire(parse_spec(spec))}, 3)
+    assert state.info()["rows_in_use"] == 1

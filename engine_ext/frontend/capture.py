@@ -45,7 +45,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dynsteer.controller.contract import (
-    decode_f32,
+    F32,
     encode_f32,
     resolve_sites,
     site_name,
@@ -79,7 +79,8 @@ class _CapturedItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tokens: int = Field(ge=1)
-    data: str
+    data: bytes
+    """Little-endian float32 (RPC replies carry bytes as they are: no base64 on the way)."""
 
 
 class _CaptureReply(BaseModel):
@@ -216,10 +217,10 @@ class _Assembler:
             for key, item in answer.items.items():
                 i = index[key]
                 per_site = item.tokens if answer.reduce == "all" else 1
-                try:
-                    values = decode_f32("data", item.data)  # a writable copy
-                except ValueError as e:
-                    raise RuntimeError(f"capture of prompts[{i}]: {e}") from e
+                if len(item.data) % F32.itemsize:
+                    raise RuntimeError(f"capture of prompts[{i}]: {len(item.data)} bytes is not "
+                                       "a whole number of float32 values")
+                values = np.frombuffer(item.data, dtype=F32).astype(np.float32)  # writable
                 expected = len(answer.sites) * per_site * hidden
                 if values.size != expected or item.tokens != len(self._plan.prompts[i]):
                     raise RuntimeError(f"capture of prompts[{i}]: got {values.size} floats for "

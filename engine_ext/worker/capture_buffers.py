@@ -27,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from dynsteer.controller.contract import Site, encode_f32, parse_site_name, site_name
+from dynsteer.controller.contract import Site, f32_bytes, parse_site_name, site_name
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -134,7 +134,7 @@ class CaptureBuffers:
         """Free the rows of ``keys``; with ``reply``, return them reduced (JSON/msgpack-safe).
 
         Reply: ``sites`` (this worker's lanes, in lane order), ``hidden``, ``reduce``, ``items``
-        (key -> ``tokens`` (prompt length) and ``data``: base64 of little-endian float32
+        (key -> ``tokens`` (prompt length) and ``data``: bytes of little-endian float32
         ``[len(sites), 1 or tokens, hidden]``) and ``missing`` (key -> why it has no rows).
         """
         if reduce not in REDUCES:
@@ -161,7 +161,7 @@ class CaptureBuffers:
             if reply and lanes:
                 rows = self.capture[:, entry.start:entry.start + entry.length]
                 reduced = _reduce(rows.index_select(0, lane_index), reduce)
-                items[key] = {"tokens": entry.length, "data": encode_f32(reduced.cpu().numpy())}
+                items[key] = {"tokens": entry.length, "data": f32_bytes(reduced.cpu().numpy())}
         if not reply:
             return None
         return {"sites": [site_name(site) for _, site in lanes], "hidden": self.hidden_size,

@@ -64,6 +64,7 @@ STATIC_FLAG = 1
 DYNAMIC_FLAG = 2
 """Bits of ``flags[row]``: the row uses ``table`` (static) / ``dyn`` (gated)."""
 PARAM_THRESHOLD, PARAM_SHARPNESS, PARAM_SITE = 0, 1, 2
+PARAMS = 3
 """Columns of ``params[probe]``."""
 INDEX_ROW, INDEX_PROBE, INDEX_CAPTURE = 0, 1, 2
 """Rows of ``index``: steering row, probe row, capture row of each token."""

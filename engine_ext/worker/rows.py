@@ -23,7 +23,14 @@ import torch
 
 from dynsteer.controller.contract import Site
 
-from .ops import DYNAMIC_FLAG, STATIC_FLAG
+from .ops import (
+    DYNAMIC_FLAG,
+    PARAM_SHARPNESS,
+    PARAM_SITE,
+    PARAM_THRESHOLD,
+    PARAMS,
+    STATIC_FLAG,
+)
 
 Contents = dict[Site, np.ndarray]
 """What a row adds at each site (float32 vectors of hidden size); absent sites add zero."""
@@ -57,6 +64,11 @@ def _digest(*parts: object) -> bytes:
     return h.digest()
 
 
+ALIASES = 64
+"""Caller keys remembered per slot (and for empty contents); an older one is forgotten, which
+only means its next request builds and hashes its contents again."""
+
+
 @dataclass
 class _Slots:
     """Refcounted slots 1..capacity keyed by content (slot 0 is the shared zero).
@@ -65,12 +77,17 @@ class _Slots:
     request with the same key takes it again without rewriting the table, which matters for
     serving, where a config's requests come and go. Idle slots are reused for new keys least
     recently used first, once no never-used slot is left.
+
+    Besides its content key a slot may have *aliases*: callers' keys that determine the same
+    contents (:meth:`alias`), so a request whose key was seen takes the slot without building
+    its contents, while requests with different keys and equal contents still share one slot.
     """
 
     capacity: int
     rejected: int = 0
     _by_key: dict[bytes, int] = field(default_factory=dict)
-    _key_of: dict[int, bytes] = field(default_factory=dict)
+    _keys_of: dict[int, list[bytes]] = field(default_factory=dict)
+    """Content key first, then aliases."""
     _refs: dict[int, int] = field(default_factory=dict)
     _free: list[int] = field(default_factory=list)
     _idle: OrderedDict[int, None] = field(default_factory=OrderedDict)
@@ -92,22 +109,34 @@ class _Slots:
             slot = self._free.pop()
         elif self._idle:
             slot, _ = self._idle.popitem(last=False)
-            del self._by_key[self._key_of.pop(slot)]
+            for old in self._keys_of.pop(slot):
+                del self._by_key[old]
         else:
             self.rejected += 1
             return None, False
         self._by_key[key] = slot
-        self._key_of[slot] = key
+        self._keys_of[slot] = [key]
         self._refs[slot] = 1
         return slot, True
 
     def reuse(self, key: bytes) -> int | None:
-        """The slot already holding ``key`` (in use or idle) with one more reference, or None."""
+        """The slot already holding ``key`` (in use or idle) with one more reference, or None
+        (0 for an alias of empty contents)."""
         slot = self._by_key.get(key)
-        if slot is not None:
+        if slot:
             self._idle.pop(slot, None)
             self._refs[slot] += 1
         return slot
+
+    def alias(self, key: bytes, slot: int) -> None:
+        """Let ``key`` name ``slot`` too (slot 0: empty contents, needing no slot)."""
+        if key in self._by_key:
+            return
+        keys = self._keys_of.setdefault(slot, [])
+        if len(keys) > ALIASES:  # the content key (first) stays
+            del self._by_key[keys.pop(1 if slot else 0)]
+        keys.append(key)
+        self._by_key[key] = slot
 
     def give_back(self, slot: int) -> None:
         if slot == 0:
@@ -163,13 +192,17 @@ class RowTable:
 
     def acquire_keyed(self, key: bytes,
                       make: Callable[[], tuple[Contents, Contents]]) -> int | None:
-        """:meth:`acquire` for contents that ``key`` determines: a request whose key is in use
-        takes that row without building or hashing its contents (``make`` runs otherwise)."""
+        """:meth:`acquire` for contents that ``key`` determines: a request whose key was seen
+        takes that row without building or hashing its contents (``make`` runs otherwise, and
+        the row is shared with any other key of equal contents)."""
         row = self._slots.reuse(b"k" + key)
         if row is not None:
             return row
         static, dynamic = make()
-        return self.acquire(static, dynamic, key=b"k" + key)
+        row = self.acquire(static, dynamic)
+        if row is not None:
+            self._slots.alias(b"k" + key, row)
+        return row
 
     def release(self, row: int) -> None:
         """Drop one reference; the row is free for new contents when none remain."""
@@ -219,7 +252,7 @@ class ProbeTable:
         self._site_index = {site: i for i, site in enumerate(sites)}
         self.probes = torch.zeros(max_probes + 1, hidden_size, dtype=torch.float32,
                                   device=device)
-        self.params = torch.zeros(max_probes + 1, 3, dtype=torch.float32, device=device)
+        self.params = torch.zeros(max_probes + 1, PARAMS, dtype=torch.float32, device=device)
         self._slots = _Slots(max_probes)
 
     @property
@@ -227,19 +260,27 @@ class ProbeTable:
         return self._slots.in_use
 
     def acquire(self, probe: ProbeRow, key: bytes | None = None) -> int | None:
-        """A row holding ``probe``, shared by content or by a caller's ``key`` that determines
-        it (no hashing of the weights then); None when full."""
+        """A row holding ``probe``, shared by content; a caller's ``key`` that determines the
+        probe finds its row again without hashing the weights. None when full."""
+        if key is not None:
+            row = self._slots.reuse(b"k" + key)
+            if row is not None:
+                return row
         site = self._site_index[probe.site]
-        key = b"k" + key if key else _digest(probe.weights, probe.threshold, probe.sharpness,
-                                             site)
-        row, fresh = self._slots.take(key)
+        row, fresh = self._slots.take(_digest(probe.weights, probe.threshold, probe.sharpness,
+                                              site))
+        if row is not None and key is not None:
+            self._slots.alias(b"k" + key, row)
         if fresh:
             device = self.probes.device
-            host = _host_buffer((self.probes.shape[1] + 3,), torch.float32, device)
-            host[:-3] = torch.from_numpy(probe.weights.astype(np.float32))
-            host[-3:] = torch.tensor([probe.threshold, probe.sharpness, float(site)])
-            self.probes[row].copy_(host[:-3], non_blocking=True)
-            self.params[row].copy_(host[-3:], non_blocking=True)
+            host = _host_buffer((self.probes.shape[1] + PARAMS,), torch.float32, device)
+            weights, params = host[:-PARAMS], host[-PARAMS:]
+            weights[:] = torch.from_numpy(probe.weights.astype(np.float32))
+            params[PARAM_THRESHOLD] = probe.threshold
+            params[PARAM_SHARPNESS] = probe.sharpness
+            params[PARAM_SITE] = float(site)
+            self.probes[row].copy_(weights, non_blocking=True)
+            self.params[row].copy_(params, non_blocking=True)
         return row
 
     def release(self, row: int) -> None:

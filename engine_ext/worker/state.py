@@ -46,15 +46,6 @@ PHASES: tuple[Literal["prefill"], Literal["decode"]] = ("prefill", "decode")
 _NONE = np.zeros(0, dtype=np.int64)
 
 
-@dataclass(frozen=True)
-class RegisteredProbe:
-    """A probe registered by name (its site comes from each request's gate)."""
-
-    weights: np.ndarray
-    threshold: float
-    sharpness: float
-
-
 @dataclass
 class _Request:
     slot: int
@@ -119,7 +110,8 @@ class SteeringState:
                                       max_slots, device)
         """Activation capture for probe training (off, and no memory, with 0 lanes)."""
         self.vectors: dict[str, np.ndarray] = {}
-        self.probes: dict[str, RegisteredProbe] = {}
+        self.probes: dict[str, WireProbe] = {}
+        """Registered probes in their resolved form (the site comes from each request's gate)."""
         self._global_entries: list[WireEntry] = []
         self._global: dict[str, Contents] = {p: {} for p in PHASES}
         self._requests: dict[str, _Request] = {}
@@ -150,9 +142,7 @@ class SteeringState:
         """Add or replace a named probe, given in the resolved form the frontend checked
         (``[weights bytes, threshold, sharpness]``); requests already admitted keep the old
         one."""
-        weights, threshold, sharpness = probe
-        self.probes[name] = RegisteredProbe(np.frombuffer(weights, dtype=F32), float(threshold),
-                                            float(sharpness))
+        self.probes[name] = probe
         self._versions[0] += 1
 
     def unregister_probe(self, name: str) -> None:
@@ -287,11 +277,8 @@ class SteeringState:
 
     def _resolve_probe(self, gate: dict[str, Any]) -> ProbeRow:
         probe = gate["probe"]
-        if isinstance(probe, str):
-            base = self.probes[probe]
-            weights, threshold, sharpness = base.weights, base.threshold, base.sharpness
-        else:
-            weights, threshold, sharpness = np.frombuffer(probe[0], dtype=F32), *probe[1:]
+        raw, threshold, sharpness = self.probes[probe] if isinstance(probe, str) else probe
+        weights = np.frombuffer(raw, dtype=F32)
         if weights.shape != (self.hidden_size,):
             raise ValueError(f"probe length {weights.shape[0]} != hidden {self.hidden_size}")
         site = (gate["hook"], gate["layer"])
