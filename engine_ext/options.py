@@ -30,7 +30,12 @@ class EngineOptions(BaseModel):
     sites: Annotated[str | list[str], Field(min_length=1)] = "post_block@*"
     """Which (hook, layer) sites get a kernel, e.g. ``"post_block@*"`` or ``"pre_attn@0-3"``."""
     max_rows: int = Field(default=32, ge=1, le=4096)
-    """Distinct steering rows in flight (one per distinct per-phase config, global included)."""
+    """Distinct steering rows in flight: one per distinct content (a phase's own, global and
+    gated vectors per site); specs with equal contents share a row. Each costs
+    ``2 * sites * hidden * 4`` bytes of device memory (1 MiB for 32 sites at hidden 4096)."""
+    max_gates: int = Field(default=128, ge=1, le=65536)
+    """Distinct probes (with their threshold, sharpness and monitor site) gating requests in
+    flight; each costs ``hidden * 4`` bytes of device memory."""
     max_steer_norm: float = Field(default=DEFAULT_MAX_STEER_NORM, gt=0, le=1e12)
     """Largest ``‖scale · vector‖`` (L2) one steering entry may add, checked for every spec,
     global entry and registered vector (HTTP 400 / ValueError above it)."""

@@ -188,8 +188,8 @@ def test_specs_with_equal_contents_share_one_row():
     """Rows are shared by content, not by spec: 32 distinct gates (distinct probes) gating the
     same vector in both phases take one row between them (keyed by spec and phase they took
     64, so past ``max_rows`` requests ran unsteered). A repeated spec finds its row by key."""
-    state = SteeringState(SITES, 4, max_rows=32, max_tokens=64, max_slots=40,
-                          device=torch.device("cpu"), block_size=4)
+    state = SteeringState(SITES, 4, max_rows=2, max_tokens=64, max_slots=40,
+                          device=torch.device("cpu"), block_size=4, max_gates=32)
     rng = np.random.default_rng(0)
     for i in range(32):
         spec = {"gate": {"probe": {"weights": rng.standard_normal(4).tolist()}, "layer": 1,

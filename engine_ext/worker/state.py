@@ -91,11 +91,12 @@ class SteeringState:
         capture_lanes: int = 0,
         capture_tokens: int = 1,
         block_size: int = 16,
+        max_gates: int | None = None,
     ) -> None:
         self.sites = sites
         self.hidden_size = hidden_size
         self.rows = RowTable(sites, hidden_size, max_rows, device)
-        self.probe_table = ProbeTable(sites, hidden_size, max_rows, device)
+        self.probe_table = ProbeTable(sites, hidden_size, max_gates or max_rows, device)
         self.token_rows = TokenRows(max_tokens, device)
         self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
         """Per-token gate (row ``GATE``, written at each token's monitor site) and probe score
@@ -332,7 +333,7 @@ class SteeringState:
                 # Without a monitor the token's gate buffer holds another token's gate: the
                 # gated tier must not be read at all.
                 logger.warning("dynsteer: all probe rows are in use; a request runs without "
-                               "its gate (raise dynsteer.max_rows)")
+                               "its gate (raise dynsteer.max_gates)")
                 gated, key = _UNSTEERED.gated, key + "-nogate"
             self._probe_row[req.slot] = probe_row or 0
         for phase, target in zip(PHASES, (self._prefill_row, self._decode_row), strict=True):
