@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.controller.contract import Site, resolve_sites, site_name
-from dynsteer.controller.limits import FLOAT32_MAX, SpecError
+from dynsteer.controller.contract import Site, SpecError, resolve_sites, site_name
+from dynsteer.controller.limits import FLOAT32_MAX
 from dynsteer.controller.spec import (
     SPEC_KEY,
     ModelShape,

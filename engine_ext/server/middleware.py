@@ -23,7 +23,8 @@ from typing import Any
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dynsteer.controller.spec import MAX_JSON_DEPTH, SPEC_KEY, SpecError, check_json_depth
+from dynsteer.controller.contract import SPEC_KEY, SpecError
+from dynsteer.controller.spec import MAX_JSON_DEPTH, check_json_depth
 
 from .routes import PREFIX
 from .settings import (
