@@ -23,6 +23,7 @@ runs the worker's dynsteer host time per step: index fill + telemetry fold and r
 admitted request) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
+       [--scenarios idle gated ...]
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--no-prefill", action="store_true", help="skip the 2048+16 shape")
+    ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=SCENARIOS,
+                    help="plugin scenarios to run beside stock (fewer: more reps in the time)")
     ap.add_argument("--mem", type=float, default=0.42, help="gpu_memory_utilization per engine")
     args = ap.parse_args()
     import numpy as np
@@ -180,10 +183,10 @@ def main() -> None:
         shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
         if not args.no_prefill:
             shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
-        runs = [("stock", "idle"), *(("plugin", s) for s in SCENARIOS)]
+        runs = [("stock", "idle"), *(("plugin", s) for s in args.scenarios)]
         seed = 0
         for shape, batch, prompt_len, gen_len in shapes:
-            loads = {s: specs.params(s, batch, gen_len) for s in SCENARIOS}
+            loads = {s: specs.params(s, batch, gen_len) for s in args.scenarios}
             for engine, scenario in runs:  # warm-up: first pass of each shape
                 seed += 1
                 timed(engines[engine], prompts(batch, prompt_len, seed), loads[scenario])

@@ -5,13 +5,15 @@ cheap (no pydantic model, no vLLM, no torch) and every rule exists once:
 
 * **hooks and sites**: a *site* is one ``(hook, layer)`` pair, written ``hook@layer``
   (:func:`site_name`, the only formatter); a list of sites is written ``hook@layers``
-  (``post_block@*``, ``pre_attn@0-3``, ``post_attn@1+5``), several separated by commas
-  (:func:`resolve_sites`, the only parser); sites sort in forward order (:func:`site_order`);
+  (``post_block@*``, ``pre_attn@0-3``, ``post_attn@1+5``, ``post_block@50%``: the layer at
+  half the depth), several separated by commas (:func:`resolve_sites`, the only parser);
+  sites sort in forward order (:func:`site_order`);
 * **names** of registered vectors and probes (:data:`NAME_PATTERN`);
 * **keys** in vLLM's ``SamplingParams.extra_args`` (:data:`SPEC_KEY`);
 * **float32 on the wire**: little-endian float32 bytes (:func:`f32_bytes`), in JSON as their
   base64 (:func:`encode_f32`, :func:`decode_f32`);
-* the message for a site the engine was not configured with (:func:`unconfigured_site`).
+* the messages for a site the engine was not configured with (:func:`unconfigured_site`) or
+  does not monitor (:func:`unmonitored_site`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ def unconfigured_site(site: tuple[str, int]) -> str:
     return f"{name} is not a configured site; add '{name}' to the engine option dynsteer.sites"
 
 
+def unmonitored_site(site: tuple[str, int]) -> str:
+    """Why a probe cannot read, or a capture record, ``site``, and the fix."""
+    name = site_name(site)
+    return (f"{name} is not a monitor site; add '{name}' to the engine option "
+            "dynsteer.monitor_sites")
+
+
 def parse_site_name(name: str, field: str = "site") -> Site:
     """Inverse of :func:`site_name` (ValueError naming ``field``)."""
     hook, sep, layer = str(name).partition("@")
@@ -85,9 +94,12 @@ def _parse_layers(text: str, num_layers: int | None) -> list[int]:
         return list(range(num_layers)) if num_layers is not None else []
     layers: list[int] = []
     for part in text.split("+"):
+        if part.endswith("%"):
+            layers.extend(_depth_layer(part, num_layers))
+            continue
         lo, sep, hi = part.partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad layer range {part!r}: use N, N-M or *")
+            raise ValueError(f"bad layer range {part!r}: use N, N-M, P% or *")
         first, last = int(lo), int(hi) if sep else int(lo)
         if last < first:
             raise ValueError(f"bad layer range {part!r}: {last} < {first}")
@@ -97,6 +109,16 @@ def _parse_layers(text: str, num_layers: int | None) -> list[int]:
             )
         layers.extend(range(first, last + 1))
     return layers
+
+
+def _depth_layer(part: str, num_layers: int | None) -> list[int]:
+    """``P%``: the layer at P percent of the depth (``0%`` the first, ``100%`` the last)."""
+    percent = part[:-1]
+    if not percent.isdigit() or int(percent) > 100:
+        raise ValueError(f"bad layer depth {part!r}: use 0% to 100%")
+    if num_layers is None:
+        return []
+    return [min(num_layers - 1, int(percent) * num_layers // 100)]
 
 
 def _parse_site_item(item: str, num_layers: int | None) -> list[Site]:

@@ -22,7 +22,14 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .contract import SPEC_KEY, Hook, decode_f32, site_order, unconfigured_site
+from .contract import (
+    SPEC_KEY,
+    Hook,
+    decode_f32,
+    site_order,
+    unconfigured_site,
+    unmonitored_site,
+)
 from .limits import (
     DEFAULT_MAX_STEER_NORM,
     FLOAT32_MAX,
@@ -162,7 +169,9 @@ class ModelShape:
     hidden_size: int
     num_layers: int
     sites: frozenset[tuple[Hook, int]]
-    """Configured (hook, layer) sites; only these have a kernel."""
+    """Configured (hook, layer) sites; only these can be steered."""
+    monitor_sites: frozenset[tuple[Hook, int]] | None = None
+    """Sites a probe can read (None: every configured site)."""
     vector_norms: Mapping[str, float] = field(default_factory=dict)
     """Registered vectors by name: their L2 norm (what ``scale`` is checked against)."""
     probe_names: Collection[str] = ()
@@ -333,6 +342,8 @@ def check_gate(gate: GateSpec, shape: ModelShape, prefix: str) -> None:
         check_probe_numbers(f"{prefix}.probe.", probe.threshold, probe.sharpness, weights)
     check_probe_numbers(f"{prefix}.", gate.threshold or 0.0, gate.sharpness or 1.0)
     _check_site(f"{prefix}.layer", gate.hook, gate.layer, shape, what="monitor site ")
+    if shape.monitor_sites is not None and (gate.hook, gate.layer) not in shape.monitor_sites:
+        raise SpecError(f"{prefix}.layer: {unmonitored_site((gate.hook, gate.layer))}")
     check_entries(gate.steer, shape, f"{prefix}.steer")
     monitor = site_order(gate.hook, gate.layer)
     for i, entry in enumerate(gate.steer):

@@ -1,14 +1,15 @@
 """GPU behaviour checks (H100/H200, vLLM 0.26, V2 runner, FULL + PIECEWISE CUDA graphs).
 
 1. The fused Triton kernel against a float64 reference (bf16 and fp32, random rows incl. row 0,
-   monitor tokens, extreme scores).
+   monitor tokens, extreme scores); the compiled add of sites without monitor likewise.
 2. A tiny random Llama, plain engine first then the plugin engine on the same path (the compile
    cache trap): static and gated steering (same-site and cross-layer, inline and registered
    probes, each phase) vs an HF transformers hook reference, gate telemetry vs HF, decode
    under FULL-graph replay (replays counted), global steering set then cleared returns to
    the baseline (with a baseline re-run as the determinism yardstick), activation capture
-   (``Steering.capture``, every hook and layer, last/mean/all, several passes) vs HF streams,
-   and no graph is captured after startup.
+   (``Steering.capture``, the monitor sites, last/mean/all) vs HF streams, and no graph is
+   captured after startup. The engine monitors the gating cases' sites only, so every other
+   site steers through the fused add under graphs.
 3. Input safety (issue 10): the kernel never writes NaN/inf/overflowing steered values
    (poisoned rows of tests/test_ops.py), and overflowing rows written straight into the workers
    (bypassing validation) change neither those requests nor the ones after them, under graphs.
@@ -66,6 +67,25 @@ def kernel_check() -> list[dict[str, Any]]:
                     "row0_untouched": bool(torch.equal(out[row0], x[row0])),
                     "max_capture_err_vs_f64": (capture.double() - want_capture).abs().max().item(),
                 })
+    return results
+
+
+def fused_add_check() -> list[dict[str, Any]]:
+    """``ops.steer_add`` (sites without monitor), compiled by Inductor for CUDA, against the
+    float64 reference of tests/test_ops.py (its assertions)."""
+    import torch
+    from test_ops import test_steer_add_matches_float64 as check
+
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for tokens, hidden in [(1, 4096), (33, 4096), (4096, 4096)]:
+            try:
+                check(tokens, hidden, dtype, "cuda")
+                error = ""
+            except AssertionError as e:
+                error = str(e)[:500]
+            results.append({"dtype": str(dtype), "tokens": tokens, "hidden": hidden,
+                            "error": error})
     return results
 
 
@@ -182,7 +202,7 @@ def gating_check(llm: Any, hf: Any, steering: Any) -> dict[str, Any]:
 
 
 def capture_check(hf: Any, steering: Any) -> dict[str, Any]:
-    """Activation capture vs HF streams, all hooks and layers (3 passes of the default 4 lanes).
+    """Activation capture vs HF streams at the monitor sites (a pass of the default 4 lanes).
 
     Captures running beside steered traffic are checked on the CPU build
     (tests/test_capture.py, AsyncLLM); the offline LLM here runs one generate at a time.
@@ -190,9 +210,10 @@ def capture_check(hf: Any, steering: Any) -> dict[str, Any]:
     import numpy as np
     from hf_reference import record_streams
     from test_capture import PROMPTS
+    from test_gating_reference import MONITOR_SITES
 
     streams = [record_streams(hf, p) for p in PROMPTS]
-    sites = "pre_attn@*,post_attn@*,post_block@*"
+    sites = MONITOR_SITES
     report: dict[str, Any] = {}
     for reduce in ("last", "mean", "all"):
         result = steering.capture(PROMPTS, sites, reduce=reduce)
@@ -215,6 +236,7 @@ def engine_check(workdir: Path) -> dict[str, Any]:
     import numpy as np
     from engine_utils import logprobs_of, params, run, start_llm, stop_llm
     from hf_reference import load_hf, reference_logprobs
+    from test_gating_reference import MONITOR_SITES
     from tiny_models import STATIC_CASES as CASES
     from tiny_models import make_tiny_model
 
@@ -230,7 +252,8 @@ def engine_check(workdir: Path) -> dict[str, Any]:
     plain_out = run(plain, prompts, [params(max_tokens=12) for _ in prompts])
     stop_llm(plain)
 
-    llm = start_llm(path, dynsteer={"sites": "pre_attn@*,post_attn@*,post_block@*"}, **gpu)
+    llm = start_llm(path, dynsteer={"sites": "pre_attn@*,post_attn@*,post_block@*",
+                                    "monitor_sites": MONITOR_SITES}, **gpu)
     report["before"] = llm.collective_rpc(_count_replays)[0]
     names = ["baseline", *CASES]
     sps = [params(max_tokens=12, spec=None if n == "baseline" else {"steer": CASES[n]})
@@ -287,6 +310,8 @@ def verdicts(result: dict[str, Any]) -> dict[str, bool]:
         checks[f"{tag}: gates"] = k["max_gate_err"] <= 1e-4
         checks[f"{tag}: finite, row 0 untouched"] = k["finite"] and k["row0_untouched"]
         checks[f"{tag}: capture"] = k["max_capture_err_vs_f64"] <= 1e-4
+    for k in result["fused_add"]:
+        checks[f"fused add {k['dtype']} {k['tokens']}x{k['hidden']} vs float64"] = not k["error"]
     for k in result["poison_kernel"]:
         for name in ("finite_and_bounded", "poisoned_rows_untouched", "nan_scores_gate_zero"):
             checks[f"poison kernel {k['dtype']}: {name}"] = k[name]
@@ -322,6 +347,7 @@ def main() -> None:
     t0 = time.time()
     result: dict[str, Any] = {"vllm": vllm.__version__}
     result["kernel"] = kernel_check()
+    result["fused_add"] = fused_add_check()
     result["poison_kernel"] = poison_kernel_check()
     with tempfile.TemporaryDirectory() as tmp:
         result["engine"] = engine_check(Path(tmp))

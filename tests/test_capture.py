@@ -26,7 +26,7 @@ from engine_utils import (
 from hf_reference import CAPTURE_ATOL, assert_capture_matches_hf, load_hf, record_streams
 from tiny_models import HIDDEN, LAYERS, vec
 
-from dynsteer.controller.contract import resolve_sites
+from dynsteer.controller.contract import site_name
 from dynsteer.engine_ext import Steering
 from dynsteer.engine_ext.frontend.capture import (
     _drive,
@@ -48,8 +48,10 @@ PROMPTS = [[1, *np.random.RandomState(n).randint(3, 500, n - 1).tolist()] for n 
 
 
 def fake_frontend(sites: str = "post_block@*,post_attn@1", lanes: int = 2, tokens: int = 24):
-    options = EngineOptions(sites=sites, capture_lanes=lanes, capture_tokens=tokens)
-    return SimpleNamespace(options=options, sites=resolve_sites(sites, LAYERS),
+    options = EngineOptions(sites=sites, monitor_sites=sites, capture_lanes=lanes,
+                            capture_tokens=tokens)
+    engine_sites = options.engine_sites(LAYERS)
+    return SimpleNamespace(options=options, sites=engine_sites.all, monitors=engine_sites.monitor,
                            num_layers=LAYERS, hidden_size=HIDDEN)
 
 
@@ -80,7 +82,7 @@ def test_plan_items_are_uncacheable_prefill_only_requests():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"sites": "post_attn@2"}, r"sites: post_attn@2 is not a configured site; add 'post_attn@2'"),
+    ({"sites": "post_attn@2"}, r"sites: post_attn@2 is not a monitor site; add 'post_attn@2'"),
     ({"sites": "post_block@9"}, r"sites: layer 9 .* does not exist"),
     ({"sites": "mlp@1"}, r"sites: .*unknown hook 'mlp'"),
     ({"reduce": "max"}, r"^reduce: "),
@@ -243,10 +245,16 @@ def test_superseded_pass_fails_cleanly_and_cannot_end_its_successor():
     assert state.capture.site_lane.tolist() == [-1, 0, -1]
 
 
-def test_worker_rejects_unconfigured_sites_and_too_many():
+def test_worker_rejects_unmonitored_sites_and_too_many():
     state = worker_state()
-    with pytest.raises(ValueError, match="'post_attn@0' is not a configured site"):
+    with pytest.raises(ValueError, match="'post_attn@0' is not a monitor site"):
         state.capture.begin("t.0", ["post_attn@0"])
+    fused = SteeringState(SITES, 4, max_rows=4, max_tokens=32, max_slots=4,
+                          device=torch.device("cpu"), capture_lanes=2, capture_tokens=8,
+                          monitor_sites=frozenset({SITES[0]}))
+    with pytest.raises(ValueError, match=r"is not a monitor site; add it to the engine option "
+                                         r"dynsteer\.monitor_sites"):
+        fused.capture.begin("t.0", [site_name(SITES[1])])
     with pytest.raises(ValueError, match="3 sites in one capture pass, expected 1 to 2"):
         state.capture.begin("t.0", ["pre_attn@0", "post_block@0", "post_block@1"])
 
@@ -291,7 +299,8 @@ def loop():
 def async_engine(loop, tiny_model_dir):
     engine = loop.run_until_complete(start_async_llm(
         tiny_model_dir("llama"),
-        dynsteer={"sites": ALL_SITES, "capture_lanes": 4, "capture_tokens": 32}))
+        dynsteer={"sites": ALL_SITES, "monitor_sites": ALL_SITES, "capture_lanes": 4,
+                  "capture_tokens": 32}))
     yield engine
     stop_async_llm(engine)
     loop.run_until_complete(asyncio.sleep(0.1))
@@ -353,7 +362,8 @@ OFFLINE_SITES = "post_block@*,post_attn@1"
 @pytest.fixture(scope="module")
 def offline_llm(tiny_model_dir):
     llm = start_llm(tiny_model_dir("qwen3"), dynsteer={
-        "sites": OFFLINE_SITES, "capture_lanes": 2, "capture_tokens": 24})
+        "sites": OFFLINE_SITES, "monitor_sites": OFFLINE_SITES, "capture_lanes": 2,
+        "capture_tokens": 24})
     yield llm
     stop_llm(llm)
 
@@ -390,7 +400,7 @@ def test_capture_reads_the_stream_before_each_sites_steering(offline_llm, hf_str
 
 @pytest.mark.engine
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"sites": "post_attn@2"}, "post_attn@2 is not a configured site"),
+    ({"sites": "post_attn@2"}, "post_attn@2 is not a monitor site"),
     ({"prompts": [[1] * 25]}, r"raise dynsteer.capture_tokens"),
     ({"reduce": "median"}, r"^reduce: "),
     ({"prompts": [[1, 2], "hello"]}, r"prompts\[1\]: a text prompt needs the engine's "
@@ -418,7 +428,8 @@ def test_tp2_capture_matches_hf_and_only_rank0_replies(tiny_model_dir, hf_stream
     """Under TP=2 the capture equals HF's, and only TP rank 0 sends rows back."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     llm = start_llm(tiny_model_dir("llama"), tensor_parallel_size=2,
-                    dynsteer={"sites": "post_attn@1,post_block@*", "capture_tokens": 48})
+                    dynsteer={"sites": "post_attn@1,post_block@*",
+                              "monitor_sites": "post_attn@1,post_block@*", "capture_tokens": 48})
     try:
         result = Steering(llm).capture(PROMPTS, "post_attn@1,post_block@3", reduce="mean")
         llm.collective_rpc("dynsteer_capture_begin", args=("probe.0", ["post_block@0"]))

@@ -121,7 +121,7 @@ def test_probe_objects_are_checked_against_the_served_model():
     bare = probe.replace(fingerprint=None)
     with pytest.raises(ControlError, match=r"^site.layer: 5 does not exist \(the model has 2"):
         plane().register_probe_object(bare.replace(site=ProbeSite(layer=5)))
-    with pytest.raises(ControlError, match=r"^site: pre_attn@1 is not a configured site"):
+    with pytest.raises(ControlError, match=r"^site: pre_attn@1 is not a monitor site"):
         plane().register_probe_object(bare.replace(site=ProbeSite(layer=1, hook="pre_attn")))
     p = plane()
     p.register_probe_object(bare).commit()

@@ -145,6 +145,9 @@ BAD_SPECS = {
         r"gate.steer\[0\].layers: .* comes before the monitor site"),
     "monitor site not configured": ({"gate": {**GATE, "hook": "post_attn"}},
                                     r"gate.layer: monitor site .* is not a configured site"),
+    "not a monitor site": ({"gate": {**GATE, "layer": 0}},
+                           r"gate.layer: post_block@0 is not a monitor site; add 'post_block@0' "
+                           r"to the engine option dynsteer.monitor_sites"),
     "unknown probe": ({"gate": {**GATE, "probe": "nope"}}, r"gate.probe: unknown probe name"),
     "probe length": ({"gate": {**GATE, "probe": {"weights": [1.0]}}},
                      r"gate.probe.weights: expected 128 floats"),

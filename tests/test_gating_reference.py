@@ -43,6 +43,9 @@ def base_cases() -> dict[str, dict]:
     }
 
 
+MONITOR_SITES = "post_attn@0,post_block@1,pre_attn@2"
+"""Where the cases' probes read; gated steering elsewhere (post_block@3, post_attn@2,
+pre_attn@1) goes through the fused add reading the gate the monitor wrote."""
 REGISTERED = {"toxicity": {"weights": vec(3, norm=1.0), "threshold": 0.0, "sharpness": 1.0}}
 
 
@@ -65,7 +68,8 @@ def gated_run(request, tiny_model_dir):
     path = tiny_model_dir(request.param)
     hf = load_hf(path)
     cases = {name: calibrate(hf, spec) for name, spec in base_cases().items()}
-    llm = start_llm(path, dynsteer={"sites": ALL_SITES})
+    # The monitor sites are the gates'; every other site steers by the fused tensor ops.
+    llm = start_llm(path, dynsteer={"sites": ALL_SITES, "monitor_sites": MONITOR_SITES})
     try:
         steering = Steering(llm)
         p = REGISTERED["toxicity"]

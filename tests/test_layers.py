@@ -221,12 +221,14 @@ def test_a_model_without_decoder_layers_is_refused():
 def test_install_sites_steers_each_site_from_its_own_buffers():
     """``install_sites`` puts one steering op per configured site, each reading its own rows of
     the worker's buffers: with a different global vector at every site, the steered forward
-    equals the fake model with plain "add this site's vector" ops."""
+    equals the fake model with plain "add this site's vector" ops, at monitor sites (the op)
+    and at the others (fused tensor ops) alike."""
     sites = resolve_sites("pre_attn@0-1,post_attn@1,post_attn@3,post_block@1-2", LAYERS)
     rng = np.random.default_rng(2)
     vectors = {site: rng.standard_normal(H).astype(np.float32) for site in sites}
+    monitors = frozenset({("post_attn", 1), ("post_block", 2)})
     state = SteeringState(sites, H, max_rows=2, max_tokens=16, max_slots=2,
-                          device=torch.device("cpu"))
+                          device=torch.device("cpu"), monitor_sites=monitors)
     entries = [{"vector": v.tolist(), "layers": [layer], "hook": hook}
                for (hook, layer), v in vectors.items()]
     state.set_global([entry_to_wire(e) for e in parse_entries(entries)])
@@ -240,6 +242,8 @@ def test_install_sites_steers_each_site_from_its_own_buffers():
     assert all(isinstance(op, SiteOp) for op in (
         layers[0].pre, layers[1].pre, layers[1].post, layers[2].post,
         layers[1].layer.post_attention_layernorm.site, layers[3].post_attention_layernorm.site))
+    assert [layers[1].layer.post_attention_layernorm.site.monitor, layers[2].post.monitor,
+            layers[1].post.monitor] == [True, True, False]
 
     reference = fake_model()
     wrap_sites(reference, {site: RecordingOp("reference", [], torch.from_numpy(v))

@@ -217,7 +217,8 @@ def test_schema_follows_the_buffers():
 def test_compiled_graph_reads_buffers_in_place():
     """Under torch.compile (fullgraph) the site ops (:class:`SiteOp`, whole per-token buffers)
     apply new buffer contents without retracing, and a gate written at the monitor site is read
-    by a later site in the same graph."""
+    by later sites in the same graph: another monitor site's op and a site without monitor
+    (the fused add on CUDA, the op elsewhere)."""
     from dynsteer.engine_ext.worker.sites import SiteBuffers, SiteOp
 
     x0, h0, b = make_inputs(8, 16, torch.float32, seed=5)
@@ -225,11 +226,12 @@ def test_compiled_graph_reads_buffers_in_place():
     rows, probe_rows, capture_rows = (b.index[i] for i in (ops.INDEX_ROW, ops.INDEX_PROBE,
                                                            ops.INDEX_CAPTURE))
     capture, dyn, probes, params = b.capture, b.dyn, b.probes, b.params
-    first, second = SiteOp(SiteBuffers(SITE, b)), SiteOp(SiteBuffers(SITE + 1, b))
+    first, second = SiteOp(SiteBuffers(SITE, True, b)), SiteOp(SiteBuffers(SITE + 1, True, b))
+    fused = SiteOp(SiteBuffers(SITE - 1, False, b))  # no probe monitors here, no lane
 
     @torch.compile(fullgraph=True, dynamic=True)
     def f(x, h):
-        return second(first(x, h) * 1.0)
+        return fused(second(first(x, h) * 1.0) * 1.0)
 
     x, h = x0[:5], h0[:5]
     assert torch.equal(f(x, h), x)
@@ -239,9 +241,33 @@ def test_compiled_graph_reads_buffers_in_place():
     out = f(x, h)
     s = ((x[1] + h[1]) * probes[1]).sum()
     g = torch.sigmoid(params[1, 1] * (s - params[1, 0]))
-    torch.testing.assert_close(out[1], x[1] + 2 * g * dyn[2], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out[1], x[1] + 3 * g * dyn[2], rtol=1e-5, atol=1e-4)
     assert torch.equal(out[0], x[0])
     capture_rows[3] = 4  # captured at both sites: the stream before each site's own steering
     out = f(x, h)
     torch.testing.assert_close(capture[LANE, 4], x[3] + h[3])
     torch.testing.assert_close(capture[0, 4], out[3])  # site SITE + 1 has lane 0; no steering
+
+
+@pytest.mark.parametrize(("tokens", "hidden"), [(1, 64), (33, 2048), (1024, 4096)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_steer_add_matches_float64(tokens, hidden, dtype, device):
+    """A site without monitor (:func:`ops.steer_add`): both tiers with the gate earlier sites
+    wrote, eager and compiled, against float64; an element the steering would push past the
+    stream limit (or to NaN) keeps its value."""
+    x, _, b = make_inputs(tokens, hidden, dtype, seed=tokens + hidden)
+    b.table[3, 0] = float("inf")
+    b.table[4, 1] = 2 * ops.stream_limit(dtype)
+    rows = b.index[ops.INDEX_ROW, :tokens].long()
+    gate = b.gate_score[ops.GATE, :tokens, None].double()
+    want = x.double() + b.table[rows].double() + gate * b.dyn[rows].double()
+    over = ~(want.abs() <= ops.stream_limit(dtype))
+    want[over] = x.double()[over]
+    xd, _, bd = on(device, x, None, b)
+    args = (xd, bd.index, bd.gate_score, bd.table, bd.dyn)
+    compiled = torch.compile(ops.steer_add, fullgraph=True, dynamic=True)
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 0.1}
+    for out in (ops.steer_add(*args), compiled(*args)):
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        torch.testing.assert_close(out.cpu().double(), want, **tol)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dynsteer.controller.contract import resolve_sites
-from dynsteer.engine_ext.options import options_from_additional_config
+from dynsteer.engine_ext.options import EngineOptions, options_from_additional_config
 from dynsteer.engine_ext.plugin import ENABLE_ENV
 
 
@@ -43,8 +43,29 @@ def test_sites_are_in_forward_order():
 @pytest.mark.parametrize(
     ("sites", "message"),
     [("post_block", "hook@layers"), ("mlp@1", "unknown hook 'mlp'"), ("pre_attn@3-1", "1 < 3"),
-     ("pre_attn@x", "bad layer range"), ("post_block@0-9", "layer 9 .* does not exist")],
+     ("pre_attn@x", "bad layer range"), ("post_block@0-9", "layer 9 .* does not exist"),
+     ("post_block@101%", "use 0% to 100%"), ("post_block@x%", "bad layer depth")],
 )
 def test_bad_sites(sites, message):
     with pytest.raises(ValueError, match=message):
         resolve_sites(sites, 4)
+
+
+def test_layers_by_depth():
+    """``P%`` is the layer at P percent of the depth: 0% the first, 100% the last."""
+    assert resolve_sites("post_block@0%+25%+50%+75%+100%", 30) == tuple(
+        ("post_block", layer) for layer in (0, 7, 15, 22, 29))
+    assert resolve_sites("pre_attn@50%", 1) == (("pre_attn", 0),)
+
+
+def test_monitor_sites_default_and_join_the_sites():
+    """By default probes read post_block at 1/4, 1/2 and 3/4 of the depth; monitor sites are
+    steerable sites too, and ``""`` monitors nothing."""
+    default = EngineOptions().engine_sites(32)
+    assert default.monitor == {("post_block", 8), ("post_block", 16), ("post_block", 24)}
+    assert default.all == resolve_sites("post_block@*", 32)
+    joined = EngineOptions(sites="pre_attn@0", monitor_sites="post_attn@2").engine_sites(4)
+    assert joined == ((("pre_attn", 0), ("post_attn", 2)), frozenset({("post_attn", 2)}))
+    assert EngineOptions(monitor_sites="").engine_sites(4).monitor == frozenset()
+    with pytest.raises(ValueError, match=r"^dynsteer.monitor_sites: layer 7 .* does not exist"):
+        EngineOptions(monitor_sites="post_block@7").engine_sites(4)

@@ -25,7 +25,8 @@ SPECS = [
 def preempted_outputs(tiny_model_dir):
     path = tiny_model_dir("llama")
     # 6 blocks of 32 tokens for 4 requests of 40 + 40 tokens: the scheduler must preempt.
-    llm = start_llm(path, dynsteer={}, block_size=BLOCK, num_gpu_blocks_override=6,
+    llm = start_llm(path, dynsteer={"monitor_sites": "post_block@0"}, block_size=BLOCK,
+                    num_gpu_blocks_override=6,
                     max_model_len=128, max_num_seqs=4, disable_log_stats=False)
     try:
         prompts = [[1, *np.random.RandomState(i).randint(3, 500, 39).tolist()] for i in range(4)]

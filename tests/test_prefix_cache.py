@@ -31,7 +31,8 @@ def prompt(seed: int, n: int = 3 * BLOCK + 3) -> list[int]:
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    llm = start_llm(tiny_model_dir("llama"), dynsteer={"sites": "pre_attn@0,post_block@*"},
+    llm = start_llm(tiny_model_dir("llama"), dynsteer={"sites": "pre_attn@0,post_block@*",
+                                                      "monitor_sites": "pre_attn@0,post_block@1"},
                     enable_prefix_caching=True, block_size=BLOCK)
     yield llm
     stop_llm(llm)

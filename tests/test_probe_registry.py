@@ -111,7 +111,7 @@ def _bad_uploads(trained: Probe) -> list[tuple[str, object, str | None, tuple[in
         ("missing key", {**good, "name": "nokey"}, None, (401,), "API key"),
         ("wrong key", {**good, "name": "nokey"}, "nope", (401,), ""),
         ("unconfigured site", {**good, "name": "site", "site": {"layer": 1, "hook": "pre_attn"}},
-         KEY, (400,), "pre_attn@1 is not a configured site"),
+         KEY, (400,), "pre_attn@1 is not a monitor site"),
         ("layer out of range", {**good, "name": "deep", "site": {"layer": 9}}, KEY, (400,),
          "site.layer 9 is out of range"),
         ("layer not served", {**good, "name": "deep", "site": {"layer": 9}, "fingerprint": None},

@@ -25,7 +25,7 @@ MAX_TOKENS = 8
 RNG = np.random.default_rng(7)
 VECTOR = (RNG.standard_normal(128) * 4).tolist()
 STATIC = {"steer": [{"vector": VECTOR, "layers": [1, 2]}]}
-GATED = {"gate": {"probe": {"weights": VECTOR, "threshold": 0.0}, "layer": 0, "trace": True,
+GATED = {"gate": {"probe": {"weights": VECTOR, "threshold": 0.0}, "layer": 1, "trace": True,
                   "steer": [{"vector": VECTOR, "layers": [2], "scale": 2.0}]}}
 
 
@@ -182,7 +182,7 @@ def test_metrics_move(openai_client, server):
     after = scrape()
     for name, labels in (("dynsteer_requests_steered_total", 'kind="gated"'),
                          ("dynsteer_requests_steered_total", 'kind="static"'),
-                         ("dynsteer_tokens_monitored_total", 'site="post_block@0"')):
+                         ("dynsteer_tokens_monitored_total", 'site="post_block@1"')):
         assert _metric(after, name, labels) > _metric(before, name, labels), (name, labels)
     assert "dynsteer_rows_capacity 32.0" in after
     assert "dynsteer_prefix_guarded_requests_total" in after

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.controller.contract import Site, SpecError, resolve_sites, site_name
+from dynsteer.controller.contract import Site, SpecError, site_name
 from dynsteer.controller.limits import FLOAT32_MAX
 from dynsteer.controller.spec import (
     SPEC_KEY,
@@ -69,6 +69,8 @@ class FrontendState:
     hidden_size: int
     num_layers: int
     sites: tuple[Site, ...]
+    monitor_sites: frozenset[Site] | None = None
+    """Where probes read and capture records (None: every site)."""
     architecture: str = ""
     """The served model class (``config.architectures[0]``), for probe fingerprints."""
     dtype_max: float = FLOAT32_MAX
@@ -125,11 +127,17 @@ class FrontendState:
             hidden_size=self.hidden_size,
             num_layers=self.num_layers,
             sites=frozenset(self.sites),
+            monitor_sites=self.monitors,
             vector_norms=self.vector_norms,
             probe_names=frozenset(self.probes),
             max_steer_norm=self.options.max_steer_norm,
             dtype_max=self.dtype_max,
         )
+
+    @property
+    def monitors(self) -> frozenset[Site]:
+        """The monitor sites (see :attr:`monitor_sites`)."""
+        return frozenset(self.sites) if self.monitor_sites is None else self.monitor_sites
 
     def site_names(self) -> list[str]:
         """Configured sites, ``hook@layer``, in forward order."""
@@ -183,11 +191,13 @@ def engine_state(facts: EngineFacts) -> FrontendState | None:
     options = options_from_additional_config(facts.additional_config)
     if options is None:
         return None
+    sites = options.engine_sites(facts.num_layers)
     return FrontendState(
         options=options,
         hidden_size=facts.hidden_size,
         num_layers=facts.num_layers,
-        sites=resolve_sites(options.sites, facts.num_layers),
+        sites=sites.all,
+        monitor_sites=sites.monitor,
         architecture=facts.architecture,
         dtype_max=facts.dtype_max,
     )

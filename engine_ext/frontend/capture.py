@@ -49,7 +49,7 @@ from dynsteer.controller.contract import (
     encode_f32,
     resolve_sites,
     site_name,
-    unconfigured_site,
+    unmonitored_site,
 )
 
 from ..compat import frontend as vllm_frontend
@@ -70,7 +70,7 @@ class CaptureArgs(BaseModel):
     as vLLM does for a completion prompt)."""
     sites: str | list[str]
     """Sites in the site grammar, e.g. ``"post_block@*"`` or ``["post_attn@3", "post_block@3"]``;
-    each must be configured on the engine (``dynsteer.sites``)."""
+    each must be a monitor site of the engine (``dynsteer.monitor_sites``)."""
     reduce: Reduce = "last"
     """Per prompt: the ``last`` prompt token, the ``mean`` over its tokens, or ``all`` of them."""
 
@@ -158,7 +158,7 @@ class CapturePlan:
 def plan_capture(prompts: list[list[int]], args: CaptureArgs, frontend: Any) -> CapturePlan:
     """Check token prompts and sites against the engine and split them into passes and rounds.
 
-    ``frontend`` is the engine's ``FrontendState`` (configured sites, layers, options).
+    ``frontend`` is the engine's ``FrontendState`` (monitor sites, layers, options).
     """
     lanes, capacity = frontend.options.capture_lanes, frontend.options.capture_tokens
     if lanes == 0:
@@ -167,10 +167,9 @@ def plan_capture(prompts: list[list[int]], args: CaptureArgs, frontend: Any) -> 
     sites = resolve_sites(args.sites, frontend.num_layers, field="sites")
     if not sites:
         raise ValueError("sites: no site given")
-    configured = set(frontend.sites)
     for site in sites:
-        if site not in configured:
-            raise ValueError(f"sites: {unconfigured_site(site)}")
+        if site not in frontend.monitors:
+            raise ValueError(f"sites: {unmonitored_site(site)}")
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"prompts[{i}]: empty prompt")

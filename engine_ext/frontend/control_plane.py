@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.controller.contract import NAME_PATTERN, NAME_RULE, f32_bytes, unconfigured_site
+from dynsteer.controller.contract import NAME_PATTERN, NAME_RULE, f32_bytes, unmonitored_site
 from dynsteer.controller.limits import (
     as_float32_vector,
     check_probe_numbers,
@@ -135,8 +135,8 @@ class ControlPlane:
         if problems:
             raise ControlError("; ".join(problems))
         site = (probe.site.hook, probe.site.layer)
-        if site not in self.frontend.sites:
-            raise ControlError(f"site: {unconfigured_site(site)}")
+        if site not in self.frontend.monitors:
+            raise ControlError(f"site: {unmonitored_site(site)}")
         return self.register_probe(probe.name, probe.weights, probe.threshold, probe.sharpness,
                                    replace=replace, probe=probe)
 

@@ -7,8 +7,6 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.controller.contract import resolve_sites
-
 from ..compat import worker as vllm_worker
 from ..options import EngineOptions, options_from_additional_config
 from .sites import install_sites
@@ -57,9 +55,10 @@ def on_model_loaded(runner: Any, additional_config: dict[str, Any]) -> None:
 def attach(runner: Any, options: EngineOptions) -> SteeringState:
     """Wrap the model's sites, allocate the buffers and hook the runner's steps."""
     facts = vllm_worker.runner_facts(runner)
-    sites = resolve_sites(options.sites, facts.num_layers)
+    sites = options.engine_sites(facts.num_layers)
     state = SteeringState(
-        sites=sites,
+        sites=sites.all,
+        monitor_sites=sites.monitor,
         hidden_size=facts.hidden_size,
         max_rows=options.max_rows,
         max_gates=options.max_gates,
@@ -97,8 +96,9 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         runner, timer.timed("admit", on_add), timer.timed("finish", on_remove),
         timer.timed("step", on_step), timer.timed("output", state.cache_report))
     logger.info(
-        "dynsteer: %d steering sites on %s (max_rows=%d, capture %d lanes x %d tokens)",
-        len(installed), type(facts.model).__name__, options.max_rows, options.capture_lanes,
+        "dynsteer: %d steering sites (%d monitor sites) on %s (max_rows=%d, capture %d lanes "
+        "x %d tokens)", len(installed), len(sites.monitor & set(installed)),
+        type(facts.model).__name__, options.max_rows, options.capture_lanes,
         options.capture_tokens,
     )
     return state

@@ -68,8 +68,11 @@ class CaptureBuffers:
     """The capture buffer ``[K, C + 1, H]`` (float32), the lane table and the row allocator."""
 
     def __init__(self, sites: tuple[Site, ...], lanes: int, capacity: int, hidden_size: int,
-                 max_slots: int, device: torch.device) -> None:
+                 max_slots: int, device: torch.device,
+                 monitors: frozenset[Site] | None = None) -> None:
         self.sites = sites
+        self.monitors = frozenset(sites) if monitors is None else monitors
+        """Sites whose op can capture (the others are fused into the next layer's kernels)."""
         self.lanes = lanes
         self.capacity = capacity
         self.hidden_size = hidden_size
@@ -235,10 +238,10 @@ class CaptureBuffers:
             site: Site | None = parse_site_name(name)
         except ValueError:
             site = None
-        if site not in self._site_index:
-            raise ValueError(f"sites: {name!r} is not a configured site; add it to the engine "
-                             "option dynsteer.sites")
-        return site  # type: ignore[return-value]
+        if site is None or site not in self.monitors:
+            raise ValueError(f"sites: {name!r} is not a monitor site; add it to the engine "
+                             "option dynsteer.monitor_sites")
+        return site
 
     def _allocate(self, n: int) -> int | None:
         """First fit: the lowest start of ``n`` free consecutive rows in 1..C."""

@@ -1,4 +1,4 @@
-"""The in-graph steering op: ``dynsteer::steer``, one call per configured site.
+"""The in-graph steering: ``dynsteer::steer`` at monitor sites, :func:`steer_add` elsewhere.
 
 For every token ``t`` of the step (``x`` is the tensor steered, ``h`` the other half of the
 residual stream, so the stream is ``x + h``; ``h`` is None where ``x`` is the whole stream;
@@ -40,14 +40,20 @@ tokens and a cleared index never write (row 0 of the buffer is never written). T
 float32: it holds exactly the fp32 sum the monitor's probes are applied to, and numpy (the
 consumer) has no bfloat16. Tokens that are not captured cost one int load.
 
+A site that is not a monitor site (no probe reads it, nothing is captured there) needs only
+the last two lines; :func:`steer_add` computes them with tensor ops the compiler fuses into
+the kernels around the site, so such a site launches no kernel of its own.
+
 Graph safety: every input is a persistent buffer updated in place between steps (``index``
 is read only; the CUDA path reads its shapes and strides, never its values, on the host): no
-host sync on CUDA, no Python state. ``gate_score`` is per-token scratch output written in place
-but *not* declared as mutated: declaring it would make functionalization copy the buffer at
-every site. Their writes are ordered by the residual stream itself (a later site's input is
-computed from an earlier site's output), which no compiler pass can reorder. ``capture`` is
-written in place and not declared either, for the same reason (it is large); nothing in the
-graph reads it: it is read between steps, by an RPC, after the forward has finished.
+host sync on CUDA, no Python state. ``gate_score`` is per-token scratch written in place but
+*not* declared as mutated: declaring it would make functionalization copy the buffer at every
+monitor site. The writes are ordered by the residual stream itself: a later site reads the
+gate in the same expression as its input ``x``, which is computed from the monitor op's
+output, so no compiler pass can move the read before the write (the expression is fused into
+the kernel that consumes ``x``; the gate alone is a view, never a buffer of its own).
+``capture`` is written in place and not declared either; nothing in the graph reads it: it is
+read between steps, by an RPC, after the forward.
 CUDA runs the Triton kernel in :mod:`.triton_kernels`; other devices run torch.
 """
 
@@ -150,6 +156,20 @@ def steer_torch(x: torch.Tensor, h: torch.Tensor | None, b: SteerBuffers,
     y = x32 + delta
     y = torch.where(y.abs() <= stream_limit(x.dtype), y, x32)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def steer_add(x: torch.Tensor, index: torch.Tensor, gate_score: torch.Tensor,
+              table: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+    """Static + gated steering of a site without monitor or capture: the op's last two lines
+    in tensor ops (see the module docstring), so the compiler fuses them into the kernels
+    around the site. A row's unused tier is zero, so reading it adds exactly nothing; the
+    gate is the token's, written at its monitor site earlier in the forward."""
+    n = x.shape[0]
+    rows = index[INDEX_ROW, :n].to(torch.long)
+    x32 = x.to(torch.float32)
+    y = x32 + table[rows] + gate_score[GATE, :n, None] * dyn[rows]
+    y = torch.where(y.abs() <= stream_limit(x.dtype), y, x32)
+    return y.to(x.dtype)
 
 
 def stream_limit(dtype: torch.dtype) -> float:

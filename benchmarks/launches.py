@@ -1,0 +1,125 @@
+"""GPU kernel launches per decode step: stock vLLM against the plugin idle, steered and gated.
+
+What a site costs the graph, counted rather than timed: a Llama with 32 layers (small widths,
+the count does not depend on them), torch.compile on, vLLM in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and CUDA graphs off so that the profiler sees every
+kernel the compiled forward launches (with graphs on, the same kernels are the graph's nodes).
+Per engine: kernels of a 1-token generation and of a 33-token one, both greedy, batch 1; the
+difference over 32 is the kernels of one decode step (memcpy and memset counted apart).
+
+Configs: ``stock`` (plugin not enabled), ``idle`` (default sites: ``post_block`` at all 32
+layers, 3 of them monitor sites), ``static`` (one registered vector at 8 layers, none of them a
+monitor site), ``gated`` (a probe at ``post_block@16`` gating that vector at layers 16-23).
+
+Usage: python benchmarks/launches.py --out DIR   (writes launches.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+SHAPE = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
+    "intermediate_size": 2048, "num_hidden_layers": 32, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu",
+}
+STATIC_LAYERS = [1, 3, 5, 7, 9, 11, 13, 15]
+GATED_LAYERS = list(range(16, 24))
+DECODE_STEPS = 32
+
+
+def specs() -> dict[str, dict[str, Any] | None]:
+    gated = [{"vector": "bench", "layers": GATED_LAYERS}]
+    return {
+        "idle": None,
+        "static": {"steer": [{"vector": "bench", "layers": STATIC_LAYERS}]},
+        "gated": {"gate": {"probe": "bench", "layer": 16, "steer": gated}},
+    }
+
+
+def count_kernels(llm: Any, spec: dict[str, Any] | None, max_tokens: int) -> dict[str, int]:
+    """CUDA activities of one greedy generation, by kind."""
+    import torch
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                        detokenize=False,
+                        extra_args=None if spec is None else {"dynsteer": json.dumps(spec)})
+    prompt = {"prompt_token_ids": list(range(100, 116))}
+    llm.generate([prompt], [sp], use_tqdm=False)  # warm: same shapes, nothing new compiled
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate([prompt], [sp], use_tqdm=False)
+        torch.cuda.synchronize()
+    counts = {"kernels": 0, "memcpy": 0, "memset": 0}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kind = "memcpy" if "memcpy" in name else "memset" if "memset" in name else "kernels"
+        counts[kind] += 1
+    return counts
+
+
+def per_step(llm: Any, spec: dict[str, Any] | None) -> dict[str, float]:
+    one = count_kernels(llm, spec, 1)
+    many = count_kernels(llm, spec, 1 + DECODE_STEPS)
+    return {k: (many[k] - one[k]) / DECODE_STEPS for k in one}
+
+
+def start(path: Path, dynsteer: dict[str, Any] | None) -> Any:
+    from vllm import LLM
+
+    extra = {"additional_config": {"dynsteer": dynsteer}} if dynsteer is not None else {}
+    return LLM(str(path), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+               max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.2, seed=0,
+               compilation_config={"cudagraph_mode": "NONE"}, **extra)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import numpy as np
+
+    path = Path(tempfile.mkdtemp()) / "llama32"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(SHAPE))
+    results: dict[str, dict[str, float]] = {}
+    llm = start(path, None)
+    results["stock"] = per_step(llm, None)
+    del llm
+    gc.collect()
+
+    from dynsteer.engine_ext import Steering
+
+    llm = start(path, {})
+    steering = Steering(llm)
+    rng = np.random.default_rng(0)
+    hidden = SHAPE["hidden_size"]
+    steering.register_vector("bench", rng.standard_normal(hidden).astype(np.float32) * 0.01)
+    steering.register_probe("bench", weights=rng.standard_normal(hidden) / hidden**0.5,
+                            threshold=0.0, sharpness=1.0)
+    for name, spec in specs().items():
+        results[name] = per_step(llm, spec)
+    print(f"{'config':<8} {'kernels/step':>13} {'vs stock':>9} {'memcpy':>7} {'memset':>7}")
+    for name, r in results.items():
+        extra = r["kernels"] - results["stock"]["kernels"]
+        print(f"{name:<8} {r['kernels']:>13.1f} {extra:>+9.1f} {r['memcpy']:>7.1f} "
+              f"{r['memset']:>7.1f}")
+    (args.out / "launches.json").write_text(json.dumps(
+        {"shape": SHAPE, "decode_steps": DECODE_STEPS, "per_decode_step": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
