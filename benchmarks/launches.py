@@ -4,14 +4,17 @@ What a site costs the graph, counted rather than timed: a Llama with 32 layers (
 the count does not depend on them), torch.compile on, vLLM in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and CUDA graphs off so that the profiler sees every
 kernel the compiled forward launches (with graphs on, the same kernels are the graph's nodes).
-Per engine: kernels of a 1-token generation and of a 33-token one, both greedy, batch 1; the
-difference over 32 is the kernels of one decode step (memcpy and memset counted apart).
+Per engine: kernels of a 1-token generation and of a 33-token one, both greedy; the difference
+over 32 is the kernels of one decode step (memcpy and memset counted apart) and their summed
+GPU time. ``--shape 8b --batch 32`` runs the Llama-8B shape of ``overhead.py`` instead, where
+the GPU time per step says whether a difference in throughput is on the GPU or the host.
 
 Configs: ``stock`` (plugin not enabled), ``idle`` (default sites: ``post_block`` at all 32
 layers, 3 of them monitor sites), ``static`` (one registered vector at 8 layers, none of them a
 monitor site), ``gated`` (a probe at ``post_block@16`` gating that vector at layers 16-23).
 
-Usage: python benchmarks/launches.py --out DIR   (writes launches.json)
+Usage: python benchmarks/launches.py --out DIR [--shape small|8b] [--batch N]
+       (writes launches.json)
 """
 
 from __future__ import annotations
@@ -47,78 +50,91 @@ def specs() -> dict[str, dict[str, Any] | None]:
     }
 
 
-def count_kernels(llm: Any, spec: dict[str, Any] | None, max_tokens: int) -> dict[str, int]:
-    """CUDA activities of one greedy generation, by kind."""
+def count_kernels(llm: Any, spec: dict[str, Any] | None, max_tokens: int,
+                  batch: int) -> dict[str, float]:
+    """CUDA activities of one greedy generation of ``batch`` prompts, by kind, and the kernels'
+    summed GPU time (us)."""
     import torch
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                         detokenize=False,
                         extra_args=None if spec is None else {"dynsteer": json.dumps(spec)})
-    prompt = {"prompt_token_ids": list(range(100, 116))}
-    llm.generate([prompt], [sp], use_tqdm=False)  # warm: same shapes, nothing new compiled
+    prompts = [{"prompt_token_ids": list(range(100 + i, 116 + i))} for i in range(batch)]
+    llm.generate(prompts, [sp] * batch, use_tqdm=False)  # warm: nothing new compiled
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        llm.generate([prompt], [sp], use_tqdm=False)
+        llm.generate(prompts, [sp] * batch, use_tqdm=False)
         torch.cuda.synchronize()
-    counts = {"kernels": 0, "memcpy": 0, "memset": 0}
+    counts = {"kernels": 0, "memcpy": 0, "memset": 0, "kernel_us": 0.0}
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = event.name.lower()
         kind = "memcpy" if "memcpy" in name else "memset" if "memset" in name else "kernels"
         counts[kind] += 1
+        if kind == "kernels":
+            counts["kernel_us"] += event.time_range.elapsed_us()
     return counts
 
 
-def per_step(llm: Any, spec: dict[str, Any] | None) -> dict[str, float]:
-    one = count_kernels(llm, spec, 1)
-    many = count_kernels(llm, spec, 1 + DECODE_STEPS)
+def per_step(llm: Any, spec: dict[str, Any] | None, batch: int) -> dict[str, float]:
+    one = count_kernels(llm, spec, 1, batch)
+    many = count_kernels(llm, spec, 1 + DECODE_STEPS, batch)
     return {k: (many[k] - one[k]) / DECODE_STEPS for k in one}
 
 
-def start(path: Path, dynsteer: dict[str, Any] | None) -> Any:
+def start(path: Path, dynsteer: dict[str, Any] | None, mem: float) -> Any:
     from vllm import LLM
 
     extra = {"additional_config": {"dynsteer": dynsteer}} if dynsteer is not None else {}
     return LLM(str(path), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-               max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.2, seed=0,
+               max_model_len=512, max_num_seqs=256, gpu_memory_utilization=mem, seed=0,
                compilation_config={"cudagraph_mode": "NONE"}, **extra)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shape", choices=["small", "8b"], default="small")
+    parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args()
+    shape = SHAPE
+    if args.shape == "8b":
+        from overhead import LLAMA_8B as shape
     args.out.mkdir(parents=True, exist_ok=True)
     import numpy as np
 
     path = Path(tempfile.mkdtemp()) / "llama32"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps(SHAPE))
+    (path / "config.json").write_text(json.dumps(shape))
+    mem = 0.2 if args.shape == "small" else 0.4
     results: dict[str, dict[str, float]] = {}
-    llm = start(path, None)
-    results["stock"] = per_step(llm, None)
+    llm = start(path, None, mem)
+    results["stock"] = per_step(llm, None, args.batch)
     del llm
     gc.collect()
 
     from dynsteer.engine_ext import Steering
 
-    llm = start(path, {})
+    llm = start(path, {}, mem)
     steering = Steering(llm)
     rng = np.random.default_rng(0)
-    hidden = SHAPE["hidden_size"]
+    hidden = shape["hidden_size"]
     steering.register_vector("bench", rng.standard_normal(hidden).astype(np.float32) * 0.01)
     steering.register_probe("bench", weights=rng.standard_normal(hidden) / hidden**0.5,
                             threshold=0.0, sharpness=1.0)
     for name, spec in specs().items():
-        results[name] = per_step(llm, spec)
-    print(f"{'config':<8} {'kernels/step':>13} {'vs stock':>9} {'memcpy':>7} {'memset':>7}")
+        results[name] = per_step(llm, spec, args.batch)
+    stock = results["stock"]
+    print(f"{'config':<8} {'kernels/step':>13} {'vs stock':>9} {'memcpy':>7} {'memset':>7} "
+          f"{'GPU us/step':>12} {'ratio':>7}")
     for name, r in results.items():
-        extra = r["kernels"] - results["stock"]["kernels"]
-        print(f"{name:<8} {r['kernels']:>13.1f} {extra:>+9.1f} {r['memcpy']:>7.1f} "
-              f"{r['memset']:>7.1f}")
+        print(f"{name:<8} {r['kernels']:>13.1f} {r['kernels'] - stock['kernels']:>+9.1f} "
+              f"{r['memcpy']:>7.1f} {r['memset']:>7.1f} {r['kernel_us']:>12.1f} "
+              f"{r['kernel_us'] / stock['kernel_us']:>7.4f}")
     (args.out / "launches.json").write_text(json.dumps(
-        {"shape": SHAPE, "decode_steps": DECODE_STEPS, "per_decode_step": results}, indent=2))
+        {"shape": shape, "batch": args.batch, "decode_steps": DECODE_STEPS,
+         "per_decode_step": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ runs the worker's dynsteer host time per step: index fill + telemetry fold and r
 admitted request) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
-       [--scenarios idle gated ...]
+       [--scenarios idle gated ...] [--control --mem 0.28]
 """
 
 from __future__ import annotations
@@ -161,6 +161,9 @@ def main() -> None:
     ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=SCENARIOS,
                     help="plugin scenarios to run beside stock (fewer: more reps in the time)")
     ap.add_argument("--mem", type=float, default=0.42, help="gpu_memory_utilization per engine")
+    ap.add_argument("--control", action="store_true",
+                    help="a second stock engine, started last, timed like the others: the "
+                         "method's own bias and noise (an A/A ratio); use --mem 0.28")
     args = ap.parse_args()
     import numpy as np
     import torch
@@ -172,6 +175,8 @@ def main() -> None:
         path = make_model(Path(tmp) / "llama8b")
         t0 = time.time()
         engines = {"stock": start(path, None, args.mem), "plugin": start(path, {}, args.mem)}
+        if args.control:
+            engines["control"] = start(path, None, args.mem)
         startup = time.time() - t0
         steering = Steering(engines["plugin"])
         steering.register_vector(
@@ -183,7 +188,8 @@ def main() -> None:
         shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
         if not args.no_prefill:
             shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
-        runs = [("stock", "idle"), *(("plugin", s) for s in args.scenarios)]
+        runs = [("stock", "idle"), *(("plugin", s) for s in args.scenarios),
+                *([("control", "idle")] if args.control else [])]
         seed = 0
         for shape, batch, prompt_len, gen_len in shapes:
             loads = {s: specs.params(s, batch, gen_len) for s in args.scenarios}

@@ -47,10 +47,12 @@ class EngineOptions(BaseModel):
     monitor_sites: str | list[str] = DEFAULT_MONITOR_SITES
     """Sites where probes can read the stream (gates) and activations can be captured. Each
     runs the monitor kernel (about 2 us per step at batch 1 on an H100); ``""`` for none."""
-    max_rows: int = Field(default=32, ge=1, le=4096)
+    max_rows: int = Field(default=64, ge=1, le=4096)
     """Distinct steering rows in flight: one per distinct content (a phase's own, global and
     gated vectors per site); specs with equal contents share a row. Each costs
-    ``2 * sites * hidden * 4`` bytes of device memory (1 MiB for 32 sites at hidden 4096)."""
+    ``2 * sites * hidden * 4`` bytes of device memory (1 MiB for 32 sites at hidden 4096).
+    Past it, a new config's row replaces the least recently used idle one (a copy of the
+    sites it steers); with every row in use, new configs run unsteered (logged)."""
     max_gates: int = Field(default=128, ge=1, le=65536)
     """Distinct probes (with their threshold, sharpness and monitor site) gating requests in
     flight; each costs ``hidden * 4`` bytes of device memory."""

@@ -18,7 +18,7 @@ def test_disabled_without_key(monkeypatch):
 
 def test_empty_dict_or_env_enables(monkeypatch):
     monkeypatch.delenv(ENABLE_ENV, raising=False)
-    assert options_from_additional_config({"dynsteer": {}}).max_rows == 32
+    assert options_from_additional_config({"dynsteer": {}}).max_rows == 64
     monkeypatch.setenv(ENABLE_ENV, "1")
     assert options_from_additional_config({}).sites == "post_block@*"
 

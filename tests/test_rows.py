@@ -65,6 +65,20 @@ def test_released_rows_are_reused():
     assert site_rows(rows, ("pre_attn", 0))[r][0] == 3
 
 
+def test_a_reused_row_keeps_nothing_of_its_old_contents():
+    """A row rewritten for new contents copies only the sites either contents use, and the
+    sites only the old contents used are zero again (values and flags), whatever the tier."""
+    rows = table(max_rows=1)
+    old = rows.acquire({SITES[0]: np.ones(4, np.float32)}, {SITES[1]: np.full(4, 2, np.float32)})
+    rows.release(old)
+    new = rows.acquire({SITES[2]: np.full(4, 3, np.float32)})
+    assert new == old
+    for site, value in zip(SITES, (0, 0, 3), strict=True):
+        assert (site_rows(rows, site)[new] == value).all()
+        assert not site_rows(rows, site, "dyn")[new].any()
+    assert rows.flags[:, new].tolist() == [0, 0, 1]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5), st.integers(1, 6),
                           st.integers(0, 12), st.integers(1, 9)), min_size=1, max_size=8))

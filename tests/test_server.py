@@ -184,7 +184,7 @@ def test_metrics_move(openai_client, server):
                          ("dynsteer_requests_steered_total", 'kind="static"'),
                          ("dynsteer_tokens_monitored_total", 'site="post_block@1"')):
         assert _metric(after, name, labels) > _metric(before, name, labels), (name, labels)
-    assert "dynsteer_rows_capacity 32.0" in after
+    assert "dynsteer_rows_capacity 64.0" in after
     assert "dynsteer_prefix_guarded_requests_total" in after
 
 

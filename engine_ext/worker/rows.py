@@ -64,9 +64,10 @@ def _digest(*parts: object) -> bytes:
     return h.digest()
 
 
-ALIASES = 64
+ALIASES = 256
 """Caller keys remembered per slot (and for empty contents); an older one is forgotten, which
-only means its next request builds and hashes its contents again."""
+only means its next request builds and hashes its contents again. Many specs may share one
+row (e.g. distinct probes gating the same vector: two keys each, one per phase)."""
 
 
 @dataclass
@@ -161,6 +162,8 @@ class RowTable:
         self.dyn = torch.zeros(shape, dtype=torch.float32, device=device)
         self.flags = torch.zeros(len(sites), max_rows + 1, dtype=torch.int32, device=device)
         self._slots = _Slots(max_rows)
+        self._written: dict[int, frozenset[int]] = {}
+        """Per row: the site indices its current contents occupy (the rest are zero)."""
 
     def site_index(self, site: Site) -> int:
         return self._site_index[site]
@@ -209,19 +212,39 @@ class RowTable:
         self._slots.give_back(row)
 
     def _write(self, row: int, static: Contents, dynamic: Contents) -> None:
-        n, hidden = len(self.sites), self.hidden_size
+        """Write the row's new contents and zero what its old contents left at other sites:
+        only those sites are copied (a config steers a few of the sites, a whole row is
+        ``2 * sites * hidden * 4`` bytes)."""
+        used = frozenset(self._site_index[s] for s in (*static, *dynamic))
+        sites = sorted(used | self._written.get(row, frozenset()))
+        self._written[row] = used
+        position = {i: k for k, i in enumerate(sites)}
         device = self.table.device
-        host = _host_buffer((2, n, hidden), torch.float32, device)
-        flags = _host_buffer((n,), torch.int32, device)
+        host = _host_buffer((2, len(sites), self.hidden_size), torch.float32, device)
+        flags = _host_buffer((len(sites),), torch.int32, device)
         for part, contents, flag in ((0, static, STATIC_FLAG), (1, dynamic, DYNAMIC_FLAG)):
             for site, vec in contents.items():
-                i = self._site_index[site]
-                host[part, i] = torch.from_numpy(np.asarray(vec, dtype=np.float32))
-                flags[i] |= flag
+                k = position[self._site_index[site]]
+                host[part, k] = torch.from_numpy(np.asarray(vec, dtype=np.float32))
+                flags[k] |= flag
         # Issued on the current stream: ordered after every forward that read the old contents.
-        self.table[:, row].copy_(host[0], non_blocking=True)
-        self.dyn[:, row].copy_(host[1], non_blocking=True)
-        self.flags[:, row].copy_(flags, non_blocking=True)
+        # Consecutive sites go in one copy.
+        for first, last in _runs(sites):
+            part = slice(position[first], position[last] + 1)
+            self.table[first:last + 1, row].copy_(host[0, part], non_blocking=True)
+            self.dyn[first:last + 1, row].copy_(host[1, part], non_blocking=True)
+            self.flags[first:last + 1, row].copy_(flags[part], non_blocking=True)
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices as (first, last) runs of consecutive values."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
 
 
 def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
