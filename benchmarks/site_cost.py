@@ -6,8 +6,9 @@ steered token (every token on row 0, the serving default). Variants of the site:
 
 * ``none``     no site (stock);
 * ``op``       the ``dynsteer::steer`` op (the Triton kernel) before each norm;
-* ``fused``    :func:`dynsteer.engine_ext.worker.ops.steer_add`, fused by Inductor into the norm;
-* ``masked``   the same add with the row gathers under ``where(row != 0, ...)``.
+* ``gather``   the add written as plain row gathers (``table[row]``), fused into the norm;
+* ``fused``    :func:`dynsteer.engine_ext.worker.ops.steer_add`: the same add with row 0 read
+               as padding, so that unsteered tokens load no row (Inductor masks the load).
 
 Prints microseconds per stack (median of repeated graph replays) and the ratio to ``none``
 for 1, 32, 256 and 2048 tokens; writes ``site_cost.json``.
@@ -25,7 +26,7 @@ from pathlib import Path
 LAYERS = 32
 HIDDEN = 4096
 TOKENS = (1, 32, 256, 2048)
-VARIANTS = ("none", "op", "fused", "masked")
+VARIANTS = ("none", "op", "gather", "fused")
 
 
 def main() -> None:
@@ -49,13 +50,12 @@ def main() -> None:
         site_lane=torch.full((LAYERS,), -1, dtype=torch.int32, device=device))
     weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
 
-    def masked_add(x: torch.Tensor) -> torch.Tensor:
+    def gather_add(x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         r = buffers.index[ops.INDEX_ROW, :n].to(torch.long)
-        on = (r != 0)[:, None]
         g = buffers.gate_score[ops.GATE, :n, None]
         x32 = x.float()
-        y = x32 + torch.where(on, buffers.table[r] + g * buffers.dyn[r], 0.0)
+        y = x32 + buffers.table[r] + g * buffers.dyn[r]
         y = torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32)
         return y.to(x.dtype)
 
@@ -65,8 +65,8 @@ def main() -> None:
         if variant == "fused":
             return ops.steer_add(x, buffers.index, buffers.gate_score, buffers.table,
                                  buffers.dyn)
-        if variant == "masked":
-            return masked_add(x)
+        if variant == "gather":
+            return gather_add(x)
         return x
 
     def stack(variant: str):
