@@ -53,7 +53,7 @@ def prefix_checks(work: Path) -> list[dict[str, Any]]:
     from tiny_models import make_tiny_model
 
     path = make_tiny_model("llama", work / "tiny_llama")
-    llm = start_llm(path, dynsteer={"sites": "pre_attn@0,post_block@*"},
+    llm = start_llm(path, dynsteer=t.DYNSTEER,
                     enable_prefix_caching=True, block_size=t.BLOCK, gpu_memory_utilization=0.25,
                     async_scheduling=True)
     hf = load_hf(path)

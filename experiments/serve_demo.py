@@ -14,6 +14,7 @@ Run: ``make serve-demo`` (or ``python experiments/serve_demo.py``).
 
 from __future__ import annotations
 
+import json
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -34,7 +35,9 @@ def main() -> None:
 
     site = f"post_block@{LAYER}"
     with tempfile.TemporaryDirectory() as tmp, ServerProcess(
-            ["--max-model-len", "1024", "--dynsteer-probe-store", f"{tmp}/probes"],
+            ["--max-model-len", "1024", "--dynsteer-probe-store", f"{tmp}/probes",
+             # the probe reads (and capture records) the pirate layer
+             "--additional-config", json.dumps({"dynsteer": {"monitor_sites": site}})],
             Path(tmp) / "serve.log") as server:
         print(f"starting dynsteer serve on {server.url} (log: {server.log}) ...", flush=True)
         server.wait_ready()

@@ -29,11 +29,14 @@ def prompt(seed: int, n: int = 3 * BLOCK + 3) -> list[int]:
     return [1, *np.random.RandomState(seed).randint(3, 500, n - 1).tolist()]
 
 
+DYNSTEER = {"sites": "pre_attn@0,post_block@*", "monitor_sites": "pre_attn@0,post_block@1"}
+"""The engine options (the gates here read pre_attn@0 and post_block@1)."""
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    llm = start_llm(tiny_model_dir("llama"), dynsteer={"sites": "pre_attn@0,post_block@*",
-                                                      "monitor_sites": "pre_attn@0,post_block@1"},
-                    enable_prefix_caching=True, block_size=BLOCK)
+    llm = start_llm(tiny_model_dir("llama"), dynsteer=DYNSTEER, enable_prefix_caching=True,
+                    block_size=BLOCK)
     yield llm
     stop_llm(llm)
 
