@@ -27,15 +27,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from overhead import LLAMA_8B
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-SHAPE = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
-    "intermediate_size": 2048, "num_hidden_layers": 32, "num_attention_heads": 16,
-    "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
-    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu",
-}
+SHAPE = {**LLAMA_8B, "hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": 16,
+         "vocab_size": 32000, "max_position_embeddings": 4096}
+"""The 8B shape's 32 layers at small widths."""
 STATIC_LAYERS = [1, 3, 5, 7, 9, 11, 13, 15]
 GATED_LAYERS = list(range(16, 24))
 DECODE_STEPS = 32
@@ -98,9 +96,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=["small", "8b"], default="small")
     parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args()
-    shape = SHAPE
-    if args.shape == "8b":
-        from overhead import LLAMA_8B as shape
+    shape = LLAMA_8B if args.shape == "8b" else SHAPE
     args.out.mkdir(parents=True, exist_ok=True)
     import numpy as np
 

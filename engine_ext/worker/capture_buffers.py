@@ -68,10 +68,9 @@ class CaptureBuffers:
     """The capture buffer ``[K, C + 1, H]`` (float32), the lane table and the row allocator."""
 
     def __init__(self, sites: tuple[Site, ...], lanes: int, capacity: int, hidden_size: int,
-                 max_slots: int, device: torch.device,
-                 monitors: frozenset[Site] | None = None) -> None:
+                 max_slots: int, device: torch.device, monitors: frozenset[Site]) -> None:
         self.sites = sites
-        self.monitors = frozenset(sites) if monitors is None else monitors
+        self.monitors = monitors
         """Sites whose op can capture (the others are fused into the next layer's kernels)."""
         self.lanes = lanes
         self.capacity = capacity
