@@ -72,6 +72,7 @@ def case(tokens: int, hidden: int, mode: str) -> dict[str, Any]:
     import torch
 
     from dynsteer.engine_ext.worker.ops import (
+        CTL_COLS,
         INDEX_CAPTURE,
         INDEX_PROBE,
         INDEX_ROW,
@@ -100,6 +101,7 @@ def case(tokens: int, hidden: int, mode: str) -> dict[str, Any]:
         params=torch.tensor([[0, 0, 0], [0.0, 1.0, 0.0]], device="cuda"),
         capture=torch.zeros(1, tokens + 1 if captured else 1, hidden, device="cuda"),
         site_lane=torch.tensor([0 if captured else -1], dtype=torch.int32, device="cuda"),
+        control=torch.zeros(1, CTL_COLS, device="cuda"),
     )
     limit = stream_limit(x.dtype)
 

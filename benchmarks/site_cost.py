@@ -47,7 +47,8 @@ def main() -> None:
         flags=torch.zeros(rows, dtype=torch.int32, device=device),
         probes=torch.zeros(2, HIDDEN, device=device), params=torch.zeros(2, 3, device=device),
         capture=torch.zeros(1, 2, HIDDEN, device=device),
-        site_lane=torch.full((LAYERS,), -1, dtype=torch.int32, device=device))
+        site_lane=torch.full((LAYERS,), -1, dtype=torch.int32, device=device),
+        control=torch.zeros(1, ops.CTL_COLS, device=device))
     weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
 
     def gather_add(x: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,26 @@ class Health(_Body):
     workers: int
 
 
+class ControllerEvent(_Body):
+    """One change a controller made, from ``position`` on: the gate's new ``floor`` and
+    ``scale`` (``gate' = max(gate, floor) * scale``), or a switch ``action`` and its ``name``."""
+
+    position: int
+    floor: float | None = None
+    scale: float | None = None
+    action: str | None = None
+    name: str | None = None
+
+
+class ControllerReport(_Body):
+    name: str
+    events: list[ControllerEvent]
+    """The first 64 changes, in order."""
+    events_total: int
+    error: str | None = None
+    """Set when the controller raised and was disabled for this request."""
+
+
 class GateReport(_Body):
     """Gate telemetry of one gated request (positions the engine processed)."""
 
@@ -88,6 +108,10 @@ class GateReport(_Body):
     max_score: float | None
     gates: list[float | None] | None = None
     """Per position (None where not processed); only for gates with ``"trace": true``."""
+    scores: list[float | None] | None = None
+    """The probe's score per position, like ``gates``."""
+    controller: ControllerReport | None = None
+    """What the request's controller did (None: it had none)."""
 
 
 class RequestReport(_Body):

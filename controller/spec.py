@@ -149,6 +149,25 @@ class GateSpec(BaseModel):
     without it the report has the counters only (cheaper at high request rates)."""
 
 
+class ControllerSpec(BaseModel):
+    """A per-step controller of the request's gate (see
+    :mod:`dynsteer.controller.controllers`): its name and its parameters, e.g.
+    ``{"name": "latch", "k": 2}``."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    """A built-in (``latch``, ``hysteresis``, ``proportional``, ``budget``) or a controller
+    registered through the entry-point group ``dynsteer.controllers``."""
+
+    def params(self) -> dict[str, Any]:
+        """The parameters (every field but ``name``)."""
+        return dict(self.model_extra or {})
+
+
+SESSION_PATTERN = r"^[A-Za-z0-9_.:@/-]{1,256}$"
+
+
 class SteeringSpec(BaseModel):
     """The whole per-request spec (version 1)."""
 
@@ -160,6 +179,11 @@ class SteeringSpec(BaseModel):
     """Static steering entries; they add to each other and to global steering."""
     gate: GateSpec | None = None
     """Optional probe-gated dynamic steering."""
+    controller: ControllerSpec | None = None
+    """Optional controller of the gate (needs ``gate``)."""
+    session: Annotated[str, Field(pattern=SESSION_PATTERN)] | None = None
+    """The conversation this request belongs to (what controllers see and act on across
+    requests); 1-256 characters from A-Z a-z 0-9 _ . : @ / -."""
 
 
 @dataclass(frozen=True)
@@ -356,8 +380,25 @@ def check_gate(gate: GateSpec, shape: ModelShape, prefix: str) -> None:
                 )
 
 
+def check_controller(spec: SteeringSpec, prefix: str) -> dict[str, Any] | None:
+    """The spec's controller as ``{"name", "params"}`` with its parameters validated (None:
+    no controller); SpecError naming the field."""
+    if spec.controller is None:
+        return None
+    from .controllers import controller_class, parse_params
+
+    where = f"{prefix}.controller"
+    if spec.gate is None:
+        raise SpecError(f"{where}: a controller acts on the gate's probe scores; add "
+                        f"{prefix}.gate")
+    cls = controller_class(spec.controller.name, f"{where}.name")
+    params = parse_params(cls, spec.controller.params(), where)
+    return {"name": spec.controller.name, "params": params.model_dump(mode="json")}
+
+
 def check_against_model(spec: SteeringSpec, shape: ModelShape, prefix: str = SPEC_KEY) -> None:
     """Check a parsed spec against the served model."""
     check_entries(spec.steer, shape, f"{prefix}.steer")
     if spec.gate is not None:
         check_gate(spec.gate, shape, f"{prefix}.gate")
+    check_controller(spec, prefix)

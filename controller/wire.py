@@ -11,8 +11,9 @@ Layout (positional, so msgpack stays small):
 
 * entry: ``[hook, layers, phase, scale, vector]`` (indices :data:`HOOK` ... :data:`VECTOR`),
   ``vector`` = float32 bytes or a registered vector's name;
-* spec: ``{"steer": [entry...], "gate": gate or None, "key": hex}``; ``key`` is a content hash
-  of the rest, so workers can reuse what they built for an identical spec and the prefix-cache
+* spec: ``{"steer": [entry...], "gate": gate or None, "controller": {"name", "params"} or
+  None, "key": hex, "session": str or None}``; ``key`` is a content hash of everything but the
+  session, so workers can reuse what they built for an identical spec and the prefix-cache
   fingerprint hashes a few bytes per request;
 * gate: ``{"probe", "hook", "layer", "threshold", "sharpness", "steer": [entry...], "trace"}``,
   ``probe`` = a registered probe's name or ``[weights bytes, threshold, sharpness]``
@@ -28,7 +29,7 @@ import hashlib
 from typing import Any
 
 from .contract import F32, f32_bytes
-from .spec import GateSpec, SteerEntry, SteeringSpec
+from .spec import GateSpec, SteerEntry, SteeringSpec, check_controller
 
 WIRE_KEY = "dynsteer_wire"
 """Key of the resolved spec in ``SamplingParams.extra_args`` (set by the frontend only)."""
@@ -67,8 +68,10 @@ def gate_to_wire(gate: GateSpec) -> dict[str, Any]:
 
 def spec_to_wire(spec: SteeringSpec) -> dict[str, Any]:
     wire = {"steer": [entry_to_wire(e) for e in spec.steer],
-            "gate": gate_to_wire(spec.gate) if spec.gate is not None else None}
+            "gate": gate_to_wire(spec.gate) if spec.gate is not None else None,
+            "controller": check_controller(spec, "dynsteer")}
     wire["key"] = fingerprint(wire).hex()
+    wire["session"] = spec.session
     return wire
 
 

@@ -39,3 +39,36 @@ def chat_model() -> Path:
     from server_utils import make_chat_model
 
     return stable_model_dir("tiny-chat", make_chat_model, "chat")
+
+
+CONTROLLER_PLUGINS = {"pylatch": "PyLatch", "half": "Half", "switcher": "Switcher",
+                      "raiser": "Raiser"}
+
+
+@pytest.fixture(scope="session")
+def controller_plugins(tmp_path_factory):
+    """Installs ``tests/plugins/dynsteer_test_controllers.py`` as a distribution with
+    ``dynsteer.controllers`` entry points (a ``.dist-info`` beside it on ``PYTHONPATH``, so
+    engine processes started afterwards find them too)."""
+    import importlib
+    import os
+    import shutil
+
+    root = tmp_path_factory.mktemp("controller-plugins")
+    shutil.copy(Path(__file__).parent / "plugins" / "dynsteer_test_controllers.py", root)
+    info = root / "dynsteer_test_controllers-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dynsteer-test-controllers\n"
+                                   "Version: 0.1\n")
+    lines = [f"{n} = dynsteer_test_controllers:{c}" for n, c in CONTROLLER_PLUGINS.items()]
+    (info / "entry_points.txt").write_text("[dynsteer.controllers]\n" + "\n".join(lines) + "\n")
+    sys.path.insert(0, str(root))
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), old) if p)
+    importlib.invalidate_caches()
+    yield root
+    sys.path.remove(str(root))
+    if old is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = old

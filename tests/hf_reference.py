@@ -51,8 +51,12 @@ def _deltas(entries, seq_len, prompt_len, vectors) -> dict[tuple[str, int], torc
 class Steerer:
     """Static + gated deltas per site, and the gate computed at the monitor site."""
 
-    def __init__(self, entries, gate, seq_len, prompt_len, vectors, probes) -> None:
+    def __init__(self, entries, gate, seq_len, prompt_len, vectors, probes,
+                 gate_fn=None) -> None:
         self.static = _deltas(entries, seq_len, prompt_len, vectors)
+        self.gate_fn = gate_fn
+        """``gate_fn(scores, gates) -> gates`` (numpy, per position): a controller's decisions
+        on top of the probe's gates (None: the gates as they are)."""
         self.gated: dict[tuple[str, int], torch.Tensor] = {}
         self.monitor = None
         self.gates: torch.Tensor | None = None
@@ -72,6 +76,9 @@ class Steerer:
         if site == self.monitor:
             self.scores = stream[0].double() @ self.w
             self.gates = torch.sigmoid(self.sharpness * (self.scores - self.threshold))
+            if self.gate_fn is not None:
+                self.gates = torch.as_tensor(
+                    self.gate_fn(self.scores.numpy(), self.gates.numpy()), dtype=torch.float64)
         delta = self.static.get(site)
         if site in self.gated:
             assert self.gates is not None, "gated site before the monitor"
@@ -117,9 +124,11 @@ def steering_hooks(model, steerer: Steerer):
 def run_reference(model: Any, tokens: Sequence[int], prompt_len: int,
                   entries: Sequence[dict[str, Any]] = (), vectors: dict | None = None,
                   gate: dict[str, Any] | None = None,
-                  probes: dict[str, dict] | None = None) -> tuple[np.ndarray, Steerer]:
+                  probes: dict[str, dict] | None = None,
+                  gate_fn=None) -> tuple[np.ndarray, Steerer]:
     """(log-probability of each token ``tokens[1:]`` given its prefix, the steerer)."""
-    steerer = Steerer(entries, gate, len(tokens), prompt_len, vectors or {}, probes or {})
+    steerer = Steerer(entries, gate, len(tokens), prompt_len, vectors or {}, probes or {},
+                      gate_fn)
     ids = torch.tensor([list(tokens)])
     with torch.no_grad(), steering_hooks(model, steerer):
         logits = model(ids).logits[0].double()
@@ -172,7 +181,7 @@ def load_hf(path: Any) -> Any:
 
 def assert_logprobs_match_hf(hf: Any, out: Any, entries: Sequence[dict[str, Any]] = (),
                              vectors: dict | None = None, gate: dict[str, Any] | None = None,
-                             probes: dict[str, dict] | None = None
+                             probes: dict[str, dict] | None = None, gate_fn=None,
                              ) -> tuple[list[int], np.ndarray, Steerer]:
     """The logprobs a finished engine request reported equal an HF run over its tokens with the
     same steering (``atol`` :data:`LOGPROB_ATOL`): of every prompt and generated token, or of
@@ -184,7 +193,8 @@ def assert_logprobs_match_hf(hf: Any, out: Any, entries: Sequence[dict[str, Any]
         tokens, first = list(out.prompt_token_ids) + gen, prompt_len - 1
     else:
         (tokens, got), first = logprobs_of(out), 0
-    want, steerer = run_reference(hf, tokens, prompt_len, entries, vectors, gate, probes)
+    want, steerer = run_reference(hf, tokens, prompt_len, entries, vectors, gate, probes,
+                                  gate_fn)
     np.testing.assert_allclose(got, want[first:], atol=LOGPROB_ATOL)
     return tokens, want, steerer
 

@@ -55,9 +55,15 @@ def make_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, extreme
     site_lane = torch.full((SITE + 2,), -1, dtype=torch.int32)
     site_lane[SITE] = LANE
     site_lane[SITE + 1] = 0  # another site's lane: not this op's business
+    # Controller rows: none, a latched one, a scaled one, a switched-off one.
+    control = torch.zeros(4, ops.CTL_COLS)
+    control[1:, ops.CTL_FLOOR] = torch.tensor([1.0, 0.0, 0.3])
+    control[1:, ops.CTL_SCALE] = torch.tensor([1.0, 0.4, 0.0])
+    index[ops.INDEX_CONTROL, :tokens] = torch.randint(0, 4, (tokens,), generator=g,
+                                                      dtype=torch.int32)
     return x, h, ops.SteerBuffers(index=index, gate_score=gate_score, table=table, dyn=dyn,
                                   flags=flags, probes=probes, params=params, capture=capture,
-                                  site_lane=site_lane)
+                                  site_lane=site_lane, control=control)
 
 
 def on(device: str, x, h, b: ops.SteerBuffers):
@@ -85,6 +91,10 @@ def reference(x, h, b: ops.SteerBuffers):
             s = ((x[t].double() + h[t].double()) * probes[p].double()).sum()
             z = params[p, 1].double() * (s - params[p, 0].double())
             gates[t] = torch.sigmoid(z)
+            k = int(b.index[ops.INDEX_CONTROL, t])
+            if k:  # the controller's floor and scale
+                floor, scale = (float(b.control[k, c]) for c in (ops.CTL_FLOOR, ops.CTL_SCALE))
+                gates[t] = max(float(gates[t]), floor) * scale
             scores[t] = s
         r = int(rows[t])
         out[t] += table[r].double() + gates[t] * dyn[r].double()

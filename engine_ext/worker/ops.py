@@ -5,10 +5,13 @@ residual stream, so the stream is ``x + h``; ``h`` is None where ``x`` is the wh
 ``gate``/``score`` are the rows ``GATE``/``SCORE`` of ``gate_score``):
 
     r, p, c = index[INDEX_ROW, t], index[INDEX_PROBE, t], index[INDEX_CAPTURE, t]  (0: none)
+    k = index[INDEX_CONTROL, t]                         (0: no controller)
     if p and params[p, PARAM_SITE] == site:             (this is t's monitor site)
         score[t] = (x[t] + h[t]) · probes[p]            (fp32 accumulate)
         gate[t]  = sigmoid(params[p, PARAM_SHARPNESS] * (score[t] - params[p, PARAM_THRESHOLD]))
                                                         (NaN: 0)
+        if k and gate[t] was not NaN:
+            gate[t] = max(gate[t], control[k, CTL_FLOOR]) * control[k, CTL_SCALE]
     lane = site_lane[site]                              (-1: this site is not captured)
     if c and lane >= 0:
         capture[lane, c] = x[t] + h[t]                   (fp32, the stream the monitor reads)
@@ -44,6 +47,11 @@ A site that is not a monitor site (no probe reads it, nothing is captured there)
 the last two lines; :func:`steer_add` computes them with tensor ops the compiler fuses into
 the kernels around the site, so such a site launches no kernel of its own.
 
+``control[K, CTL_COLS]`` holds the state of per-request controllers (one row per runner slot,
+see :mod:`dynsteer.controller.controllers`): the monitor applies a row's floor and scale; after
+each forward :func:`control_step` folds the step's scores into the rows of built-in
+controllers (one small kernel, outside the graph), so their decisions apply from the next step.
+
 Graph safety: every input is a persistent buffer updated in place between steps (``index``
 is read only; the CUDA path reads its shapes and strides, never its values, on the host): no
 host sync on CUDA, no Python state. ``gate_score`` is per-token scratch written in place but
@@ -73,9 +81,15 @@ DYNAMIC_FLAG = 2
 PARAM_THRESHOLD, PARAM_SHARPNESS, PARAM_SITE = 0, 1, 2
 PARAMS = 3
 """Columns of ``params[probe]``."""
-INDEX_ROW, INDEX_PROBE, INDEX_CAPTURE = 0, 1, 2
-"""Rows of ``index``: steering row, probe row, capture row of each token."""
-INDEX_ROWS = 3
+INDEX_ROW, INDEX_PROBE, INDEX_CAPTURE, INDEX_CONTROL = 0, 1, 2, 3
+"""Rows of ``index``: steering row, probe row, capture row, controller row of each token."""
+INDEX_ROWS = 4
+CTL_KIND, CTL_FLOOR, CTL_SCALE, CTL_COUNT, CTL_P0, CTL_P1, CTL_P2 = range(7)
+CTL_COLS = 8
+"""Columns of ``control[k]``: the controller's kind (0: Python, run on the host; else a
+built-in's ``kind``), the floor and scale the monitor applies, a counter, three parameters."""
+KIND_LATCH, KIND_HYSTERESIS, KIND_PROPORTIONAL, KIND_BUDGET = 1, 2, 3, 4
+"""The built-in controllers' kinds (:mod:`dynsteer.controller.controllers`)."""
 GATE, SCORE = 0, 1
 """Rows of ``gate_score``."""
 
@@ -102,6 +116,8 @@ class SteerBuffers(NamedTuple):
     """float32 ``[K, C + 1, H]``, contiguous: the capture buffer shared by all sites."""
     site_lane: torch.Tensor
     """int32 ``[S]``: each site's capture lane (-1: not captured)."""
+    control: torch.Tensor
+    """float32 ``[K, CTL_COLS]``: per-request controller state (row 0: none)."""
 
 
 STEER_SCHEMA = ("(Tensor x, Tensor? h, " + "".join(f"Tensor {f}, " for f in SteerBuffers._fields)
@@ -111,7 +127,8 @@ module docstring), so adding an input is adding a field there and reading it in 
 implementations."""
 
 
-def _monitor(x, h, probe_rows, probes, params, gate, score, site: int) -> None:
+def _monitor(x, h, probe_rows, control_rows, probes, params, control, gate, score,
+             site: int) -> None:
     p = probe_rows.to(torch.long)
     mine = (p != 0) & (params[p, PARAM_SITE] == site)
     if not bool(mine.any()):
@@ -123,8 +140,13 @@ def _monitor(x, h, probe_rows, probes, params, gate, score, site: int) -> None:
     pi = p.index_select(0, idx)
     s = (stream * probes.index_select(0, pi)).sum(-1)
     z = params[pi, PARAM_SHARPNESS] * (s - params[pi, PARAM_THRESHOLD])
+    g = torch.nan_to_num(torch.sigmoid(z), nan=0.0)
+    k = control_rows.to(torch.long).index_select(0, idx)
+    ctl = control.index_select(0, k)
+    controlled = (k != 0) & ~torch.isnan(z)  # a NaN score gates nothing, controller or not
+    g = torch.where(controlled, torch.maximum(g, ctl[:, CTL_FLOOR]) * ctl[:, CTL_SCALE], g)
     score[idx] = s
-    gate[idx] = torch.nan_to_num(torch.sigmoid(z), nan=0.0)
+    gate[idx] = g
 
 
 def _capture(x, h, capture_rows, capture, site_lane, site: int) -> None:
@@ -148,7 +170,8 @@ def steer_torch(x: torch.Tensor, h: torch.Tensor | None, b: SteerBuffers,
     index = b.index[:, :n]
     gate, score = b.gate_score[GATE], b.gate_score[SCORE]
     _capture(x, h, index[INDEX_CAPTURE], b.capture, b.site_lane, site)
-    _monitor(x, h, index[INDEX_PROBE], b.probes, b.params, gate, score, site)
+    _monitor(x, h, index[INDEX_PROBE], index[INDEX_CONTROL], b.probes, b.params, b.control,
+             gate, score, site)
     r = index[INDEX_ROW].to(torch.long)
     delta = b.table.index_select(0, r)
     if bool(((b.flags.index_select(0, r) & DYNAMIC_FLAG) != 0).any()):
@@ -178,6 +201,77 @@ def _row_of(rows_table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     is read as padding, which Inductor lowers to a masked load. Unsteered tokens (most of
     them, most of the time) then cost one index load per site instead of two row gathers."""
     return F.pad(rows_table[1:], (0, 0, 1, 0))[rows]
+
+
+def control_step(index: torch.Tensor, gate_score: torch.Tensor, control: torch.Tensor,
+                 tokens: int) -> None:
+    """Fold one finished step (its first ``tokens`` columns of ``index`` and ``gate_score``)
+    into the rows of built-in controllers, in place (see :mod:`dynsteer.controller.controllers`
+    for what each does). Runs on the step's stream after its forward and before the next one
+    (so before the index is refilled). CUDA runs one Triton kernel; other devices run torch."""
+    if tokens == 0:
+        return
+    if control.is_cuda:
+        from .triton_kernels import control_step_triton
+
+        control_step_triton(index, gate_score, control, tokens)
+    else:
+        control_step_torch(index, gate_score, control, tokens)
+
+
+def control_step_torch(index: torch.Tensor, gate_score: torch.Tensor, control: torch.Tensor,
+                       tokens: int) -> None:
+    """Plain torch version of :func:`control_step` (the CPU implementation).
+
+    For each built-in row ``k`` and its tokens ``t`` of the step (in order): ``latch``:
+    count += #(score > P1, or gate > 0.5 when P1 is NaN), floor = 1 once count >= P0;
+    ``hysteresis``: scale = 1 if the last token with score > P0 comes after the last with
+    score < P1, 0 if the other way round (unchanged if neither); ``proportional``: scale =
+    P0 * clamp(score of the last token - P1, 0, P2) (unchanged on NaN); ``budget``: count +=
+    #(gate > 0.5), scale = 0 once count >= P0."""
+    k = index[INDEX_CONTROL, :tokens].to(torch.long)
+    t = (k != 0).nonzero().squeeze(1)
+    if t.numel() == 0:
+        return
+    k = k.index_select(0, t)
+    gate, score = gate_score[GATE].index_select(0, t), gate_score[SCORE].index_select(0, t)
+    row = control.index_select(0, k)
+    kind = row[:, CTL_KIND]
+    p0, p1 = row[:, CTL_P0], row[:, CTL_P1]
+    n = control.shape[0]
+
+    def per_row(values: torch.Tensor, reduce: str, init: float) -> torch.Tensor:
+        out = torch.full((n,), init, dtype=values.dtype)
+        return out.scatter_reduce(0, k, values, reduce=reduce, include_self=True)
+
+    above = torch.where(torch.isnan(p1), gate > 0.5, score > p1)
+    counted = torch.where(kind == KIND_LATCH, above, gate > 0.5) & (
+        (kind == KIND_LATCH) | (kind == KIND_BUDGET))
+    count = control[:, CTL_COUNT] + per_row(counted.to(torch.float32), "sum", 0.0)
+    order = torch.arange(t.numel(), dtype=torch.float32)
+    last = per_row(order, "amax", -1.0)
+    last_on = per_row(torch.where(score > p0, order, -1.0), "amax", -1.0)
+    last_off = per_row(torch.where(score < p1, order, -1.0), "amax", -1.0)
+    kinds = control[:, CTL_KIND]
+    seen = last >= 0
+    s_last = score.new_zeros(n)
+    s_last[seen] = score[last[seen].to(torch.long)]
+    floor, scale = control[:, CTL_FLOOR].clone(), control[:, CTL_SCALE].clone()
+    latch = seen & (kinds == KIND_LATCH)
+    floor = torch.where(latch & (count >= control[:, CTL_P0]), 1.0, floor)
+    hyst = seen & (kinds == KIND_HYSTERESIS)
+    scale = torch.where(hyst & (last_on > last_off), 1.0, scale)
+    scale = torch.where(hyst & (last_off > last_on), 0.0, scale)
+    prop = seen & (kinds == KIND_PROPORTIONAL) & ~torch.isnan(s_last)
+    target = control[:, CTL_P0] * torch.clamp(
+        torch.minimum(s_last - control[:, CTL_P1], control[:, CTL_P2]), min=0.0)
+    scale = torch.where(prop, target, scale)
+    budget = seen & (kinds == KIND_BUDGET)
+    scale = torch.where(budget & (count >= control[:, CTL_P0]), 0.0, scale)
+    counts = seen & ((kinds == KIND_LATCH) | (kinds == KIND_BUDGET))
+    control[:, CTL_COUNT] = torch.where(counts, count, control[:, CTL_COUNT])
+    control[:, CTL_FLOOR] = floor
+    control[:, CTL_SCALE] = scale
 
 
 def stream_limit(dtype: torch.dtype) -> float:

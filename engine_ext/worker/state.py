@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dynsteer.controller.contract import Site, site_name
+from dynsteer.controller.controllers import Action
 from dynsteer.controller.wire import (
     F32,
     HOOK,
@@ -32,6 +33,8 @@ from dynsteer.controller.wire import (
 )
 
 from .capture_buffers import CaptureBuffers
+from .control import ControlTable
+from .controllers import ControllerRunner
 from .host_time import HostTime
 from .ops import GATE, SCORE, SteerBuffers
 from .rows import Contents, ProbeRow, ProbeTable, RowTable, add_contents
@@ -54,6 +57,10 @@ class _Request:
     gated: dict[str, Contents]
     """This request's gated steering per phase."""
     probe: ProbeRow | None
+    wire: dict[str, Any] | None = None
+    """The resolved spec (None: unsteered)."""
+    control_row: int = 0
+    """The request's controller row (0: no controller)."""
     key: str = "-"
     """What determines the request's rows besides global steering and the registry: the
     resolved spec's content hash ("-": no spec; "-nogate" suffix when the gate could not get a
@@ -105,9 +112,14 @@ class SteeringState:
         """Per-token gate (row ``GATE``, written at each token's monitor site) and probe score
         (row ``SCORE``) of the step: one buffer, so the read-back is one copy."""
         self.gate, self.score = self.gate_score[GATE], self.gate_score[SCORE]
+        self.control = ControlTable(max_slots, device)
+        """Per-request controller state the monitor applies (see :mod:`.control`)."""
         self.telemetry = GateTelemetry(self.gate_score, [site_name(s) for s in sites],
-                                       block_size, max_slots)
+                                       block_size, max_slots, control=self.control.table)
         """Gate counters and the prefix-guard report; ``block_size`` is the KV block size."""
+        self.controllers = ControllerRunner(self.control, self.telemetry, self._switch)
+        """Controllers of gated requests (see :mod:`.controllers`)."""
+        self.telemetry.observer = self.controllers.observe
         self.host_time = HostTime()
         """Host time of the runner hooks (attached by :mod:`.attach`)."""
         self.capture = CaptureBuffers(sites, capture_lanes, capture_tokens, hidden_size,
@@ -123,6 +135,7 @@ class SteeringState:
         self._decode_row = np.zeros(max_slots, dtype=np.int32)
         self._prompt_len = np.zeros(max_slots, dtype=np.int64)
         self._probe_row = np.zeros(max_slots, dtype=np.int32)
+        self._control_row = np.zeros(max_slots, dtype=np.int32)
         self._num_steered = 0
         self.requests_steered = 0
         """Requests admitted with a nonzero row (counter)."""
@@ -183,7 +196,8 @@ class SteeringState:
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 logger.warning("dynsteer: request %s runs unsteered: %s", req_id, e)
         own, gated, probe = resolved.own, resolved.gated, resolved.probe
-        req = _Request(slot=slot, own=own, gated=gated, probe=probe, key=key)
+        req = _Request(slot=slot, own=own, gated=gated, probe=probe, key=key,
+                       wire=wire if resolved is not _UNSTEERED else None)
         self._ensure_slot(slot)
         self._requests[req_id] = req
         self._prompt_len[slot] = prompt_len
@@ -195,6 +209,12 @@ class SteeringState:
             dynamic_from = 0 if gated["prefill"] else (prompt_len if gated["decode"] else None)
             self.telemetry.admit(req_id, slot, prompt_len, site=site_name(probe.site),
                                  dynamic_from=dynamic_from, trace=resolved.trace)
+            controller = req.wire.get("controller") if req.wire else None
+            if controller is not None and self._probe_row[slot]:
+                req.control_row = self.controllers.admit(
+                    req_id, slot, self.telemetry.record_of_slot(slot), controller["name"],
+                    controller["params"], req.wire.get("session"), prompt_len)
+                self._control_row[slot] = req.control_row
 
     def remove_request(self, req_id: str) -> None:
         """Release a finished (or re-added) request's rows (capture rows wait for collect)."""
@@ -202,6 +222,10 @@ class SteeringState:
         req = self._requests.pop(req_id, None)
         if req is not None:
             self._release(req)
+            if req.control_row:
+                self.controllers.finish(req_id, self.telemetry.record_of_slot(req.slot),
+                                        req.control_row)
+                self._control_row[req.slot] = 0
             self.telemetry.finish(req_id)
 
     def has_request(self, req_id: str) -> bool:
@@ -223,13 +247,32 @@ class SteeringState:
         """Fill the token index for one step; arrays are per request in batch order.
 
         Whole-array work only (no Python per request or per token): the step's host cost does
-        not grow with the number of requests beyond numpy's vectorized passes."""
+        not grow with the number of requests beyond numpy's vectorized passes.
+
+        Order matters: the previous step's copies are launched first (the controller table
+        as it was during that step), then Python controllers act (they may switch rows), the
+        step is registered, the built-in controllers fold the previous step (on the stream,
+        before the index is refilled) and last the index is filled."""
+        self.telemetry.launch_copy()
+        self.controllers.before_step(self.telemetry.steps)
         probe_rows = self._probe_row[slots]
         gated = probe_rows != 0
         counts = num_scheduled.astype(np.int64, copy=False)
         # Gated steps need every token's position for telemetry; the index fill reuses them.
         positions = expand_positions(num_computed, counts) if gated.any() else None
         capture_starts = self.capture.slot_starts(slots)
+        control_rows = self._control_row[slots]
+        tokens = int(counts.sum())
+        if positions is None:
+            self.telemetry.before_step(_NONE, _NONE, _NONE, 0)
+        else:
+            request = np.repeat(np.arange(len(counts)), counts)
+            mine = gated[request]
+            controlled = control_rows.any()
+            self.telemetry.before_step(
+                np.flatnonzero(mine), np.asarray(slots)[request[mine]], positions[mine], tokens,
+                np.repeat(control_rows, counts)[mine] if controlled else None)
+        self.control.before_step(self.token_rows.buffer, self.gate_score, tokens)
         self.token_rows.fill(
             self._prefill_row[slots],
             self._decode_row[slots],
@@ -239,16 +282,10 @@ class SteeringState:
             counts,
             capture_starts,
             positions,
+            control_rows,
         )
         if capture_starts is not None:
             self.capture.record(slots, capture_starts, num_computed, num_scheduled)
-        if positions is None:
-            self.telemetry.before_step(_NONE, _NONE, _NONE, 0)
-            return
-        request = np.repeat(np.arange(len(counts)), counts)
-        mine = gated[request]
-        self.telemetry.before_step(np.flatnonzero(mine), np.asarray(slots)[request[mine]],
-                                   positions[mine], int(counts.sum()))
 
     def cache_report(self) -> dict[str, tuple[int, int | None]]:
         """The prefix-guard report of gated requests (see :mod:`.prefix_guard`)."""
@@ -258,6 +295,8 @@ class SteeringState:
         """A step with nothing steered: keep the index clear, fold pending telemetry."""
         self.token_rows.clear()
         self.telemetry.before_step(_NONE, _NONE, _NONE, 0)
+        self.controllers.before_step(self.telemetry.steps)
+        self.control.before_step(self.token_rows.buffer, self.gate_score, 0)
 
     # ---- internals -----------------------------------------------------------------------
     def _resolve(self, wire: dict[str, Any]) -> _Resolved:
@@ -319,11 +358,13 @@ class SteeringState:
         if slot >= old:
             size = max(slot + 1, 2 * old)
             grown = []
-            for arr in (self._prefill_row, self._decode_row, self._prompt_len, self._probe_row):
+            for arr in (self._prefill_row, self._decode_row, self._prompt_len, self._probe_row,
+                        self._control_row):
                 new = np.zeros(size, dtype=arr.dtype)
                 new[:old] = arr
                 grown.append(new)
-            self._prefill_row, self._decode_row, self._prompt_len, self._probe_row = grown
+            (self._prefill_row, self._decode_row, self._prompt_len, self._probe_row,
+             self._control_row) = grown
 
     def _assign(self, req: _Request) -> None:
         """Take the request's rows. Row keys name what determines the contents (spec key,
@@ -362,6 +403,35 @@ class SteeringState:
         self.probe_table.release(int(self._probe_row[req.slot]))
         self._probe_row[req.slot] = 0
 
+    def _switch(self, req_id: str, action: Action, name: str | None) -> None:
+        """A controller's switch: the request's gated entries steer with registered vector
+        ``name``, its gate reads registered probe ``name``, or (``STOP``) its own steering
+        ends (global steering stays). KV from here on is computed under steering the request's
+        cache key does not describe, so the prefix guard stops sharing it here."""
+        req = self._requests[req_id]
+        wire = dict(req.wire or {})
+        gate = dict(wire["gate"])
+        if action == Action.SWITCH_VECTOR:
+            if name not in self.vectors:
+                raise KeyError(f"no registered vector {name!r}")
+            gate["steer"] = [[*e[:VECTOR], name] for e in gate["steer"]]
+        elif action == Action.SWITCH_PROBE:
+            if name not in self.probes:
+                raise KeyError(f"no registered probe {name!r}")
+            gate.update(probe=name, threshold=None, sharpness=None)
+        else:
+            wire["steer"] = []
+            gate["steer"] = []
+        wire["gate"] = gate
+        wire["key"] = f"{req.key}|{action.name}:{name}"
+        resolved = self._resolve(wire)
+        self._release(req)
+        req.own, req.gated, req.wire, req.key = resolved.own, resolved.gated, wire, wire["key"]
+        req.probe = resolved.probe
+        self._assign(req)
+        record = self.telemetry.record_of_slot(req.slot)
+        self.telemetry.mark_dynamic(record, self.telemetry.processed(record))
+
     def site_buffers(self) -> dict[Site, SiteBuffers]:
         """The buffer views each site's op reads."""
         out = {}
@@ -373,12 +443,16 @@ class SteeringState:
                 table=self.rows.table[i], dyn=self.rows.dyn[i], flags=self.rows.flags[i],
                 probes=self.probe_table.probes, params=self.probe_table.params,
                 capture=self.capture.capture, site_lane=self.capture.site_lane,
+                control=self.control.table,
             ))
         return out
 
     def info(self) -> dict[str, Any]:
-        """Counters for tests, metrics and the info RPC."""
+        """Counters for tests, metrics and the info RPC (after folding every step, so ranks
+        that ran the same steps report the same controller checksum)."""
+        self.telemetry.drain()
         return {
+            **self.controllers.info(),
             "sites": [site_name(s) for s in self.sites],
             "monitor_sites": [site_name(s) for s in self.sites if s in self.monitor_sites],
             "rows_in_use": self.rows.in_use,

@@ -17,6 +17,11 @@ the hot path. A finished request keeps its record until the steps it ran in are 
 runner may give its slot to a new request at once), so finishing never waits for the GPU
 either. A query (``report``) drains everything, waiting if it must.
 
+Controllers (:mod:`.controllers`): a step with controlled tokens also copies the controller
+table (one more small DMA) and, once folded, is handed to the ``observer`` with the table as it
+was during the step; :meth:`GateTelemetry.fold_until` folds every step up to a given number,
+waiting if it must (the Python controllers' fixed lag makes that wait free in practice).
+
 Positions counted are the ones the engine processed: the prompt (less prefix-cache hits) and
 every generated token but the last (never fed back). A position recomputed after preemption
 is counted once (tokens below the record's processed frontier are skipped by the counters).
@@ -54,15 +59,23 @@ class _Request:
     """The record's counters, saved when the request left the engine (restored on resume)."""
     gates: np.ndarray | None = None
     scores: np.ndarray | None = None
+    controller: dict[str, Any] | None = None
+    """The controller's name, events and error (see :mod:`.controllers`); None: none."""
 
 
 @dataclass
 class _Step:
+    number: int
+    """Steps begun before this one (every step counts, gated or not)."""
     tokens: int
     index: np.ndarray
     """Token indices (into the step) of gated requests' tokens."""
     record: np.ndarray
     pos: np.ndarray
+    control_rows: np.ndarray | None = None
+    """Controller row of each of those tokens (None: no controlled token)."""
+    control: np.ndarray | None = None
+    """The controller table as it was during the step (once copied)."""
     buffer: int = -1
     """Pinned ring slot holding the step's copy (GPU)."""
     event: Any = None
@@ -75,9 +88,16 @@ class GateTelemetry:
     """Gate counters and traces of gated requests; finished ones are kept (bounded)."""
 
     def __init__(self, values: torch.Tensor, sites: list[str], block_size: int,
-                 max_slots: int, keep: int = 4096) -> None:
+                 max_slots: int, keep: int = 4096, control: torch.Tensor | None = None) -> None:
         self._values = values
         """The op's ``[2, max_tokens]`` gate/score buffer (row 0 gates, row 1 scores)."""
+        self._control = control
+        """The controller table (:mod:`.control`), copied with controlled steps."""
+        self.observer: Any = None
+        """Called with every folded step that had controlled tokens (see :mod:`.controllers`):
+        ``observer(number, records, positions, gates, scores, control_rows, control)``."""
+        self.steps = 0
+        """Steps begun (the number the next step gets)."""
         self._sites = sites
         self._block = block_size
         self._keep = keep
@@ -85,6 +105,9 @@ class GateTelemetry:
         if not self._on_host:
             self._ring = [torch.zeros(values.shape, dtype=values.dtype).pin_memory()
                           for _ in range(RING)]
+            if control is not None:
+                self._control_ring = [torch.zeros(control.shape).pin_memory()
+                                      for _ in range(RING)]
         self._next_buffer = 0
         self._pending: _Step | None = None
         self._in_flight: list[_Step] = []
@@ -153,14 +176,24 @@ class GateTelemetry:
 
     # ---- per step (whole arrays) ---------------------------------------------------------
     def before_step(self, index: np.ndarray, slot: np.ndarray, pos: np.ndarray,
-                    tokens: int) -> None:
+                    tokens: int, control_rows: np.ndarray | None = None) -> None:
         """Before each forward: this step's gated tokens (indices into the step, their slots
-        and positions; empty when no gated request runs) and the step's token count."""
+        and positions; empty when no gated request runs), the step's token count and the
+        tokens' controller rows (None when no token has a controller)."""
         self._launch_copy()
         self._fold(wait=False)
+        number, self.steps = self.steps, self.steps + 1
         if len(index):
-            self._pending = _Step(tokens, index, self._record_of_slot[slot], pos)
+            self._pending = _Step(number, tokens, index, self._record_of_slot[slot], pos,
+                                  control_rows)
             self._steps_started += 1
+
+    def fold_until(self, number: int) -> None:
+        """Fold every step numbered up to ``number`` (waits for their copies if needed)."""
+        if self._pending is not None and self._pending.number <= number:
+            self._launch_copy()
+        while self._in_flight and self._in_flight[0].number <= number:
+            self._fold(wait=True, limit=1)
 
     def cache_report(self) -> dict[str, tuple[int, int | None]]:
         """Requests whose cacheable prefix grew by a whole block: (positions processed, first
@@ -236,13 +269,20 @@ class GateTelemetry:
             getattr(self, f"_{name}")[record] = value
         self._reported[record] = 0  # a resumed request re-reports its clean prefix
 
+    def launch_copy(self) -> None:
+        """Queue the read-back of the last step begun (no-op when there is none)."""
+        self._launch_copy()
+
     def _launch_copy(self) -> None:
         step, self._pending = self._pending, None
         if step is None:
             return
         part = self._values[:, : step.tokens]
+        controlled = step.control_rows is not None and self._control is not None
         if self._on_host:
             step.host = part.numpy().copy()
+            if controlled:
+                step.control = self._control.numpy().copy()
         else:
             if len(self._in_flight) >= RING:
                 self._fold(wait=True, limit=1)
@@ -251,6 +291,10 @@ class GateTelemetry:
             host = self._ring[step.buffer]
             for row in range(2):  # contiguous rows: a DMA each (a strided copy would sync)
                 host[row, : step.tokens].copy_(part[row], non_blocking=True)
+            if controlled:
+                ring = self._control_ring[step.buffer]
+                ring.copy_(self._control, non_blocking=True)
+                step.control = ring.numpy()
             step.event = torch.cuda.Event()
             step.event.record()
         self._in_flight.append(step)
@@ -299,6 +343,24 @@ class GateTelemetry:
             traced = self._trace[slot]
             for one in np.unique(slot[traced]).tolist():
                 self._put_trace(one, pos, gates, scores, slot == one)
+        if step.control is not None and self.observer is not None:
+            self.observer(step.number, slot, pos, gates, scores, step.control_rows, step.control)
+
+    def request_of_record(self, record: int) -> _Request | None:
+        """The request a record holds (live, or finished with steps still to fold)."""
+        return self._request_of_record[record]
+
+    def record_of_slot(self, slot: int) -> int:
+        return int(self._record_of_slot[slot])
+
+    def processed(self, record: int) -> int:
+        """Positions of the record's request folded so far."""
+        return int(self._upto[record])
+
+    def mark_dynamic(self, record: int, position: int) -> None:
+        """KV from ``position`` on is computed under steering the request's cache key does
+        not describe (a controller switched or stopped its steering): never share it."""
+        self._first_dynamic[record] = min(int(self._first_dynamic[record]), position)
 
     def _put_trace(self, record: int, pos: np.ndarray, gates: np.ndarray, scores: np.ndarray,
                    mask: np.ndarray) -> None:
@@ -319,12 +381,10 @@ class GateTelemetry:
         counts = dict(zip(_COUNTERS, values, strict=True))
         first_decode = int(counts["first_decode_gated"])
         max_score = float(counts["max_score"])
-        gates = None
+        gates = scores = None
         if req.trace:
             n = int(counts["upto"])
-            trace = req.gates if req.gates is not None else np.zeros(0, np.float32)
-            trace = np.concatenate([trace, np.full(max(0, n - len(trace)), np.nan)])[:n]
-            gates = [None if np.isnan(g) else float(g) for g in trace]
+            gates, scores = (_trace_list(t, n) for t in (req.gates, req.scores))
         return {
             "tokens_monitored": int(counts["monitored"]),
             "gated_prefill": int(counts["gated_prefill"]),
@@ -332,4 +392,13 @@ class GateTelemetry:
             "first_decode_gated": None if first_decode == NONE else first_decode - req.prompt_len,
             "max_score": max_score if np.isfinite(max_score) else None,
             "gates": gates,
+            "scores": scores,
+            "controller": req.controller,
         }
+
+
+def _trace_list(trace: np.ndarray | None, n: int) -> list[float | None]:
+    """A per-position trace as JSON values, ``n`` long (None: not monitored)."""
+    trace = trace if trace is not None else np.zeros(0, np.float32)
+    trace = np.concatenate([trace, np.full(max(0, n - len(trace)), np.nan)])[:n]
+    return [None if np.isnan(v) else float(v) for v in trace]

@@ -1,7 +1,8 @@
 """The per-token index: the steering, probe and capture row of each token of the step.
 
 A persistent ``int32[INDEX_ROWS, max_tokens]`` buffer (rows ``INDEX_ROW``: steering rows,
-``INDEX_PROBE``: probe rows, ``INDEX_CAPTURE``: capture rows; see :mod:`.ops`) the ops take
+``INDEX_PROBE``: probe rows, ``INDEX_CAPTURE``: capture rows, ``INDEX_CONTROL``: controller
+rows; see :mod:`.ops`) the ops take
 whole and read the first ``T`` columns of, ``T`` the step's token count. 0 means "none" in all
 three, so a cleared index and padding are inert. It is filled once per step, before the
 forward, from per-request values (a steering row for prompt positions, one for generated
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .ops import INDEX_CAPTURE, INDEX_PROBE, INDEX_ROW, INDEX_ROWS
+from .ops import INDEX_CAPTURE, INDEX_CONTROL, INDEX_PROBE, INDEX_ROW, INDEX_ROWS
 
 
 def expand_positions(num_computed: np.ndarray, num_scheduled: np.ndarray) -> np.ndarray:
@@ -63,6 +64,7 @@ class TokenRows:
         num_scheduled: np.ndarray,
         capture_starts: np.ndarray | None = None,
         positions: np.ndarray | None = None,
+        control_rows: np.ndarray | None = None,
     ) -> None:
         """Set this step's tokens; arrays are per request, in batch order (``positions``, per
         token, may be passed by a caller that computed them already).
@@ -70,7 +72,8 @@ class TokenRows:
         A token at position ``p`` uses ``prefill_rows`` when ``p < prompt_len`` and
         ``decode_rows`` otherwise; every token of a request uses its ``probe_rows`` value.
         A prompt token of a request with a nonzero ``capture_starts`` value ``c`` is captured
-        into row ``c + p``; generated tokens never are (None: nothing is captured).
+        into row ``c + p``; generated tokens never are (None: nothing is captured). Every
+        token of a request uses its ``control_rows`` value (None: no controller).
         """
         num_scheduled = num_scheduled.astype(np.int64, copy=False)
         capturing = capture_starts is not None and bool(capture_starts.any())
@@ -88,6 +91,8 @@ class TokenRows:
         index = np.zeros((INDEX_ROWS, len(rows)), dtype=np.int32)
         index[INDEX_ROW] = rows
         index[INDEX_PROBE] = np.repeat(probe_rows, num_scheduled)
+        if control_rows is not None:
+            index[INDEX_CONTROL] = np.repeat(control_rows, num_scheduled)
         if capturing:
             starts = np.repeat(capture_starts, num_scheduled)
             index[INDEX_CAPTURE] = np.where(in_prompt & (starts != 0), starts + positions, 0)

@@ -27,6 +27,19 @@ PARAM_SITE = tl.constexpr(ops.PARAM_SITE)
 INDEX_ROW = tl.constexpr(ops.INDEX_ROW)
 INDEX_PROBE = tl.constexpr(ops.INDEX_PROBE)
 INDEX_CAPTURE = tl.constexpr(ops.INDEX_CAPTURE)
+INDEX_CONTROL = tl.constexpr(ops.INDEX_CONTROL)
+CTL_KIND = tl.constexpr(ops.CTL_KIND)
+CTL_FLOOR = tl.constexpr(ops.CTL_FLOOR)
+CTL_SCALE = tl.constexpr(ops.CTL_SCALE)
+CTL_COUNT = tl.constexpr(ops.CTL_COUNT)
+CTL_P0 = tl.constexpr(ops.CTL_P0)
+CTL_P1 = tl.constexpr(ops.CTL_P1)
+CTL_P2 = tl.constexpr(ops.CTL_P2)
+CTL_COLS = tl.constexpr(ops.CTL_COLS)
+KIND_LATCH = tl.constexpr(ops.KIND_LATCH)
+KIND_HYSTERESIS = tl.constexpr(ops.KIND_HYSTERESIS)
+KIND_PROPORTIONAL = tl.constexpr(ops.KIND_PROPORTIONAL)
+KIND_BUDGET = tl.constexpr(ops.KIND_BUDGET)
 GATE = tl.constexpr(ops.GATE)
 SCORE = tl.constexpr(ops.SCORE)
 
@@ -36,7 +49,7 @@ def _steer_kernel(
     x_ptr, h_ptr, out_ptr,
     # SteerBuffers, in its order
     index_ptr, gate_score_ptr, table_ptr, dyn_ptr, flags_ptr, probes_ptr, params_ptr,
-    capture_ptr, site_lane_ptr,
+    capture_ptr, site_lane_ptr, control_ptr,
     site, hidden, x_stride, h_stride, out_stride, index_stride, gate_score_stride,
     params_stride, lane_stride, limit,
     HAS_H: tl.constexpr, BLOCK: tl.constexpr,
@@ -66,6 +79,10 @@ def _steer_kernel(
         z = sharpness * (score - threshold)
         g = 1.0 / (1.0 + tl.exp(-z))
         g = tl.where(g == g, g, 0.0)  # a NaN stream or score must not gate anything
+        k = tl.load(index_ptr + INDEX_CONTROL * index_stride + t).to(tl.int64)
+        if (k != 0) & (z == z):
+            floor = tl.load(control_ptr + k * CTL_COLS + CTL_FLOOR)
+            g = tl.maximum(g, floor) * tl.load(control_ptr + k * CTL_COLS + CTL_SCALE)
         tl.store(gate_score_ptr + SCORE * gate_score_stride + t, score)
         tl.store(gate_ptr, g)
     use_static = (flags & STATIC_FLAG) != 0
@@ -93,6 +110,70 @@ def _steer_kernel(
                 if HAS_H:
                     v += tl.load(h_ptr + t * h_stride + offs, mask=mask, other=0.0).to(tl.float32)
                 tl.store(capture_ptr + base + offs, v, mask=mask)
+
+
+@triton.jit
+def _control_kernel(index_ptr, gate_score_ptr, control_ptr, tokens, index_stride,
+                    gate_score_stride, BLOCK: tl.constexpr):
+    """One program per control row: scans the step's tokens for its own (see
+    :func:`.ops.control_step_torch`, the reference it must equal)."""
+    k = tl.program_id(0) + 1
+    base = control_ptr + k * CTL_COLS
+    kind = tl.load(base + CTL_KIND).to(tl.int32)
+    if kind != 0:
+        p0 = tl.load(base + CTL_P0)
+        p1 = tl.load(base + CTL_P1)
+        p2 = tl.load(base + CTL_P2)
+        counted = tl.zeros([BLOCK], dtype=tl.int32)
+        last = tl.full([BLOCK], -1, dtype=tl.int32)
+        last_on = tl.full([BLOCK], -1, dtype=tl.int32)
+        last_off = tl.full([BLOCK], -1, dtype=tl.int32)
+        for start in range(0, tokens, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mine = (offs < tokens) & (
+                tl.load(index_ptr + INDEX_CONTROL * index_stride + offs, mask=offs < tokens,
+                        other=0) == k)
+            g = tl.load(gate_score_ptr + GATE * gate_score_stride + offs, mask=mine, other=0.0)
+            s = tl.load(gate_score_ptr + SCORE * gate_score_stride + offs, mask=mine, other=0.0)
+            hit = tl.where((kind == KIND_LATCH) & (p1 == p1), s > p1, g > 0.5)
+            counted += (mine & hit).to(tl.int32)
+            last = tl.maximum(last, tl.where(mine, offs, -1))
+            last_on = tl.maximum(last_on, tl.where(mine & (s > p0), offs, -1))
+            last_off = tl.maximum(last_off, tl.where(mine & (s < p1), offs, -1))
+        n_last = tl.max(last, axis=0)
+        if n_last >= 0:
+            count = tl.load(base + CTL_COUNT) + tl.sum(counted, axis=0).to(tl.float32)
+            if kind == KIND_LATCH:
+                tl.store(base + CTL_COUNT, count)
+                if count >= p0:
+                    tl.store(base + CTL_FLOOR, 1.0)
+            elif kind == KIND_HYSTERESIS:
+                on = tl.max(last_on, axis=0)
+                off = tl.max(last_off, axis=0)
+                if on > off:
+                    tl.store(base + CTL_SCALE, 1.0)
+                elif off > on:
+                    tl.store(base + CTL_SCALE, 0.0)
+            elif kind == KIND_PROPORTIONAL:
+                s_last = tl.load(gate_score_ptr + SCORE * gate_score_stride + n_last)
+                if s_last == s_last:
+                    target = tl.minimum(s_last - p1, p2)
+                    tl.store(base + CTL_SCALE, p0 * tl.maximum(target, 0.0))
+            elif kind == KIND_BUDGET:
+                tl.store(base + CTL_COUNT, count)
+                if count >= p0:
+                    tl.store(base + CTL_SCALE, 0.0)
+
+
+def control_step_triton(index: torch.Tensor, gate_score: torch.Tensor, control: torch.Tensor,
+                        tokens: int) -> None:
+    """CUDA implementation of :func:`.ops.control_step`: one launch, a program per row."""
+    if index.stride(-1) != 1 or gate_score.stride(-1) != 1 or not control.is_contiguous():
+        raise ValueError("dynsteer control_step: index, gate_score and control need unit stride")
+    rows = control.shape[0] - 1
+    if rows > 0 and tokens > 0:
+        _control_kernel[(rows,)](index, gate_score, control, tokens, index.stride(0),
+                                 gate_score.stride(0), BLOCK=256, num_warps=4)
 
 
 def _block_for(hidden: int) -> int:

@@ -1,0 +1,91 @@
+"""The device table of per-request controller state (see :mod:`.ops`, ``control``).
+
+Row ``slot + 1`` belongs to the request in runner slot ``slot`` while it has a controller
+(row 0: none). A built-in controller's row is written once, when its request is admitted, and
+from then on only by :func:`.ops.control_step`; a Python controller's row (kind 0) only by the
+host, when an action changes its floor or scale. One owner per row, so the two never race.
+
+Per step: :meth:`ControlTable.before_step` launches the fold of the previous step into the
+built-in rows (one kernel, queued on the stream: after that step's forward, before the next
+index fill and forward), then the host's pending row writes (admissions, actions): one copy,
+only on steps that have any. Nothing waits for the GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .ops import CTL_COLS, CTL_FLOOR, CTL_KIND, CTL_P0, CTL_SCALE, control_step
+
+
+class ControlTable:
+    """Owns ``control[max_slots + 1, CTL_COLS]`` and the host's mirror of its host rows."""
+
+    def __init__(self, max_slots: int, device: torch.device) -> None:
+        self.table = torch.zeros(max_slots + 1, CTL_COLS, dtype=torch.float32, device=device)
+        self._mirror = np.zeros((max_slots + 1, CTL_COLS), dtype=np.float32)
+        """What the host last wrote to each row (exact for Python rows, initial for built-in)."""
+        self._dirty: set[int] = set()
+        self._builtin_live = 0
+        self._last_tokens = 0
+        """Token count of the step whose fold is due."""
+
+    @property
+    def rows(self) -> int:
+        return self.table.shape[0] - 1
+
+    def admit(self, slot: int, kind: int, floor: float, scale: float,
+              params: tuple[float, float, float]) -> int:
+        """Initialize the row of runner slot ``slot`` (written before the next forward);
+        returns the row (0 when the slot has none: the request runs without its controller)."""
+        row = slot + 1
+        if row > self.rows:
+            return 0
+        values = self._mirror[row]
+        values[:] = 0
+        values[CTL_KIND], values[CTL_FLOOR], values[CTL_SCALE] = kind, floor, scale
+        values[CTL_P0:CTL_P0 + 3] = params
+        self._dirty.add(row)
+        self._builtin_live += kind != 0
+        return row
+
+    def release(self, row: int) -> None:
+        """The row's request left; the row is re-initialized before it is used again."""
+        if row:
+            self._builtin_live -= self._mirror[row, CTL_KIND] != 0
+
+    def set(self, rows: np.ndarray, floor: np.ndarray | None = None,
+            scale: np.ndarray | None = None) -> None:
+        """Set the floor and/or scale of Python controllers' rows (applied before the next
+        forward)."""
+        if floor is not None:
+            self._mirror[rows, CTL_FLOOR] = floor
+        if scale is not None:
+            self._mirror[rows, CTL_SCALE] = scale
+        self._dirty.update(rows.tolist())
+
+    def host_state(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the (floor, scale) the host last wrote to Python controllers' rows."""
+        return self._mirror[rows, CTL_FLOOR].copy(), self._mirror[rows, CTL_SCALE].copy()
+
+    def before_step(self, index: torch.Tensor, gate_score: torch.Tensor,
+                    tokens: int) -> None:
+        """Fold the previous step into built-in rows, then write pending rows; ``tokens`` is
+        the step about to run (its fold is due next time)."""
+        if self._builtin_live and self._last_tokens:
+            control_step(index, gate_score, self.table, self._last_tokens)
+        self._last_tokens = tokens
+        if self._dirty:
+            self._write(np.fromiter(sorted(self._dirty), dtype=np.int64))
+            self._dirty.clear()
+
+    def _write(self, rows: np.ndarray) -> None:
+        values = torch.from_numpy(self._mirror[rows])
+        index = torch.from_numpy(rows)
+        if self.table.device.type != "cpu":
+            # Pinned, so the copies queue behind the forward in flight instead of waiting for
+            # it; the allocator keeps the buffers until the copies ran.
+            values = values.pin_memory().to(self.table.device, non_blocking=True)
+            index = index.pin_memory().to(self.table.device, non_blocking=True)
+        self.table.index_copy_(0, index, values)
