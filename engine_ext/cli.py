@@ -41,9 +41,30 @@ def run_model_path(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_controller_command(commands: argparse._SubParsersAction) -> None:
+    """Register `dynsteer controller run ...`: an asynchronous controller. Its arguments are
+    parsed by the controller module itself, which is imported only when the command runs."""
+    controller = commands.add_parser("controller", help="asynchronous controllers")
+    actions = controller.add_subparsers(dest="action", required=True, metavar="ACTION")
+    run = actions.add_parser(
+        "run", add_help=False, prefix_chars="\0",  # every argument, --help too, goes to argv
+        help="run an AsyncController subclass against an engine's event and command sockets",
+    )
+    run.add_argument("argv", nargs=argparse.REMAINDER)
+    run.set_defaults(handler=run_controller)
+
+
+def run_controller(args: argparse.Namespace) -> int:
+    """Hand the arguments to the controller's own parser (no vLLM import on this path)."""
+    from dynsteer.controller.async_controller import main as controller_main
+
+    return controller_main(args.argv)
+
+
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_model_command,
     add_serve_command,
+    add_controller_command,
 )
 
 

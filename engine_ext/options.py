@@ -70,10 +70,28 @@ class EngineOptions(BaseModel):
     capture_tokens: int = Field(default=1024, ge=1, le=1 << 20)
     """Prompt tokens one capture round holds (per lane); a longer prompt cannot be captured,
     more prompts take more rounds."""
+    events_address: str | None = None
+    """Where the engine publishes controller events (ZeroMQ PUB, e.g.
+    ``tcp://127.0.0.1:5557``); None: no events. See :mod:`dynsteer.controller.zmq_protocol`.
+    A non-loopback address needs CURVE keys (``DYNSTEER_ZMQ_SERVER_KEY``)."""
+    events_every: int = Field(default=16, ge=1, le=1 << 20)
+    """Engine steps per monitor-summary event (1: every step)."""
+    events_queue: int = Field(default=4096, ge=1, le=1 << 20)
+    """Events waiting to be sent; when full, new events are dropped and counted (a slow or
+    absent subscriber never delays a step)."""
+    commands_address: str | None = None
+    """Where the API server takes controller commands (ZeroMQ ROUTER); None: off."""
     plugin_version: str = PLUGIN_VERSION
     """Set by the plugin; part of vLLM's compile-cache key."""
     kernel_abi: int = KERNEL_ABI
     """Set by the plugin; part of vLLM's compile-cache key."""
+
+    @field_validator("events_address", "commands_address")
+    @classmethod
+    def _check_address(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"{v!r} is not a ZeroMQ address (tcp://HOST:PORT or ipc://PATH)")
+        return v
 
     @field_validator("sites", "monitor_sites")
     @classmethod

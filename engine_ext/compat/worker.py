@@ -105,6 +105,14 @@ def replies(worker: Any) -> bool:
     return bool(getattr(worker, "is_driver_worker", True))
 
 
+def is_output_rank() -> bool:
+    """Whether this worker's output is the one the scheduler sees: TP rank 0 of the last
+    pipeline stage (the one that publishes controller events)."""
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    return get_tp_group().rank_in_group == 0 and bool(get_pp_group().is_last_rank)
+
+
 def is_internal_id_of(internal_id: str, request_id: str) -> bool:
     """Whether the engine's ``internal_id`` belongs to the caller's ``request_id``: vLLM
     appends ``-`` and 8 random characters to the latter."""

@@ -35,6 +35,9 @@ from ..prefix_guard import GUARD_KEY
 from ..prefix_guard.guard import CacheGuard
 from ..prefix_guard.key import guard_for
 
+MAX_SESSIONS = 65536
+"""Sessions with steering set by a controller that the frontend remembers (least recently
+set forgotten first)."""
 RECENT_REQUESTS = 4096
 """How many recent steered requests the frontend remembers (for the telemetry route)."""
 PARSED_SPECS = 256
@@ -97,6 +100,31 @@ class FrontendState:
     parsed: OrderedDict[tuple[Any, int], tuple[SteeringSpec, dict[str, Any]]] = field(
         default_factory=OrderedDict)
     """Recently admitted spec texts (and the registry generation they were checked against)."""
+    sessions: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
+    """Steering set for sessions' later requests (``{"steer": [wire entries], "gate": wire
+    gate or None}``), by (namespaced) session name."""
+
+    def set_session(self, session: str, steering: dict[str, Any] | None) -> None:
+        """Steer the session's later requests (None: stop)."""
+        self.sessions.pop(session, None)
+        if steering is not None:
+            self.sessions[session] = steering
+            while len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
+
+    def with_session(self, wire: dict[str, Any]) -> dict[str, Any]:
+        """``wire`` plus its session's steering: the session's entries after the request's
+        own, its gate where the request has none (a new dict; ``wire`` may be cached)."""
+        steering = self.sessions.get(wire.get("session") or "")
+        if steering is None:
+            return wire
+        merged = {**wire, "steer": [*wire["steer"], *steering["steer"]],
+                  "gate": wire["gate"] if wire["gate"] is not None else steering["gate"]}
+        merged.pop("session")
+        merged.pop("key")
+        merged["key"] = fingerprint(merged).hex()
+        merged["session"] = wire["session"]
+        return merged
 
     def set_global(self, entries: list[dict[str, Any]], wire: list[WireEntry]) -> None:
         """Record new global steering (after every worker applied it)."""
@@ -215,10 +243,11 @@ def admit(state: FrontendState | None,
             f"with additional_config={{'{CONFIG_KEY}': {{}}}}"
         )
     try:
-        return state.admit_spec(extra_args[SPEC_KEY])
+        spec, wire = state.admit_spec(extra_args[SPEC_KEY])
     except ValueError:
         state.counters.requests_rejected += 1
         raise
+    return spec, state.with_session(wire)
 
 
 def admitted(state: FrontendState, request_id: str,

@@ -25,8 +25,14 @@ from dynsteer.controller.limits import (
     check_probe_numbers,
     check_steer_magnitude,
 )
-from dynsteer.controller.spec import SteerEntry, check_entries, parse_entries
-from dynsteer.controller.wire import entry_to_wire, probe_to_wire
+from dynsteer.controller.spec import (
+    GateSpec,
+    SteerEntry,
+    check_entries,
+    check_gate,
+    parse_entries,
+)
+from dynsteer.controller.wire import entry_to_wire, gate_to_wire, probe_to_wire
 from dynsteer.probes import Probe
 
 from .admission import FrontendState
@@ -171,3 +177,37 @@ class ControlPlane:
     def clear_global(self) -> Change:
         """Remove global steering."""
         return self.set_global([])
+
+    def update_probe(self, name: str, threshold: float, sharpness: float | None = None
+                     ) -> Change:
+        """Change a registered probe's threshold (and sharpness) for requests admitted from
+        now on (admitted ones keep theirs)."""
+        f = self.frontend
+        if name not in f.probes:
+            raise UnknownNameError(f"name: unknown probe {name!r}")
+        check_probe_numbers("", float(threshold), 1.0 if sharpness is None else float(sharpness))
+
+        def commit() -> None:
+            probe = f.probes[name]
+            if probe is not None:
+                changes = {"threshold": float(threshold)}
+                if sharpness is not None:
+                    changes["sharpness"] = float(sharpness)
+                f.probes[name] = probe.replace(**changes)
+            f.registry_generation += 1
+
+        return Change("dynsteer_update_probe",
+                      (name, float(threshold), None if sharpness is None else float(sharpness)),
+                      commit)
+
+    def session_steering(self, steer: Sequence[SteerEntry | dict[str, Any]],
+                         gate: GateSpec | None) -> dict[str, Any]:
+        """Steering for a session's later requests, checked against the served model like a
+        request's own, in the form :meth:`.admission.FrontendState.set_session` keeps."""
+        shape = self.frontend.shape()
+        entries = parse_entries(list(steer), prefix="steer")
+        check_entries(entries, shape, prefix="steer")
+        if gate is not None:
+            check_gate(gate, shape, "gate")
+        return {"steer": [entry_to_wire(e) for e in entries],
+                "gate": gate_to_wire(gate) if gate is not None else None}

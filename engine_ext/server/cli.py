@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..options import CONFIG_KEY, EngineOptions
 from ..parent_watch import ENV as EXIT_WITH_PARENT_ENV
+from ..zmq_security import CLIENT_KEYS_ENV, SERVER_KEY_ENV
 from .settings import (
     API_KEY_ENV,
     MAX_BODY_ENV,
@@ -35,6 +36,13 @@ _OURS = {  # flag -> environment variable read by the server (ServerSettings)
     "--dynsteer-max-body-bytes": MAX_BODY_ENV,
     "--dynsteer-max-request-bytes": MAX_REQUEST_ENV,
     "--dynsteer-probe-store": PROBE_STORE_ENV,
+    "--dynsteer-zmq-server-key": SERVER_KEY_ENV,
+    "--dynsteer-zmq-client-keys": CLIENT_KEYS_ENV,
+}
+_ENGINE_FLAGS = {  # flag -> engine option
+    "--dynsteer-events": "events_address",
+    "--dynsteer-events-every": "events_every",
+    "--dynsteer-commands": "commands_address",
 }
 _CONFIG_FLAG = "--dynsteer-config"
 
@@ -77,6 +85,14 @@ dynsteer flags:
   --dynsteer-max-request-bytes N  largest body of any other POST/PUT/PATCH, vLLM's
                              completion routes included (default 32 MiB; HTTP 413 above)
   --dynsteer-probe-store DIR   folder where uploaded probes persist across restarts
+  --dynsteer-events ADDR     publish controller events (ZeroMQ PUB), e.g.
+                             tcp://127.0.0.1:5557 (loopback unless CURVE keys are set)
+  --dynsteer-events-every N  engine steps per monitor-summary event (default 16)
+  --dynsteer-commands ADDR   take controller commands (ZeroMQ ROUTER), e.g.
+                             tcp://127.0.0.1:5558
+  --dynsteer-zmq-server-key FILE   the sockets' CURVE secret certificate
+                             (zmq.auth.create_certificates); requires CURVE of every client
+  --dynsteer-zmq-client-keys DIR   public certificates of the clients allowed in
   -h, --help                 this help, then vLLM's
 """
 
@@ -91,7 +107,7 @@ def split_args(argv: list[str]) -> tuple[str | None, dict[str, str], list[str]]:
     i = 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
-        if flag in _OURS or flag == _CONFIG_FLAG:
+        if flag in _OURS or flag in _ENGINE_FLAGS or flag == _CONFIG_FLAG:
             if not eq:
                 if i + 1 >= len(argv):
                     raise ServeError(f"{flag}: expects a value")
@@ -200,6 +216,16 @@ def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
     if model is not None:
         rest = ["--model", model, *rest]
     engine = config.engine.model_dump(exclude_defaults=True) if _CONFIG_FLAG in ours else {}
+    flags = {option: ours[flag] for flag, option in _ENGINE_FLAGS.items() if flag in ours}
+    if flags:
+        try:
+            engine = EngineOptions.model_validate({**engine, **flags}).model_dump(
+                exclude_defaults=True)
+        except ValidationError as e:
+            first = e.errors(include_url=False)[0]
+            flag = next((f for f, o in _ENGINE_FLAGS.items() if o == first["loc"][0]),
+                        _CONFIG_FLAG)
+            raise ServeError(f"{flag}: {first['msg']}") from e
     environ["VLLM_PLUGINS"] = plugin_allowlist(environ.get("VLLM_PLUGINS"))
     # EngineCore and workers exit when this process dies, even by kill -9 (parent_watch).
     environ.setdefault(EXIT_WITH_PARENT_ENV, "1")

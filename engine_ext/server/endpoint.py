@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 from ..compat.frontend import engine_state
 from ..server import probe_routes, routes
+from .commands import CommandServer
 from .metrics import install_collector
 from .middleware import DynsteerMiddleware
 from .runtime import DynsteerServer, WorkerError
@@ -68,6 +69,9 @@ class DynsteerEndpoints:
         keys = api_keys(self.settings, getattr(args, "api_key", None))
         server = DynsteerServer(engine_client, frontend, self.settings, keys, _model_name(args))
         await probe_routes.restore_registry(server)
+        if frontend.options.commands_address is not None:
+            server.commands = CommandServer(server, frontend.options.commands_address)
+            server.commands.start()
         state.dynsteer = server
         install_collector(server)
         logger.info("dynsteer: routes ready under /v1/dynsteer (%d sites, mutating routes %s)",

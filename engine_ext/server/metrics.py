@@ -10,9 +10,15 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import REGISTRY
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from .runtime import DynsteerServer
@@ -62,12 +68,49 @@ class DynsteerCollector(Collector):
         yield CounterMetricFamily(
             "dynsteer_prefix_guarded_requests", "Gated requests whose blocks were cached only "
             "once reported free of dynamic steering", value=guard.get("guarded_requests", 0))
+        yield from _controller_metrics(stats, self.server.commands)
         yield GaugeMetricFamily("dynsteer_vectors_registered", "Named vectors",
                                 value=len(self.server.frontend.vectors))
         yield GaugeMetricFamily("dynsteer_probes_registered", "Named probes",
                                 value=len(self.server.frontend.probes))
         yield GaugeMetricFamily("dynsteer_global_entries", "Global steering entries",
                                 value=len(self.server.frontend.global_entries))
+
+
+def _controller_metrics(stats: dict, commands: Any) -> Iterator[Metric]:
+    """Controllers (TP rank 0), the events socket and the commands socket."""
+    per = stats.get("controllers", {})
+    for key, kind, help_text in (
+        ("requests", CounterMetricFamily, "Requests admitted with the controller"),
+        ("calls", CounterMetricFamily, "Python controller steps run"),
+        ("seconds", CounterMetricFamily, "Host time in Python controller steps"),
+        ("errors", CounterMetricFamily, "Controller exceptions (each disables it for the "
+                                        "requests of that call)"),
+    ):
+        family = kind(f"dynsteer_controller_{key}", help_text, labels=["controller"])
+        for name, values in sorted(per.items()):
+            family.add_metric([name], values[key])
+        yield family
+    info = InfoMetricFamily("dynsteer_controller_checksum", "CRC of every controller action "
+                            "applied so far on TP rank 0 (compare with the info route's "
+                            "per-rank values)")
+    info.add_metric([], {"crc": stats.get("controller_checksum", "00000000"),
+                         "steps": str(stats.get("controller_checked_steps", 0))})
+    yield info
+    for key, help_text in (("events_published", "Controller events sent"),
+                           ("events_dropped", "Controller events dropped (queue full)")):
+        yield CounterMetricFamily(f"dynsteer_{key}", help_text, value=stats.get(key, 0))
+    handled = CounterMetricFamily("dynsteer_commands_handled", "Controller commands applied",
+                                  labels=["type"])
+    rejected = CounterMetricFamily("dynsteer_commands_rejected",
+                                   "Controller command frames refused", labels=["reason"])
+    if commands is not None:
+        for name, value in sorted(commands.handled.items()):
+            handled.add_metric([name], value)
+        for name, value in sorted(commands.rejected.items()):
+            rejected.add_metric([name], value)
+    yield handled
+    yield rejected
 
 
 _installed: DynsteerCollector | None = None

@@ -10,6 +10,9 @@
 * Request bodies are capped before anything parses them (HTTP 413, from Content-Length, then
   while reading): ``max_body_bytes`` on ``/v1/dynsteer/`` routes, ``max_request_bytes`` on
   every other POST, PUT and PATCH (vLLM's routes, completions included).
+* With API keys configured, a spec's ``session`` becomes the caller's namespace of it
+  (:func:`.sessions.namespaced` of the bearer token), the same one its controller commands
+  reach.
 * ``GET /metrics`` first refreshes the workers' counters, so a scrape sees current values.
 
 Error bodies carry our message only, in vLLM's ``{"error": {...}}`` shape.
@@ -17,6 +20,7 @@ Error bodies carry our message only, in vLLM's ``{"error": {...}}`` shape.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -27,6 +31,7 @@ from dynsteer.controller.contract import SPEC_KEY, SpecError
 from dynsteer.controller.spec import MAX_JSON_DEPTH, check_json_depth
 
 from .routes import PREFIX
+from .sessions import namespaced
 from .settings import (
     DEFAULT_MAX_REQUEST_BYTES,
     MAX_BODY_ENV,
@@ -135,6 +140,26 @@ def rewrite_body(path: str, body: bytes) -> bytes:
                     f"{' or '.join(COMPLETION_PATHS)} (top-level \"{SPEC_KEY}\" or vllm_xargs)")
 
 
+def namespace_session(body: bytes, api_key: str) -> bytes:
+    """``body`` (a completion body whose spec is in ``vllm_xargs``) with the spec's session
+    in ``api_key``'s namespace; unchanged when there is no session."""
+    data = json.loads(body)
+    xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
+    raw = xargs.get(SPEC_KEY) if isinstance(xargs, dict) else None
+    spec = json.loads(raw) if isinstance(raw, str) else raw
+    if not isinstance(spec, dict) or not isinstance(spec.get("session"), str):
+        return body
+    spec["session"] = namespaced(spec["session"], api_key)
+    xargs[SPEC_KEY] = json.dumps(spec)
+    return json.dumps(data).encode()
+
+
+def _bearer(scope: Scope) -> str | None:
+    scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").decode(
+        "latin-1").partition(" ")
+    return token if scheme.lower() == "bearer" and token else None
+
+
 def _with_length(scope: Scope, length: int) -> Scope:
     headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
     headers.append((b"content-length", str(length).encode()))
@@ -183,6 +208,12 @@ class DynsteerMiddleware:
             except ValueError as e:
                 await _error(400, str(e))(scope, receive, send)
                 return
+            server = getattr(scope["app"].state, "dynsteer", None)
+            key = _bearer(scope)
+            if (server is not None and server.api_keys and key in server.api_keys
+                    and _MARKER in new_body and path.rstrip("/") in COMPLETION_PATHS):
+                with contextlib.suppress(ValueError):  # not JSON: vLLM reports it
+                    new_body = namespace_session(new_body, key)
             if new_body is not body:
                 scope, body = _with_length(scope, len(new_body)), new_body
         await self.app(scope, _replay(body, receive), send)

@@ -154,11 +154,7 @@ async def post_vector(body: VectorIn, replace: bool = False,
     """Register a named vector, usable as ``"vector": name`` in specs (409 when the name is
     taken, unless ``?replace=true``). Persisted in the store when one is configured."""
     with http_errors():
-        values = body.values()
-        change = server.plane.register_vector(body.name, values, replace=replace)
-    if server.store is not None:
-        server.store.save_vector(body.name, values)
-    await server.apply(change)
+        await server.register_vector(body.name, body.values(), replace=replace)
     return VectorOut(name=body.name, vector=server.frontend.vectors[body.name].tolist())
 
 

@@ -44,6 +44,8 @@ class DynsteerServer:
         """Counters of TP rank 0 as of the last refresh (every rank sees the same tokens)."""
         self.guard_stats: dict[str, int] = {}
         """Prefix-guard counters of the engine core as of the last refresh."""
+        self.commands: Any = None
+        """The controller command socket (:class:`.commands.CommandServer`; None: off)."""
         self._lock = asyncio.Lock()
 
     async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
@@ -64,6 +66,21 @@ class DynsteerServer:
         async with self._lock:
             await self.rpc(change.method, *change.args)
             change.commit()
+
+    async def register_vector(self, name: str, values: Any, replace: bool = False) -> None:
+        """Register a named vector on every worker (persisted when a store is configured)."""
+        change = self.plane.register_vector(name, values, replace=replace)
+        if self.store is not None:
+            self.store.save_vector(name, values)
+        await self.apply(change)
+
+    async def update_probe(self, name: str, threshold: float,
+                           sharpness: float | None = None) -> None:
+        """A registered probe's new threshold (and sharpness), persisted with the probe."""
+        await self.apply(self.plane.update_probe(name, threshold, sharpness))
+        probe = self.frontend.probes.get(name)
+        if self.store is not None and probe is not None:
+            self.store.save_probe(probe)
 
     async def refresh_stats(self) -> None:
         """Fetch the workers' and the engine core's counters (for /metrics); keeps the last

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..compat import worker as vllm_worker
 from ..options import EngineOptions, options_from_additional_config
+from .events import EngineEvents, EventPublisher
 from .sites import install_sites
 from .state import SteeringState
 
@@ -69,6 +70,10 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         capture_tokens=options.capture_tokens,
         block_size=facts.block_size,
     )
+    if options.events_address is not None and vllm_worker.is_output_rank():
+        state.set_events(EngineEvents(EventPublisher(options.events_address,
+                                                     options.events_queue),
+                                      options.events_every))
     installed = install_sites(facts.model, state.site_buffers())
     state.capture.installed = frozenset(installed)
     vllm_worker.set_runner_state(runner, state)

@@ -40,6 +40,11 @@ class DynsteerWorkerExtension:
         """``probe``: ``[weights float32 bytes, threshold, sharpness]``."""
         self._dynsteer().register_probe(name, probe)
 
+    def dynsteer_update_probe(self, name: str, threshold: float,
+                              sharpness: float | None) -> None:
+        """New threshold (and sharpness) of a registered probe, for requests admitted later."""
+        self._dynsteer().update_probe(name, threshold, sharpness)
+
     def dynsteer_unregister_probe(self, name: str) -> None:
         self._dynsteer().unregister_probe(name)
 

@@ -35,6 +35,7 @@ from dynsteer.controller.wire import (
 from .capture_buffers import CaptureBuffers
 from .control import ControlTable
 from .controllers import ControllerRunner
+from .events import EngineEvents
 from .host_time import HostTime
 from .ops import GATE, SCORE, SteerBuffers
 from .rows import Contents, ProbeRow, ProbeTable, RowTable, add_contents
@@ -120,6 +121,8 @@ class SteeringState:
         self.controllers = ControllerRunner(self.control, self.telemetry, self._switch)
         """Controllers of gated requests (see :mod:`.controllers`)."""
         self.telemetry.observer = self.controllers.observe
+        self.events: EngineEvents | None = None
+        """Controller events (this worker publishes them: see :meth:`set_events`)."""
         self.host_time = HostTime()
         """Host time of the runner hooks (attached by :mod:`.attach`)."""
         self.capture = CaptureBuffers(sites, capture_lanes, capture_tokens, hidden_size,
@@ -162,6 +165,13 @@ class SteeringState:
         self.probes[name] = probe
         self._versions[0] += 1
 
+    def update_probe(self, name: str, threshold: float, sharpness: float | None) -> None:
+        """A registered probe's new threshold (and sharpness); unknown names raise KeyError."""
+        weights, _, old_sharpness = self.probes[name]
+        self.probes[name] = [weights, threshold,
+                             old_sharpness if sharpness is None else sharpness]
+        self._versions[0] += 1
+
     def unregister_probe(self, name: str) -> None:
         """Remove a named probe; unknown names raise ``KeyError``."""
         del self.probes[name]
@@ -177,6 +187,11 @@ class SteeringState:
         for req in self._requests.values():
             self._release(req)
             self._assign(req)
+
+    def set_events(self, events: EngineEvents) -> None:
+        """Publish request and monitor events (see :mod:`.events`)."""
+        self.events = events
+        self.telemetry.events = events
 
     # ---- request lifecycle ---------------------------------------------------------------
     def add_request(self, req_id: str, slot: int, extra_args: Any, prompt_len: int) -> None:
@@ -205,10 +220,13 @@ class SteeringState:
         self.capture.admit(req_id, slot, extra_args, prompt_len)
         if self._steers(slot):
             self.requests_steered += 1
+        if self.events is not None:
+            self.events.request_started(req_id, req.wire)
         if probe is not None:
             dynamic_from = 0 if gated["prefill"] else (prompt_len if gated["decode"] else None)
             self.telemetry.admit(req_id, slot, prompt_len, site=site_name(probe.site),
-                                 dynamic_from=dynamic_from, trace=resolved.trace)
+                                 dynamic_from=dynamic_from, trace=resolved.trace,
+                                 session=req.wire.get("session") if req.wire else None)
             controller = req.wire.get("controller") if req.wire else None
             if controller is not None and self._probe_row[slot]:
                 req.control_row = self.controllers.admit(
@@ -226,7 +244,9 @@ class SteeringState:
                 self.controllers.finish(req_id, self.telemetry.record_of_slot(req.slot),
                                         req.control_row)
                 self._control_row[req.slot] = 0
-            self.telemetry.finish(req_id)
+            self.telemetry.finish(req_id)  # publishes the finished event of a gated request
+            if self.events is not None and req.probe is None:
+                self.events.request_finished(req_id, (req.wire or {}).get("session"), None)
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -453,6 +473,7 @@ class SteeringState:
         self.telemetry.drain()
         return {
             **self.controllers.info(),
+            **(self.events.publisher.stats() if self.events is not None else {}),
             "sites": [site_name(s) for s in self.sites],
             "monitor_sites": [site_name(s) for s in self.sites if s in self.monitor_sites],
             "rows_in_use": self.rows.in_use,

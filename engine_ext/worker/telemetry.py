@@ -61,6 +61,8 @@ class _Request:
     scores: np.ndarray | None = None
     controller: dict[str, Any] | None = None
     """The controller's name, events and error (see :mod:`.controllers`); None: none."""
+    req_id: str = ""
+    session: str | None = None
 
 
 @dataclass
@@ -98,6 +100,10 @@ class GateTelemetry:
         ``observer(number, records, positions, gates, scores, control_rows, control)``."""
         self.steps = 0
         """Steps begun (the number the next step gets)."""
+        self.events: Any = None
+        """Where controller events go (:class:`.events.EngineEvents`; None: nowhere)."""
+        self._window_end = 0
+        """The step number at which the next monitor summary is due."""
         self._sites = sites
         self._block = block_size
         self._keep = keep
@@ -130,7 +136,7 @@ class GateTelemetry:
 
     # ---- lifecycle (once per request) ------------------------------------------------------
     def admit(self, req_id: str, slot: int, prompt_len: int, site: str,
-              dynamic_from: int | None, trace: bool) -> None:
+              dynamic_from: int | None, trace: bool, session: str | None = None) -> None:
         """Start a record for the request in runner slot ``slot`` (a resumed request continues
         its old one)."""
         if any(rid == req_id for _, rid, _ in self._retiring):
@@ -146,7 +152,7 @@ class GateTelemetry:
         old = self._done.pop(req_id, None)
         req = old or _Request(record, prompt_len, self._sites.index(site),
                               NONE if dynamic_from is None else dynamic_from, trace)
-        req.record = record
+        req.record, req.req_id, req.session = record, req_id, session
         self._reset(record, req)
         self._live[req_id] = req
         self._req_of_record[record] = req_id
@@ -168,9 +174,12 @@ class GateTelemetry:
         req.counters = tuple(getattr(self, f"_{name}")[req.record].copy()
                              for name in _COUNTERS)
         self._request_of_record[req.record] = None
+        self._win_tokens[req.record] = 0  # its finished event has everything
         self._free_records.append(req.record)
         self._traced -= req.trace
         self._done[req_id] = req
+        if self.events is not None:
+            self.events.request_finished(req_id, req.session, self._summary(req))
         while len(self._done) > self._keep:
             self._done.popitem(last=False)
 
@@ -253,7 +262,8 @@ class GateTelemetry:
                                   ("first_decode_gated", np.int64, NONE),
                                   ("max_score", np.float32, np.nan),
                                   ("first_dynamic", np.int64, NONE), ("upto", np.int64, 0),
-                                  ("reported", np.int64, 0)):
+                                  ("reported", np.int64, 0), ("win_tokens", np.int64, 0),
+                                  ("win_gated", np.int64, 0), ("win_max", np.float32, np.nan)):
             new = np.full(size, fill, dtype=dtype)
             if old:
                 new[:old] = getattr(self, f"_{name}")
@@ -268,6 +278,7 @@ class GateTelemetry:
         for name, value in zip(_COUNTERS, req.counters or fresh, strict=True):
             getattr(self, f"_{name}")[record] = value
         self._reported[record] = 0  # a resumed request re-reports its clean prefix
+        self._win_tokens[record], self._win_gated[record], self._win_max[record] = 0, 0, np.nan
 
     def launch_copy(self) -> None:
         """Queue the read-back of the last step begun (no-op when there is none)."""
@@ -345,6 +356,25 @@ class GateTelemetry:
                 self._put_trace(one, pos, gates, scores, slot == one)
         if step.control is not None and self.observer is not None:
             self.observer(step.number, slot, pos, gates, scores, step.control_rows, step.control)
+        if self.events is not None:
+            self._summarize(step.number, s, on_new, scores[new])
+
+    def _summarize(self, number: int, records: np.ndarray, on: np.ndarray,
+                   scores: np.ndarray) -> None:
+        """Add a folded step to the monitor window; publish the window once it is full."""
+        size = len(self._req_of_record)
+        self._win_tokens += np.bincount(records, minlength=size)
+        self._win_gated += np.bincount(records, weights=on, minlength=size).astype(np.int64)
+        np.fmax.at(self._win_max, records, scores)
+        if number < self._window_end:
+            return
+        self._window_end = number + self.events.every
+        recs = np.flatnonzero(self._win_tokens)
+        reqs = [self._request_of_record[r] for r in recs.tolist()]  # live or retiring
+        self.events.monitor(number, [r.req_id for r in reqs],  # type: ignore[union-attr]
+                            [r.session for r in reqs], self._win_tokens[recs],  # type: ignore[union-attr]
+                            self._win_gated[recs], self._win_max[recs])
+        self._win_tokens[recs], self._win_gated[recs], self._win_max[recs] = 0, 0, np.nan
 
     def request_of_record(self, record: int) -> _Request | None:
         """The request a record holds (live, or finished with steps still to fold)."""

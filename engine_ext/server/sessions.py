@@ -1,0 +1,20 @@
+"""Session namespaces: with API keys configured, a session belongs to the key that names it.
+
+A request's ``session`` (in its spec) and a controller command's ``session`` are both turned
+into ``<namespace>/<session>``, the namespace a digest of the API key the caller presented;
+so a tenant reaches only sessions made under its own key, whatever name it sends. Without API
+keys there is one namespace (the name as given).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+NAMESPACE_CHARS = 16
+
+
+def namespaced(session: str, api_key: str | None) -> str:
+    if api_key is None:
+        return session
+    digest = hashlib.blake2b(api_key.encode(), digest_size=NAMESPACE_CHARS // 2).hexdigest()
+    return f"{digest}/{session}"
