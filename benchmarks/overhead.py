@@ -14,7 +14,12 @@ Scenarios, each request of a batch carrying its own spec:
 * ``gated``       a registered probe at ``post_block@16`` gating a registered vector at layers
                   16-23 (threshold at the median score, so the gate fires on about half the
                   tokens; the measured fraction is reported);
-* ``gates-32``    32 distinct gates (distinct inline probes), each gating that vector.
+* ``gates-32``    32 distinct gates (distinct inline probes), each gating that vector;
+* ``latch``       ``gated`` with the built-in ``latch`` controller (k=4) on every request;
+* ``python``      ``gated`` with a Python controller on every request (a numpy latch, loaded
+                  through the entry point, :mod:`bench_controllers`);
+* ``events``      ``gated`` on a third engine that publishes controller events every step to a
+                  live ZeroMQ subscriber in this process (events counted and reported).
 
 Shapes: decode-heavy (128 prompt + 128 generated tokens) at batches 1, 32, 256 and a
 prefill-heavy one (2048 prompt + 16 generated) at batch 32. Prints a table (tokens/s = generated
@@ -49,7 +54,10 @@ PREFILL = (2048, 16)
 MONITOR = 16
 GATED_LAYERS = list(range(16, 24))
 DISTINCT = 32
-SCENARIOS = ["idle", "registered", "inline-32", "inline-32-b64", "gated", "gates-32"]
+SCENARIOS = ["idle", "registered", "inline-32", "inline-32-b64", "gated", "gates-32", "latch",
+             "python", "events"]
+EVENTS_ADDRESS = "tcp://127.0.0.1:5599"
+
 
 
 def make_model(folder: Path) -> Path:
@@ -87,10 +95,15 @@ class Specs:
             "inline-32-b64": [{"steer": [{"vector_b64": encode_f32(v), "layers": [MONITOR]}]}
                               for v in vectors],
             "gated": [{"gate": {"probe": "bench", "layer": MONITOR, "steer": gated}}],
+            "latch": [{"gate": {"probe": "bench", "layer": MONITOR, "steer": gated},
+                       "controller": {"name": "latch", "k": 4}}],
+            "python": [{"gate": {"probe": "bench", "layer": MONITOR, "steer": gated},
+                        "controller": {"name": "bench-latch"}}],
             "gates-32": [{"gate": {"probe": {"weights_b64": encode_f32(p),
                                              "threshold": threshold},
                                    "layer": MONITOR, "steer": gated}} for p in probes],
         }
+        self.by_scenario["events"] = self.by_scenario["gated"]
 
     def params(self, scenario: str, batch: int, gen_len: int) -> list[Any]:
         from vllm import SamplingParams
@@ -124,19 +137,47 @@ def timed(llm: Any, batch_prompts: list[dict[str, Any]], sps: list[Any]) -> floa
     return len(batch_prompts) * gen / elapsed
 
 
-def calibrate_gate(llm: Any, steering: Any) -> float:
-    """Register the bench probe with its threshold at the median score of real decode tokens,
-    so the gate fires on about half of them."""
+def calibrate_gate(llm: Any, steering: Any) -> dict[str, Any]:
+    """The bench probe with its threshold at the median score of real decode tokens, so the
+    gate fires on about half of them (registered; returned to register it elsewhere)."""
     import numpy as np
 
     probe = np.random.default_rng(2).standard_normal(HIDDEN).astype(np.float32) / HIDDEN**0.5
     acts = steering.capture([p["prompt_token_ids"] for p in prompts(8, 64)],
                             [f"post_block@{MONITOR}"], reduce="all")[f"post_block@{MONITOR}"]
     scores = np.concatenate([a @ probe for a in acts])
-    threshold = float(np.median(scores))
-    steering.register_probe("bench", weights=probe, threshold=threshold,
-                            sharpness=8.0 / (scores.std() + 1e-6))
-    return threshold
+    bench = {"weights": probe, "threshold": float(np.median(scores)),
+             "sharpness": 8.0 / (scores.std() + 1e-6)}
+    steering.register_probe("bench", **bench)
+    return bench
+
+
+class Subscriber:
+    """A live subscriber of the events engine, counting what it receives (a thread)."""
+
+    def __init__(self, address: str) -> None:
+        import threading
+
+        import zmq
+
+        self.received = 0
+        self._stop = threading.Event()
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(address)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._socket.poll(100):
+                self._socket.recv_multipart()
+                self.received += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._socket.close()
 
 
 def add_host_time(total: dict[str, float], before: dict[str, Any],
@@ -171,24 +212,39 @@ def main() -> None:
 
     from dynsteer.engine_ext import Steering
 
+    if "python" in args.scenarios:
+        import bench_controllers
+
+        bench_controllers.install()
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp) / "llama8b")
         t0 = time.time()
         engines = {"stock": start(path, None, args.mem), "plugin": start(path, {}, args.mem)}
         if args.control:
             engines["control"] = start(path, None, args.mem)
+        subscriber = None
+        if "events" in args.scenarios:
+            engines["events"] = start(path, {"events_address": EVENTS_ADDRESS,
+                                             "events_every": 1}, args.mem)
+            subscriber = Subscriber(EVENTS_ADDRESS)
+            events_steering = Steering(engines["events"])
         startup = time.time() - t0
         steering = Steering(engines["plugin"])
-        steering.register_vector(
-            "bench", np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32) * 0.01)
-        specs = Specs(calibrate_gate(engines["plugin"], steering))
+        vector = np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32) * 0.01
+        steering.register_vector("bench", vector)
+        bench = calibrate_gate(engines["plugin"], steering)
+        specs = Specs(bench["threshold"])
+        if subscriber is not None:
+            events_steering.register_vector("bench", vector)
+            events_steering.register_probe("bench", **bench)
         results: dict[str, Any] = {"device": torch.cuda.get_device_name(),
                                    "vllm": vllm.__version__, "startup_s": startup,
                                    "reps": args.reps, "runs": {}}
         shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
         if not args.no_prefill:
             shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
-        runs = [("stock", "idle"), *(("plugin", s) for s in args.scenarios),
+        runs = [("stock", "idle"), *(("events" if s == "events" else "plugin", s)
+                                     for s in args.scenarios),
                 *([("control", "idle")] if args.control else [])]
         seed = 0
         for shape, batch, prompt_len, gen_len in shapes:
@@ -215,6 +271,14 @@ def main() -> None:
             gated = after["tokens_gated"].get(site, 0) - before["tokens_gated"].get(site, 0)
             results["runs"][shape] = {"samples": samples, "host_time": host,
                                       "gate_on_fraction": gated / max(monitored, 1)}
+            args.out.mkdir(parents=True, exist_ok=True)  # what is done survives a time limit
+            (args.out / "overhead.json").write_text(json.dumps(results, indent=2))
+        if subscriber is not None:
+            subscriber.close()
+            results["events"] = {"received": subscriber.received,
+                                 **{k: v for k, v in events_steering.info()[0].items()
+                                    if k.startswith("events_")}}
+        results["controllers"] = steering.info()[0]["controllers"]
     print(f"device: {results['device']}  vLLM {results['vllm']}  reps={args.reps}")
     print(f"{'shape':>14} {'scenario':<22} {'tok/s (median)':>15} {'ratio':>7} {'spread':>7} "
           f"{'host us/step':>13} {'us/request':>11}")
@@ -235,6 +299,8 @@ def main() -> None:
             print(f"{shape:>14} {key:<22} {med:>15.1f} {med / stock:>7.4f} {spread:>7.2%} "
                   f"{_fmt(per_step):>13} {_fmt(per_request):>11}")
         print(f"{shape:>14} gate on for {run['gate_on_fraction']:.0%} of monitored tokens")
+    if "events" in results:
+        print(f"events: {results['events']}")
     results["summary"] = summary
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.json").write_text(json.dumps(results, indent=2))

@@ -207,7 +207,7 @@ class _CommandChannel:
             frame = self.socket.recv()
             try:
                 reply = Reply.model_validate(msgspec.msgpack.decode(frame))
-            except ValueError as e:  # msgspec.DecodeError and ValidationError both are
+            except ValueError as e:  # msgspec.DecodeError, ValidationError: both ValueErrors
                 logger.warning("malformed reply from %s skipped: %s", self.address, e)
                 continue
             if reply.id == cmd.id:
@@ -221,7 +221,7 @@ def _ms_until(deadline: float) -> int:
     return max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
 
-def check_topics(topics: tuple[str, ...]) -> tuple[str, ...]:
+def _check_topics(topics: tuple[str, ...]) -> tuple[str, ...]:
     """``topics`` if each is an event type (a typo would silently subscribe to nothing)."""
     unknown = [t for t in topics if t not in EVENT_TYPES]
     if unknown:
@@ -246,7 +246,7 @@ class ControllerLoop:
             raise TypeError(f"{type(controller).__name__}.__init__ must call "
                             "super().__init__()")
         self.controller = controller
-        check_topics(topics)
+        _check_topics(topics)
         self._track_gaps = not topics or set(topics) >= set(EVENT_TYPES)
         self._next_seq: int | None = None
         self._context = zmq.Context()
@@ -289,7 +289,7 @@ class ControllerLoop:
             if len(frames) != 2:
                 raise ValueError(f"{len(frames)} frames, not [topic, payload]")
             event = decode_event(*frames)
-        except ValueError as e:  # msgspec.DecodeError and ValidationError both are
+        except ValueError as e:  # msgspec.DecodeError, ValidationError: both ValueErrors
             stats.malformed += 1
             logger.warning("malformed event skipped (%d so far): %s", stats.malformed, e)
             return False
@@ -298,7 +298,7 @@ class ControllerLoop:
         if missed:
             stats.gaps += missed
             self._call("on_gap", missed)
-        self._call(f"on_{event.type}", event)
+        self._call(f"on_{event.type}", event)  # on_request_started, on_monitor, ...
         return True
 
     def _missed(self, seq: int) -> int:
@@ -321,8 +321,8 @@ class ControllerLoop:
 
     def close(self) -> None:
         """Close both sockets (pending messages are dropped) and detach the controller."""
+        self._context.destroy(linger=0)  # first: it closes the sockets the channel holds
         self.controller._channel = None
-        self._context.destroy(linger=0)
 
     def __enter__(self) -> ControllerLoop:
         return self
@@ -358,7 +358,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def _topic_list(text: str) -> tuple[str, ...]:
     try:
-        return check_topics(tuple(t.strip() for t in text.split(",") if t.strip()))
+        return _check_topics(tuple(t.strip() for t in text.split(",") if t.strip()))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

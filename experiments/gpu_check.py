@@ -10,7 +10,12 @@
    (``Steering.capture``, the monitor sites, last/mean/all) vs HF streams, and no graph is
    captured after startup. The engine monitors the gating cases' sites only, so every other
    site steers through the fused add under graphs.
-3. Input safety (issue 10): the kernel never writes NaN/inf/overflowing steered values
+3. Controllers (issue 13): the Triton fold of built-in controllers against the sequential
+   reference of tests/test_controllers.py, compiled; every built-in and a Python controller
+   (benchmarks/bench_controllers.py, through its entry point) in the engine under graphs, their
+   gates and logprobs against the step-by-step reference of tests/test_controllers_engine.py
+   and HF steered with those decisions.
+4. Input safety (issue 10): the kernel never writes NaN/inf/overflowing steered values
    (poisoned rows of tests/test_ops.py), and overflowing rows written straight into the workers
    (bypassing validation) change neither those requests nor the ones after them, under graphs.
 
@@ -33,6 +38,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "benchmarks"))
 
 
 def kernel_check() -> list[dict[str, Any]]:
@@ -68,6 +74,60 @@ def kernel_check() -> list[dict[str, Any]]:
                     "max_capture_err_vs_f64": (capture.double() - want_capture).abs().max().item(),
                 })
     return results
+
+
+def control_kernel_check() -> list[dict[str, Any]]:
+    """The compiled Triton fold of built-in controllers vs the sequential reference."""
+    import torch
+    from test_controllers import _reference_run, _rows, _steps
+
+    from dynsteer.engine_ext.worker import ops
+
+    results = []
+    for seed in (0, 1, 2):
+        control = _rows().cuda()
+        for tokens, index, gate_score in _steps(seed):
+            ops.control_step(index.cuda(), gate_score.cuda(), control, tokens)
+        want = _reference_run(seed)
+        got = control.cpu()
+        same = torch.isclose(got, want, atol=1e-5, equal_nan=True).all()
+        results.append({"seed": seed, "equal": bool(same)})
+    return results
+
+
+def controller_check(llm: Any, hf: Any, steering: Any) -> dict[str, Any]:
+    """tests/test_controllers_engine.py's built-in cases and a Python latch, under graphs."""
+    import numpy as np
+    from engine_utils import logprobs_of, params, run
+    from hf_reference import run_reference
+    from test_controllers_engine import MAX_TOKENS, PROMPT, base_gate, cases, decisions
+
+    gate, scores = base_gate(hf)
+    specs = {k: v for k, v in cases(scores, gate).items()
+             if k in ("latch", "latch-threshold", "hysteresis", "proportional", "budget")}
+    on = int((scores > gate["threshold"]).sum())
+    specs["python"] = {"name": "bench-latch"}
+    outs = run(llm, [PROMPT] * len(specs), [params(MAX_TOKENS, spec={"gate": gate,
+                                                                     "controller": s})
+                                            for s in specs.values()])
+    report = {}
+    for (name, spec), out in zip(specs.items(), outs, strict=True):
+        reference = {"name": "pylatch", "k": 4} if name == "python" else spec
+        tokens, got = logprobs_of(out)
+        want, steerer = run_reference(hf, tokens, len(PROMPT), gate=gate,
+                                      gate_fn=decisions(reference, len(PROMPT)))
+        tele = steering.telemetry(out)
+        processed = len(tokens) - 1
+        gates = np.array(tele["gates"][:processed], dtype=np.float64)
+        report[name] = {
+            "max_abs_err_vs_hf": float(np.abs(got - want).max()),
+            "max_gate_err_vs_reference": float(np.abs(gates - steerer.gates.numpy()[
+                :processed]).max()),
+            "events": len(tele["controller"]["events"]),
+            "error": tele["controller"]["error"],
+        }
+    report["prompt_tokens_gated"] = on
+    return report
 
 
 def fused_add_check() -> list[dict[str, Any]]:
@@ -233,6 +293,7 @@ def capture_check(hf: Any, steering: Any) -> dict[str, Any]:
 
 
 def engine_check(workdir: Path) -> dict[str, Any]:
+    import bench_controllers
     import numpy as np
     from engine_utils import logprobs_of, params, run, start_llm, stop_llm
     from hf_reference import load_hf, reference_logprobs
@@ -242,6 +303,7 @@ def engine_check(workdir: Path) -> dict[str, Any]:
 
     from dynsteer.engine_ext import Steering
 
+    bench_controllers.install()  # the Python controller, through its entry point
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # only for _count_replays (local)
     path = make_tiny_model("llama", workdir / "tiny_llama")
     prompts = [[1, 17, 42, 99, 7, 250, 3, 64], [1, 300, 5, 77, 8]]
@@ -275,6 +337,7 @@ def engine_check(workdir: Path) -> dict[str, Any]:
     steering = Steering(llm)
     report["gating"] = gating_check(llm, hf, steering)
     report["capture"] = capture_check(hf, steering)
+    report["controllers"] = controller_check(llm, hf, steering)
     base = run(llm, prompts, [params(max_tokens=12) for _ in prompts])
     base2 = run(llm, prompts, [params(max_tokens=12) for _ in prompts])
     steering.set_global([{"vector": CASES["post_block-all"][0]["vector"], "layers": [1, 2]}])
@@ -322,6 +385,14 @@ def verdicts(result: dict[str, Any]) -> dict[str, bool]:
         checks[f"gated {name} vs HF"] = e["max_abs_err_vs_hf"] <= 2e-3
         checks[f"gated {name} gates vs HF"] = e["max_gate_err_vs_hf"] <= 5e-3
         checks[f"gated {name} counters vs HF"] = e["gated_counts_equal_hf"]
+    for k in result["control_kernel"]:
+        checks[f"control kernel seed {k['seed']} vs reference"] = k["equal"]
+    for name, e in engine["controllers"].items():
+        if not isinstance(e, dict):
+            continue
+        checks[f"controller {name} vs HF"] = e["max_abs_err_vs_hf"] <= 2e-3
+        checks[f"controller {name} gates vs reference"] = e["max_gate_err_vs_reference"] <= 5e-3
+        checks[f"controller {name} acted, no error"] = e["events"] > 0 and e["error"] is None
     for name, err in engine["capture"].items():
         if name.startswith("max_abs_err"):
             checks[f"capture {name}"] = err <= 2e-3
@@ -348,6 +419,7 @@ def main() -> None:
     result: dict[str, Any] = {"vllm": vllm.__version__}
     result["kernel"] = kernel_check()
     result["fused_add"] = fused_add_check()
+    result["control_kernel"] = control_kernel_check()
     result["poison_kernel"] = poison_kernel_check()
     with tempfile.TemporaryDirectory() as tmp:
         result["engine"] = engine_check(Path(tmp))
