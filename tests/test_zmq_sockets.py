@@ -226,6 +226,8 @@ def test_api_keys_namespace_sessions_and_are_required():
     assert server.rejected == {"unauthorized": 1}
     assert list(state.sessions) == [namespaced("c", "k1")]
     assert namespaced("c", "k1") != namespaced("c", "k2")
+    assert namespaced(namespaced("c", "k1"), "k1") == namespaced("c", "k1")  # as events show it
+    assert namespaced(namespaced("c", "k2"), "k1") != namespaced("c", "k2")
 
 
 def test_curve_commands_answer_keyed_clients_only(curve):

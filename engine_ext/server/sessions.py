@@ -3,7 +3,8 @@
 A request's ``session`` (in its spec) and a controller command's ``session`` are both turned
 into ``<namespace>/<session>``, the namespace a digest of the API key the caller presented;
 so a tenant reaches only sessions made under its own key, whatever name it sends. Without API
-keys there is one namespace (the name as given).
+keys there is one namespace (the name as given). Events carry the namespaced name; a command
+may send it back as it is (a name already in the caller's own namespace is not prefixed again).
 """
 
 from __future__ import annotations
@@ -16,5 +17,6 @@ NAMESPACE_CHARS = 16
 def namespaced(session: str, api_key: str | None) -> str:
     if api_key is None:
         return session
-    digest = hashlib.blake2b(api_key.encode(), digest_size=NAMESPACE_CHARS // 2).hexdigest()
-    return f"{digest}/{session}"
+    prefix = hashlib.blake2b(api_key.encode(),
+                             digest_size=NAMESPACE_CHARS // 2).hexdigest() + "/"
+    return session if session.startswith(prefix) else prefix + session
