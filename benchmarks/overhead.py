@@ -219,7 +219,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp) / "llama8b")
         t0 = time.time()
-        engines = {"stock": start(path, None, args.mem), "plugin": start(path, {}, args.mem)}
+        engines = {"stock": start(path, None, args.mem)}
+        if set(args.scenarios) - {"events"}:
+            engines["plugin"] = start(path, {}, args.mem)
         if args.control:
             engines["control"] = start(path, None, args.mem)
         subscriber = None
@@ -227,16 +229,18 @@ def main() -> None:
             engines["events"] = start(path, {"events_address": EVENTS_ADDRESS,
                                              "events_every": 1}, args.mem)
             subscriber = Subscriber(EVENTS_ADDRESS)
-            events_steering = Steering(engines["events"])
         startup = time.time() - t0
-        steering = Steering(engines["plugin"])
+        steerings = {n: Steering(e) for n, e in engines.items() if n in ("plugin", "events")}
+        primary = "plugin" if "plugin" in engines else "events"
+        steering = steerings[primary]
         vector = np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32) * 0.01
         steering.register_vector("bench", vector)
-        bench = calibrate_gate(engines["plugin"], steering)
+        bench = calibrate_gate(engines[primary], steering)
         specs = Specs(bench["threshold"])
-        if subscriber is not None:
-            events_steering.register_vector("bench", vector)
-            events_steering.register_probe("bench", **bench)
+        for name, other in steerings.items():
+            if name != primary:
+                other.register_vector("bench", vector)
+                other.register_probe("bench", **bench)
         results: dict[str, Any] = {"device": torch.cuda.get_device_name(),
                                    "vllm": vllm.__version__, "startup_s": startup,
                                    "reps": args.reps, "runs": {}}
@@ -258,12 +262,13 @@ def main() -> None:
             for rep in range(args.reps):
                 for engine, scenario in runs if rep % 2 == 0 else runs[::-1]:
                     seed += 1
-                    start_time = steering.info()[0]["host_time"] if engine == "plugin" else None
+                    own = steerings.get(engine)
+                    start_time = own.info()[0]["host_time"] if own is not None else None
                     samples[f"{engine}/{scenario}"].append(timed(
                         engines[engine], prompts(batch, prompt_len, seed), loads[scenario]))
-                    if start_time is not None:
+                    if own is not None:
                         add_host_time(host.setdefault(scenario, {}), start_time,
-                                      steering.info()[0]["host_time"])
+                                      own.info()[0]["host_time"])
             after = steering.info()[0]
             site = f"post_block@{MONITOR}"
             monitored = (after["tokens_monitored"].get(site, 0)
@@ -276,7 +281,7 @@ def main() -> None:
         if subscriber is not None:
             subscriber.close()
             results["events"] = {"received": subscriber.received,
-                                 **{k: v for k, v in events_steering.info()[0].items()
+                                 **{k: v for k, v in steerings["events"].info()[0].items()
                                     if k.startswith("events_")}}
         results["controllers"] = steering.info()[0]["controllers"]
     print(f"device: {results['device']}  vLLM {results['vllm']}  reps={args.reps}")
@@ -288,7 +293,8 @@ def main() -> None:
         for key, values in run["samples"].items():
             med = statistics.median(values)
             spread = (max(values) - min(values)) / med
-            host = run["host_time"].get(key.split("/", 1)[1]) if key.startswith("plugin") else None
+            engine, scenario = key.split("/", 1)
+            host = run["host_time"].get(scenario) if engine in ("plugin", "events") else None
             per_step = per_request = None
             if host:
                 per_step = (host["step_us"] + host["output_us"]) / max(host["steps"], 1)
