@@ -252,7 +252,7 @@ def main() -> None:
                 *([("control", "idle")] if args.control else [])]
         seed = 0
         for shape, batch, prompt_len, gen_len in shapes:
-            loads = {s: specs.params(s, batch, gen_len) for s in args.scenarios}
+            loads = {s: specs.params(s, batch, gen_len) for s in {"idle", *args.scenarios}}
             for engine, scenario in runs:  # warm-up: first pass of each shape
                 seed += 1
                 timed(engines[engine], prompts(batch, prompt_len, seed), loads[scenario])
