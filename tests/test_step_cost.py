@@ -24,13 +24,21 @@ PROMPT = 5
 BLOCK = 16
 
 
+CONTROLLERS = [None, {"name": "latch", "k": 10**6}, {"name": "budget", "tokens": 10**6},
+               {"name": "hysteresis", "t_on": 1e5, "t_off": -1e5}]
+"""Built-in controllers whose mode never changes in these steps (a change is an event: a
+little Python once per request, not per step)."""
+
+
 def spec(i: int) -> dict:
     rng = np.random.default_rng(i)
     vector = (rng.standard_normal(HIDDEN) * 0.1).tolist()
     if i % 2:
         return {"steer": [{"vector": vector, "layers": [1, 2]}]}
-    return {"gate": {"probe": {"weights": rng.standard_normal(HIDDEN).tolist()}, "layer": 1,
-                     "steer": [{"vector": vector, "layers": [1, 3]}]}}
+    gated: dict = {"gate": {"probe": {"weights": rng.standard_normal(HIDDEN).tolist()},
+                            "layer": 1, "steer": [{"vector": vector, "layers": [1, 3]}]}}
+    controller = CONTROLLERS[(i // 2) % len(CONTROLLERS)]
+    return gated if controller is None else {**gated, "controller": controller}
 
 
 def lines_per_step(requests: int) -> int:

@@ -13,8 +13,9 @@ every folded step's controller state and every applied action) is what a caller 
 across ranks (the info RPC and ``/metrics``). Nothing here talks to other ranks.
 
 Per step, the host work is whole-array numpy over the step's controlled tokens plus a Python
-call per controller class; Python loops run only over requests whose state *changed* (an event
-for the telemetry report) or that got an action.
+call per controller class; Python loops run only over requests whose mode *changed* (floor, or
+scale to or from zero: an event for the telemetry report, a few per request) or that got an
+action.
 """
 
 from __future__ import annotations
@@ -186,7 +187,11 @@ class ControllerRunner:
         self.checked_steps += 1
         first_recs, first = np.unique(recs, return_index=True)
         values = state[rows[first]]
-        changed = np.flatnonzero((values != self._seen[first_recs]).any(axis=1))
+        seen = self._seen[first_recs]
+        # An event is a change of mode: the floor, or the scale to or from 0 (``proportional``
+        # moves its scale every step; its gates are in the trace when asked for).
+        changed = np.flatnonzero((values[:, 0] != seen[:, 0])
+                                 | ((values[:, 1] == 0) != (seen[:, 1] == 0)))
         for i in changed.tolist():
             self._event(int(first_recs[i]), int(pos[mine][first[i]]),
                         {"floor": float(values[i, 0]), "scale": float(values[i, 1])})
