@@ -189,9 +189,12 @@ class ControllerRunner:
         values = state[rows[first]]
         seen = self._seen[first_recs]
         # An event is a change of mode: the floor, or the scale to or from 0 (``proportional``
-        # moves its scale every step; its gates are in the trace when asked for).
+        # moves its scale every step; its gates are in the trace when asked for); for Python
+        # controllers every change, each being an action they chose.
         changed = np.flatnonzero((values[:, 0] != seen[:, 0])
-                                 | ((values[:, 1] == 0) != (seen[:, 1] == 0)))
+                                 | ((values[:, 1] == 0) != (seen[:, 1] == 0))
+                                 | ((values[:, 1] != seen[:, 1])
+                                    & (self._class[first_recs] >= 0)))
         for i in changed.tolist():
             self._event(int(first_recs[i]), int(pos[mine][first[i]]),
                         {"floor": float(values[i, 0]), "scale": float(values[i, 1])})
