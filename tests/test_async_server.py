@@ -5,6 +5,8 @@ Request 1 of session S trips the probe; the controller, seeing its finished even
 steering for S; request 2 of S is steered exactly as if it carried that steering itself, the
 same request in session T (or in S without the API key, another namespace) is not. Killing the
 controller leaves the engine serving; bad command frames are answered, counted and dropped.
+Both sockets require CURVE: the controller and the test's own client hold keys the server
+knows; a client without keys, or with unknown ones, gets nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+import zmq.auth
 from server_utils import Server, http
 
 from dynsteer.controller.zmq_protocol import MAX_COMMAND_BYTES, Ping, Reply, encode
@@ -48,9 +51,16 @@ def stack(chat_model, tmp_path_factory):
     """The server and the controller process, with the server's events and commands."""
     folder = tmp_path_factory.mktemp("async")
     events, commands = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    clients = folder / "clients"
+    clients.mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(folder, "server")
+    client_public, client_secret = zmq.auth.create_certificates(folder, "client")
+    (clients / "client.key").write_bytes(Path(client_public).read_bytes())
     server = Server(chat_model, folder / "serve.log", "--dynsteer-api-key", KEY,
                     "--dynsteer-events", events, "--dynsteer-events-every", "1",
-                    "--dynsteer-commands", commands)
+                    "--dynsteer-commands", commands,
+                    "--dynsteer-zmq-server-key", str(server_secret),
+                    "--dynsteer-zmq-client-keys", str(clients))
     log = (folder / "controller.log").open("w")
     controller = None
     try:
@@ -59,8 +69,11 @@ def stack(chat_model, tmp_path_factory):
         controller = subprocess.Popen(
             [str(Path(sys.executable).parent / "dynsteer"), "controller", "run",
              "dynsteer.controller.examples:SessionGuard", "--events", events, "--commands",
-             commands, "--config", config], stdout=log, stderr=subprocess.STDOUT)
-        yield server, controller, commands
+             commands, "--config", config, "--server-key", str(server_public),
+             "--client-key", str(client_secret)], stdout=log, stderr=subprocess.STDOUT)
+        server_key = zmq.auth.load_certificate(server_public)[0]
+        keys = (server_key, *zmq.auth.load_certificate(client_secret))
+        yield server, controller, commands, keys
     finally:
         if controller is not None:
             controller.kill()
@@ -107,7 +120,7 @@ def wait_until(predicate, timeout: float = 90.0, action=None) -> None:
 
 
 def test_a_tripped_session_is_steered_from_its_next_request(stack):
-    server, controller, _ = stack
+    server, controller, *_ = stack
     # The controller subscribes a moment after it starts: trip a warm-up session until it acts.
     wait_until(lambda: session_commands(server) >= 1,
                action=lambda: complete(server, "warm-up", TRIP))
@@ -124,11 +137,30 @@ def test_a_tripped_session_is_steered_from_its_next_request(stack):
     assert controller.poll() is None
 
 
-def test_bad_command_frames_are_answered_and_counted(stack):
-    server, _, commands = stack
+def dealer_for(commands: str, keys: tuple[bytes, bytes, bytes] | None) -> zmq.Socket:
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        dealer.curve_serverkey, dealer.curve_publickey, dealer.curve_secretkey = keys
     dealer.connect(commands)
+    return dealer
+
+
+def test_unkeyed_and_unknown_clients_get_nothing(stack):
+    _, _, commands, keys = stack
+    stranger = (keys[0], *zmq.curve_keypair())
+    for client_keys in (None, stranger):
+        dealer = dealer_for(commands, client_keys)
+        try:
+            dealer.send(encode(Ping(id="x", api_key=KEY)))
+            assert not dealer.poll(2000), "an unknown client got a reply"
+        finally:
+            dealer.close()
+
+
+def test_bad_command_frames_are_answered_and_counted(stack):
+    server, _, commands, keys = stack
+    dealer = dealer_for(commands, keys)
     frames = [b"\x00not msgpack", b"x" * (MAX_COMMAND_BYTES + 1),
               msgspec.msgpack.encode({"v": 9, "type": "ping"}), encode(Ping(id="nokey")),
               encode(Ping(id="ok", api_key=KEY))]
@@ -149,7 +181,7 @@ def test_bad_command_frames_are_answered_and_counted(stack):
 
 
 def test_killing_the_controller_leaves_the_engine_serving(stack):
-    server, controller, _ = stack
+    server, controller, *_ = stack
     controller.kill()
     controller.wait()
     before = session_commands(server)
