@@ -6,9 +6,10 @@ from then on only by :func:`.ops.control_step`; a Python controller's row (kind 
 host, when an action changes its floor or scale. One owner per row, so the two never race.
 
 Per step: :meth:`ControlTable.before_step` launches the fold of the previous step into the
-built-in rows (one kernel, queued on the stream: after that step's forward, before the next
-index fill and forward), then the host's pending row writes (admissions, actions): one copy,
-only on steps that have any. Nothing waits for the GPU.
+built-in rows (queued on the stream: after that step's forward, before the next index fill and
+forward; on CUDA one replay of a CUDA graph captured when the table is made, so its two Triton
+kernels cost no launch work on the host), then the host's pending row writes (admissions,
+actions): one copy, only on steps that have any. Nothing waits for the GPU.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from .ops import CTL_COLS, CTL_FLOOR, CTL_KIND, CTL_P0, CTL_SCALE, control_step
 
 
 class ControlTable:
-    """Owns ``control[max_slots + 1, CTL_COLS]`` and the host's mirror of its host rows."""
+    """Owns ``control[max_slots + 1, CTL_COLS]`` and the host's mirror of its host rows;
+    folds steps read from the op's ``index`` and ``gate_score`` buffers."""
 
-    def __init__(self, max_slots: int, device: torch.device) -> None:
+    def __init__(self, max_slots: int, index: torch.Tensor, gate_score: torch.Tensor) -> None:
+        device = index.device
         self.table = torch.zeros(max_slots + 1, CTL_COLS, dtype=torch.float32, device=device)
+        self._index, self._gate_score = index, gate_score
+        self._graph = self._capture_fold() if device.type == "cuda" else None
         self._mirror = np.zeros((max_slots + 1, CTL_COLS), dtype=np.float32)
         """What the host last wrote to each row (exact for Python rows, initial for built-in)."""
         self._dirty: set[int] = set()
@@ -69,16 +74,35 @@ class ControlTable:
         """Copies of the (floor, scale) the host last wrote to Python controllers' rows."""
         return self._mirror[rows, CTL_FLOOR].copy(), self._mirror[rows, CTL_SCALE].copy()
 
-    def before_step(self, index: torch.Tensor, gate_score: torch.Tensor,
-                    tokens: int) -> None:
+    def before_step(self, tokens: int) -> None:
         """Fold the previous step into built-in rows, then write pending rows; ``tokens`` is
         the step about to run (its fold is due next time)."""
         if self._builtin_live and self._last_tokens:
-            control_step(index, gate_score, self.table, self._last_tokens)
+            if self._graph is not None:
+                self._graph.replay()
+            else:
+                control_step(self._index, self._gate_score, self.table, self._last_tokens)
         self._last_tokens = tokens
         if self._dirty:
             self._write(np.fromiter(sorted(self._dirty), dtype=np.int64))
             self._dirty.clear()
+
+    def _capture_fold(self) -> torch.cuda.CUDAGraph:
+        """The CUDA fold as a graph (compiled first, outside the capture). Every row is 0
+        (no controller) here, so running it changes nothing."""
+        from .triton_kernels import control_step_triton, new_fold_scratch
+
+        self._scratch = new_fold_scratch(self.table)
+
+        def fold() -> None:
+            control_step_triton(self._index, self._gate_score, self.table, self._scratch)
+
+        fold()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fold()
+        return graph
 
     def _write(self, rows: np.ndarray) -> None:
         values = torch.from_numpy(self._mirror[rows])

@@ -204,18 +204,20 @@ def _row_of(rows_table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def control_step(index: torch.Tensor, gate_score: torch.Tensor, control: torch.Tensor,
-                 tokens: int) -> None:
+                 tokens: int, scratch: torch.Tensor | None = None) -> None:
     """Fold one finished step (its first ``tokens`` columns of ``index`` and ``gate_score``)
     into the rows of built-in controllers, in place (see :mod:`dynsteer.controller.controllers`
     for what each does). Runs on the step's stream after its forward and before the next one
-    (so before the index is refilled). CUDA runs one Triton kernel; other devices run torch."""
-    if tokens == 0:
-        return
+    (so before the index is refilled). Other devices run torch; CUDA runs two Triton kernels
+    with fixed arguments (:func:`.triton_kernels.control_step_triton`, which the worker replays
+    as a CUDA graph): they read the whole index, whose columns past the step's tokens are zero,
+    and keep counters in ``scratch`` (:func:`.triton_kernels.new_fold_scratch`)."""
     if control.is_cuda:
-        from .triton_kernels import control_step_triton
+        from .triton_kernels import control_step_triton, new_fold_scratch
 
-        control_step_triton(index, gate_score, control, tokens)
-    else:
+        control_step_triton(index, gate_score, control,
+                            new_fold_scratch(control) if scratch is None else scratch)
+    elif tokens:
         control_step_torch(index, gate_score, control, tokens)
 
 

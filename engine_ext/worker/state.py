@@ -113,7 +113,7 @@ class SteeringState:
         """Per-token gate (row ``GATE``, written at each token's monitor site) and probe score
         (row ``SCORE``) of the step: one buffer, so the read-back is one copy."""
         self.gate, self.score = self.gate_score[GATE], self.gate_score[SCORE]
-        self.control = ControlTable(max_slots, device)
+        self.control = ControlTable(max_slots, self.token_rows.buffer, self.gate_score)
         """Per-request controller state the monitor applies (see :mod:`.control`)."""
         self.telemetry = GateTelemetry(self.gate_score, [site_name(s) for s in sites],
                                        block_size, max_slots, control=self.control.table)
@@ -292,7 +292,7 @@ class SteeringState:
             self.telemetry.before_step(
                 np.flatnonzero(mine), np.asarray(slots)[request[mine]], positions[mine], tokens,
                 np.repeat(control_rows, counts)[mine] if controlled else None)
-        self.control.before_step(self.token_rows.buffer, self.gate_score, tokens)
+        self.control.before_step(tokens)
         self.token_rows.fill(
             self._prefill_row[slots],
             self._decode_row[slots],
@@ -316,7 +316,7 @@ class SteeringState:
         self.token_rows.clear()
         self.telemetry.before_step(_NONE, _NONE, _NONE, 0)
         self.controllers.before_step(self.telemetry.steps)
-        self.control.before_step(self.token_rows.buffer, self.gate_score, 0)
+        self.control.before_step(0)
 
     # ---- internals -----------------------------------------------------------------------
     def _resolve(self, wire: dict[str, Any]) -> _Resolved:
