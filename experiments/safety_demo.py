@@ -71,8 +71,9 @@ def progress(items: Any, desc: str, total: int | None = None) -> Any:
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
     """The token ids the server's chat route feeds the model for one user turn."""
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                              add_generation_prompt=True, tokenize=True))
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(chat, add_special_tokens=False)["input_ids"])
 
 
 def capture(client: Any, ids: list[list[int]], site: str, reduce: str,

@@ -112,11 +112,15 @@ def _steer_kernel(
                 tl.store(capture_ptr + base + offs, v, mask=mask)
 
 
-ACC_COUNT, ACC_LAST, ACC_LAST_ON, ACC_LAST_OFF = 0, 1, 2, 3
 ACC_COLS = 4
 """Columns of the fold's scratch ``acc[K, ACC_COLS]`` (int32): the step's counted tokens of a
 row, and the indices of its last token, last token above ``P0``, last token below ``P1``
 (-1: none). :func:`new_fold_scratch` makes it; the second kernel resets what it read."""
+ACC_COUNT = tl.constexpr(0)
+ACC_LAST = tl.constexpr(1)
+ACC_LAST_ON = tl.constexpr(2)
+ACC_LAST_OFF = tl.constexpr(3)
+ACC_STRIDE = tl.constexpr(ACC_COLS)
 
 
 @triton.jit
@@ -137,7 +141,7 @@ def _fold_gather_kernel(index_ptr, gate_score_ptr, control_ptr, acc_ptr, width, 
     g = tl.load(gate_score_ptr + GATE * gate_score_stride + offs, mask=mine, other=0.0)
     s = tl.load(gate_score_ptr + SCORE * gate_score_stride + offs, mask=mine, other=0.0)
     hit = tl.where((kind == KIND_LATCH) & (p1 == p1), s > p1, g > 0.5)
-    acc = acc_ptr + k * ACC_COLS
+    acc = acc_ptr + k * ACC_STRIDE
     tl.atomic_add(acc + ACC_COUNT, hit.to(tl.int32), mask=mine & hit)
     tl.atomic_max(acc + ACC_LAST, offs, mask=mine)
     tl.atomic_max(acc + ACC_LAST_ON, offs, mask=mine & (s > p0))
@@ -150,7 +154,7 @@ def _fold_apply_kernel(gate_score_ptr, control_ptr, acc_ptr, gate_score_stride):
     :func:`.ops.control_step_torch`, the reference it must equal); the counters are reset."""
     k = tl.program_id(0) + 1
     base = control_ptr + k * CTL_COLS
-    acc = acc_ptr + k * ACC_COLS
+    acc = acc_ptr + k * ACC_STRIDE
     last = tl.load(acc + ACC_LAST)
     if last >= 0:
         kind = tl.load(base + CTL_KIND).to(tl.int32)
@@ -185,7 +189,7 @@ def _fold_apply_kernel(gate_score_ptr, control_ptr, acc_ptr, gate_score_stride):
 def new_fold_scratch(control: torch.Tensor) -> torch.Tensor:
     """The fold's counters for ``control``'s rows, in their reset state."""
     acc = torch.full((control.shape[0], ACC_COLS), -1, dtype=torch.int32, device=control.device)
-    acc[:, ACC_COUNT] = 0
+    acc[:, 0] = 0  # ACC_COUNT
     return acc
 
 
