@@ -12,7 +12,12 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from dynsteer.controller.spec import MAX_JSON_DEPTH
-from dynsteer.engine_ext.server.middleware import DynsteerMiddleware, move_spec_to_xargs
+from dynsteer.engine_ext.server.middleware import (
+    DynsteerMiddleware,
+    move_spec_to_xargs,
+    namespace_session,
+)
+from dynsteer.engine_ext.server.sessions import namespaced
 
 DYNSTEER_CAP = 4096
 REQUEST_CAP = 64 * 1024
@@ -201,3 +206,14 @@ def test_request_cap_setting_env_flag_and_default():
     with pytest.raises(ServeError, match="DYNSTEER_MAX_REQUEST_BYTES"):
         prepare(["/m", "--dynsteer-max-request-bytes=lots"], {})
     assert "--dynsteer-max-request-bytes" in help_text()
+
+
+def test_sessions_move_into_the_callers_namespace():
+    """With API keys, a spec's session becomes the bearer's namespace of it (top-level spec
+    already moved into vllm_xargs, or given there); a body without a session is unchanged."""
+    for spec in ({"session": "s1"}, json.dumps({"session": "s1", **SPEC})):
+        body = json.dumps({"model": "m", "vllm_xargs": {"dynsteer": spec}}).encode()
+        got = json.loads(json.loads(namespace_session(body, "k"))["vllm_xargs"]["dynsteer"])
+        assert got["session"] == namespaced("s1", "k") != "s1"
+    plain = json.dumps({"model": "m", "vllm_xargs": {"dynsteer": json.dumps(SPEC)}}).encode()
+    assert namespace_session(plain, "k") is plain

@@ -208,7 +208,7 @@ class DynsteerMiddleware:
             except ValueError as e:
                 await _error(400, str(e))(scope, receive, send)
                 return
-            server = getattr(scope["app"].state, "dynsteer", None)
+            server = getattr(getattr(scope.get("app"), "state", None), "dynsteer", None)
             key = _bearer(scope)
             if (server is not None and server.api_keys and key in server.api_keys
                     and _MARKER in new_body and path.rstrip("/") in COMPLETION_PATHS):
