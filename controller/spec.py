@@ -304,6 +304,23 @@ def parse_entries(raw: Any, prefix: str = "steer") -> list[SteerEntry]:
     return entries
 
 
+def parse_gate(raw: Any, prefix: str = "gate") -> GateSpec:
+    """Parse a gate given as a dict or its JSON text (SpecError naming the field)."""
+    raw = _from_json_text(raw, prefix)
+    try:
+        return GateSpec.model_validate(raw)
+    except ValidationError as e:
+        raise _from_validation_error(e, prefix) from e
+
+
+def check_session(session: Any, prefix: str = "session") -> str:
+    """A session name (SpecError naming ``prefix`` when it is not one)."""
+    if not isinstance(session, str) or not re.fullmatch(SESSION_PATTERN.strip("^$"), session):
+        raise SpecError(f"{prefix}: {session!r} is not a session name (1-256 characters from "
+                        "A-Z a-z 0-9 _ . : @ / -)")
+    return session
+
+
 def _check_name(where: str, kind: str, name: str, known: Collection[str], fix: str) -> None:
     if name not in known:
         listed = ", ".join(sorted(known)) or "none registered"

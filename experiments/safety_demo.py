@@ -8,9 +8,12 @@ What it does (CPU is enough; everything over HTTP on loopback, as a deployment w
 2. Start `dynsteer serve` (vLLM's logs go to a file) with the probe's layer as monitor site.
 3. Capture the residual stream of the training prompts (chat-formatted, as the model sees them)
    at that site through ``POST /v1/dynsteer/capture``.
-4. Train a scikit-learn probe on the last prompt token, and put its threshold where at most
-   ``--token-fpr`` of the *tokens* of benign training prompts fire (the gate reads every
-   token); upload it. The steering direction is the difference of the class means.
+4. Train a scikit-learn probe on *tokens*, as the gate reads them: every token of a benign
+   prompt and the chat template's shared prefix of every prompt are negatives, the tokens of a
+   harmful request from its first own token on are positives (fit on 70% of the training
+   prompts); put the threshold where at most ``--fpr`` of the other 30%'s benign prompts would
+   fire on any token, and upload it. The steering direction is the difference of the two
+   classes' mean last-token activations.
 5. Send the held-out chats through the ``openai`` client, unsteered and with the gate plus the
    ``latch`` controller (once the probe fires, every later token is steered), and read each
    request's gate telemetry back.
@@ -53,9 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "AdvBench + the repo's benign set")
     ap.add_argument("--train-per-label", type=int, default=64)
     ap.add_argument("--test-per-label", type=int, default=24)
-    ap.add_argument("--token-fpr", type=float, default=0.005,
-                    help="fraction of benign training tokens allowed to fire the gate")
-    ap.add_argument("--scale", type=float, default=4.0, help="multiplier of the direction")
+    ap.add_argument("--fpr", type=float, default=0.05,
+                    help="fraction of benign calibration prompts allowed to fire the gate")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplier of the direction")
     ap.add_argument("--max-tokens", type=int, default=SESSION_MAX_TOKENS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("demo-output"))
@@ -95,20 +98,29 @@ def train(client: Any, tokenizer: Any, train_set: list[Any], args: argparse.Name
     from dynsteer.probes import Probe, calibrate_threshold, from_sklearn
 
     key = hashlib.sha256(json.dumps([[e.text, e.label] for e in train_set] + [
-        site, args.token_fpr], sort_keys=True).encode()).hexdigest()[:16]
+        site, args.fpr], sort_keys=True).encode()).hexdigest()[:16]
     folder = args.cache / key
     if (folder / "probe.safetensors").exists():
         return Probe.load(folder / "probe.safetensors"), np.load(folder / "direction.npy")
     ids = [chat_ids(tokenizer, e.text) for e in train_set]
     labels = np.array([e.label for e in train_set])
-    last = np.stack(capture(client, ids, site, "last"))
-    benign_tokens = np.concatenate(
-        capture(client, [i for i, y in zip(ids, labels, strict=True) if y == 0], site, "all"))
-    classifier = LogisticRegression(C=1.0, max_iter=5000).fit(last, labels)
+    streams = capture(client, ids, site, "all")
+    prefix = shared_prefix(ids)
+    fit = np.random.default_rng(args.seed).random(len(streams)) < 0.7
+    token_labels = [np.r_[np.zeros(prefix), np.full(len(s) - prefix, y)]
+                    for s, y in zip(streams, labels, strict=True)]
+    classifier = LogisticRegression(C=0.05, max_iter=5000, class_weight="balanced").fit(
+        np.concatenate([s for s, f in zip(streams, fit, strict=True) if f]),
+        np.concatenate([t for t, f in zip(token_labels, fit, strict=True) if f]))
     probe = from_sklearn(classifier, layer=LAYER, name="harmful-request",
                          metadata={"data": "advbench+benign" if not args.prompts else
                                    str(args.prompts)})
-    probe = calibrate_threshold(probe, benign_tokens, args.token_fpr)
+    # A benign prompt fires if any of its tokens does: calibrate on each held-back benign
+    # prompt's highest-scoring token.
+    peaks = np.stack([s[np.argmax(probe.score(s))] for s, y, f in zip(
+        streams, labels, fit, strict=True) if y == 0 and not f])
+    probe = calibrate_threshold(probe, peaks, args.fpr)
+    last = np.stack([s[-1] for s in streams])
     direction = (last[labels == 1].mean(0) - last[labels == 0].mean(0)).astype(np.float32)
     folder.mkdir(parents=True, exist_ok=True)
     probe.save(folder / "probe.safetensors")
@@ -131,6 +143,12 @@ def run_chats(base_url: str, model: str, texts: list[str], spec: dict | None,
 
     with ThreadPoolExecutor(8) as pool:
         return list(progress(pool.map(one, texts), desc, total=len(texts)))
+
+
+def shared_prefix(ids: list[list[int]]) -> int:
+    """Tokens every prompt starts with (the chat template before the user's words)."""
+    n = min(len(i) for i in ids)
+    return next((p for p in range(n) if len({i[p] for i in ids}) > 1), n)
 
 
 def first_gated(gates: list[float | None]) -> int | None:
@@ -253,8 +271,8 @@ def report_table(rows: list[dict[str, Any]], probe: Any, args: argparse.Namespac
     def rate(items: list[dict[str, Any]], key: str) -> str:
         return f"{sum(r[key] for r in items)}/{len(items)}" if items else "-"
 
-    print(f"\n[demo] probe threshold {probe.threshold:.3f} (at most {args.token_fpr:.1%} of "
-          f"benign training tokens fire)")
+    print(f"\n[demo] probe threshold {probe.threshold:.3f} (at most {args.fpr:.0%} of benign "
+          f"calibration prompts fire)")
     print(f"[demo] gate fired: harmful {rate(harmful, 'fired')} (TPR), benign "
           f"{rate(benign, 'fired')} (FPR)")
     print(f"[demo] refusals without steering: harmful {rate(harmful, 'refusal_plain')}, benign "

@@ -118,12 +118,15 @@ def controlled_run(tiny_model_dir, controller_plugins):
     try:
         steering = Steering(llm)
         steering.register_vector("alt", ALT)
-        names = [*specs, "switcher", "plain"]
+        steering.set_session("conv-1", steer=[{"vector": "alt", "layers": [2]}])
+        names = [*specs, "switcher", "plain", "session", "explicit"]
         sps = [params(MAX_TOKENS, spec={"gate": gate, "controller": specs[n]}
                       if specs[n] else {"gate": gate}) for n in specs]
         sps.append(params(MAX_TOKENS, spec={"gate": gate, "controller": {
             "name": "switcher", "vector": "alt"}}))
         sps.append(params(MAX_TOKENS))
+        sps.append(params(MAX_TOKENS, spec={"session": "conv-1"}))
+        sps.append(params(MAX_TOKENS, spec={"steer": [{"vector": "alt", "layers": [2]}]}))
         outs = dict(zip(names, run(llm, [PROMPT] * len(names), sps), strict=True))
         telemetry = {n: steering.telemetry(o) for n, o in outs.items()}
         info = steering.info()
@@ -221,3 +224,14 @@ def test_controller_metrics_and_checksum(controlled_run):
     assert rank["controllers"]["latch"]["requests"] == 2
     assert rank["controllers"]["pylatch"]["calls"] >= MAX_TOKENS - PYTHON_LAG
     assert math.isfinite(rank["controllers"]["pylatch"]["seconds"])
+
+
+def test_offline_session_steering_reaches_the_sessions_requests(controlled_run):
+    """``Steering.set_session``: a request naming the session is steered as if it carried the
+    session's entries itself."""
+    *_, outs, _, _ = controlled_run
+    got, want = logprobs_of(outs["session"]), logprobs_of(outs["explicit"])
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+    plain = logprobs_of(outs["plain"])[1]
+    assert np.abs(got[1][: len(plain)] - plain).max() > 10 * LOGPROB_ATOL

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.controller.spec import SteerEntry
+from dynsteer.controller.spec import GateSpec, SteerEntry, check_session, parse_gate
 
 from ..compat import frontend as vllm_frontend
 from ..compat.scheduler import STATS_UTILITY
@@ -121,8 +121,21 @@ class Steering:
         """Remove global steering."""
         self._apply(self._plane.clear_global())
 
+    def set_session(self, session: str, steer: Sequence[SteerEntry | dict[str, Any]] = (),
+                    gate: GateSpec | dict[str, Any] | None = None) -> None:
+        """Steer the session's later requests (``{"session": session}`` in their spec):
+        ``steer`` is added to their own entries, ``gate`` replaces a gate they do not have.
+        What an asynchronous controller's ``set_session`` command does on a server."""
+        parsed = gate if gate is None or isinstance(gate, GateSpec) else parse_gate(gate)
+        steering = self._plane.session_steering(steer, parsed)
+        self._frontend.set_session(check_session(session), steering)
+
+    def clear_session(self, session: str) -> None:
+        self._frontend.set_session(check_session(session), None)
+
     def info(self) -> list[dict[str, Any]]:
-        """Per-worker counters (rows in use, live requests, ...)."""
+        """Per-worker counters (rows in use, live requests, controllers and their checksum,
+        events, ...), one dict per worker."""
         return vllm_frontend.rpc(self._llm, "dynsteer_info")
 
     def cache_stats(self) -> dict[str, int]:
