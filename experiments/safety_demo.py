@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--test-per-label", type=int, default=24)
     ap.add_argument("--fpr", type=float, default=0.05,
                     help="fraction of benign calibration prompts allowed to fire the gate")
-    ap.add_argument("--scale", type=float, default=1.0, help="multiplier of the direction")
+    ap.add_argument("--scale", type=float, default=0.3, help="multiplier of the direction")
     ap.add_argument("--max-tokens", type=int, default=SESSION_MAX_TOKENS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("demo-output"))
