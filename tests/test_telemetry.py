@@ -113,3 +113,44 @@ def test_finishing_never_waits_and_a_reused_slot_starts_a_new_record():
         assert report["gated_prefill"] == want["gated_prefill"], name
         assert report["max_score"] == want["max_score"], name
         assert report["gates"] == [pytest.approx(seen[p][0]) for p in sorted(seen)], name
+
+
+class _Recorded:
+    """Stands where :class:`..events.EngineEvents` goes: keeps what it is given."""
+
+    every = 2
+
+    def __init__(self) -> None:
+        self.monitors: list[tuple] = []
+        self.finished: list[tuple] = []
+
+    def monitor(self, step, ids, sessions, tokens, gated, max_score):
+        self.monitors.append((step, ids, sessions, tokens.tolist(), gated.tolist(),
+                              max_score.tolist()))
+
+    def request_finished(self, req_id, session, telemetry):
+        self.finished.append((req_id, session, telemetry["tokens_monitored"]))
+
+
+def test_monitor_summaries_and_finished_events():
+    """Every ``every`` folded steps one summary of the window per request (ids and sessions
+    gathered per record); a finished request's event carries its whole report."""
+    tele, values = make()
+    events = tele.events = _Recorded()
+    rng = np.random.default_rng(3)
+    tele.admit("a", 1, prompt_len=2, site=SITES[0], dynamic_from=0, trace=False, session="s1")
+    tele.admit("b", 2, prompt_len=2, site=SITES[1], dynamic_from=0, trace=False)
+    seen = [step(tele, values, rng, [(1, 0, 2), (2, 0, 2)])]
+    for k in range(2, 5):
+        tele.drain()
+        seen.append(step(tele, values, rng, [(1, k, 1), (2, k, 1)]))
+    tele.drain()
+    tele.finish("a")
+    assert [m[0] for m in events.monitors] == [0, 2]
+    _, ids, sessions, tokens, gated, _ = events.monitors[0]
+    assert ids == ["a", "b"] and sessions == ["s1", None] and tokens == [2, 2]
+    on = [sum(g > GATE_ON for (s, _), (g, _) in seen[0].items() if s == slot)
+          for slot in (1, 2)]
+    assert gated == on
+    assert events.monitors[1][3] == [2, 2]  # steps 1 and 2
+    assert events.finished == [("a", "s1", 5)]

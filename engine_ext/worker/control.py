@@ -32,6 +32,15 @@ class ControlTable:
         self._mirror = np.zeros((max_slots + 1, CTL_COLS), dtype=np.float32)
         """What the host last wrote to each row (exact for Python rows, initial for built-in)."""
         self._dirty: set[int] = set()
+        if device.type == "cuda":  # staging of row writes, allocated once (see _write)
+            rows = max_slots + 1
+            self._pinned = [(torch.zeros(rows, CTL_COLS).pin_memory(),
+                             torch.zeros(rows, dtype=torch.int64).pin_memory())
+                            for _ in range(2)]
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]
+            self._staged = (torch.zeros(rows, CTL_COLS, device=device),
+                            torch.zeros(rows, dtype=torch.int64, device=device))
+            self._turn = 0
         self._builtin_live = 0
         self._last_tokens = 0
         """Token count of the step whose fold is due."""
@@ -105,11 +114,21 @@ class ControlTable:
         return graph
 
     def _write(self, rows: np.ndarray) -> None:
-        values = torch.from_numpy(self._mirror[rows])
-        index = torch.from_numpy(rows)
-        if self.table.device.type != "cpu":
-            # Pinned, so the copies queue behind the forward in flight instead of waiting for
-            # it; the allocator keeps the buffers until the copies ran.
-            values = values.pin_memory().to(self.table.device, non_blocking=True)
-            index = index.pin_memory().to(self.table.device, non_blocking=True)
-        self.table.index_copy_(0, index, values)
+        """Copy the mirror's ``rows`` to the table. On CUDA through preallocated pinned and
+        device staging (two pinned turns: the copy that last read one has long finished when
+        it comes round again), so the copies queue behind the forward in flight instead of
+        waiting for it, and a step that writes allocates nothing."""
+        if self._graph is None:
+            self.table[torch.from_numpy(rows)] = torch.from_numpy(self._mirror[rows])
+            return
+        n = len(rows)
+        values, index = self._pinned[self._turn]
+        self._events[self._turn].synchronize()
+        values.numpy()[:n] = self._mirror[rows]
+        index.numpy()[:n] = rows
+        staged_values, staged_index = self._staged
+        staged_values[:n].copy_(values[:n], non_blocking=True)
+        staged_index[:n].copy_(index[:n], non_blocking=True)
+        self._events[self._turn].record()
+        self._turn ^= 1
+        self.table.index_copy_(0, staged_index[:n], staged_values[:n])

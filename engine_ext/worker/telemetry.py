@@ -157,6 +157,7 @@ class GateTelemetry:
         self._live[req_id] = req
         self._req_of_record[record] = req_id
         self._request_of_record[record] = req
+        self._name[record], self._session[record] = req_id, session
         self._traced += req.trace
 
     def finish(self, req_id: str) -> None:
@@ -263,7 +264,8 @@ class GateTelemetry:
                                   ("max_score", np.float32, np.nan),
                                   ("first_dynamic", np.int64, NONE), ("upto", np.int64, 0),
                                   ("reported", np.int64, 0), ("win_tokens", np.int64, 0),
-                                  ("win_gated", np.int64, 0), ("win_max", np.float32, np.nan)):
+                                  ("win_gated", np.int64, 0), ("win_max", np.float32, np.nan),
+                                  ("name", object, None), ("session", object, None)):
             new = np.full(size, fill, dtype=dtype)
             if old:
                 new[:old] = getattr(self, f"_{name}")
@@ -370,10 +372,9 @@ class GateTelemetry:
             return
         self._window_end = number + self.events.every
         recs = np.flatnonzero(self._win_tokens)
-        reqs = [self._request_of_record[r] for r in recs.tolist()]  # live or retiring
-        self.events.monitor(number, [r.req_id for r in reqs],  # type: ignore[union-attr]
-                            [r.session for r in reqs], self._win_tokens[recs],  # type: ignore[union-attr]
-                            self._win_gated[recs], self._win_max[recs])
+        # Ids by array gather (records keep them until retired), not a Python loop.
+        self.events.monitor(number, self._name[recs].tolist(), self._session[recs].tolist(),
+                            self._win_tokens[recs], self._win_gated[recs], self._win_max[recs])
         self._win_tokens[recs], self._win_gated[recs], self._win_max[recs] = 0, 0, np.nan
 
     def request_of_record(self, record: int) -> _Request | None:
