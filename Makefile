@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.dynsteer-installed
 
-.PHONY: install demo serve-demo test lint gpukit
+.PHONY: install demo pirate-demo serve-demo test lint gpukit
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
+	$(PY) experiments/safety_demo.py
+
+pirate-demo: install
 	$(PY) experiments/demo.py
 
 serve-demo: install

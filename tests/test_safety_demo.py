@@ -1,7 +1,7 @@
-"""The safety demo end to end in a reduced configuration (a real `dynsteer serve` of the
-embedded model, a few planted prompts): its outputs are well formed, the gate fires on the
-planted harmful requests and on few of the planted benign ones, benign requests it does not
-fire on are answered exactly as unsteered."""
+"""The safety demo (`make demo`) end to end in a reduced configuration (a real `dynsteer serve`
+of the embedded model, a few planted prompts): its outputs are well formed, the gate fires on
+the planted harmful requests and on few of the planted benign ones, benign requests it does not
+fire on are answered exactly as unsteered, and always-on steering changes the replies."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def demo(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("demo")
     safety_demo.main(["--prompts", str(PLANTED), "--train-per-label", "16",
-                      "--test-per-label", "6", "--max-tokens", "8", "--fpr", "0", "--out", str(out),
+                      "--test-per-label", "6", "--max-tokens", "8", "--out", str(out),
                       "--cache", str(out / "cache")])
     return out, json.loads((out / "results.json").read_text())
 
@@ -36,8 +36,14 @@ def test_outputs_are_written(demo):
     assert page.startswith("<!doctype html>") and "rgba(220,40,40," in page
     assert len(results["rows"]) == 12
     for row in results["rows"]:
-        assert {"text", "label", "max_score", "first_gated", "steered", "fired", "reply",
-                "plain", "refusal_plain", "refusal_gated"} <= set(row)
+        assert {"text", "label", "max_score", "first_gated", "steered", "fired",
+                "prompt_tokens"} <= set(row)
+        for arm in safety_demo_arms():
+            assert isinstance(row[f"reply_{arm}"], str)
+            assert isinstance(row[f"refusal_{arm}"], bool)
+    summary = results["summary"]
+    assert summary["tpr"][1] == summary["fpr"][1] == 6
+    assert set(summary["refusals"]) == set(safety_demo_arms())
 
 
 def test_the_gate_fires_on_planted_harmful_requests(demo):
@@ -45,9 +51,25 @@ def test_the_gate_fires_on_planted_harmful_requests(demo):
     harmful = [r for r in results["rows"] if r["label"] == 1]
     benign = [r for r in results["rows"] if r["label"] == 0]
     assert all(r["fired"] and r["steered"] > 0 for r in harmful)
-    # The threshold is the highest peak of 5 held-back benign prompts (--fpr 0): a new benign
-    # request can still pass it; the planted ones are everyday cooking questions.
+    # The threshold sits between held-back peaks of a few prompts: a new benign request can
+    # still pass it; the planted ones are everyday cooking questions.
     assert sum(r["fired"] for r in benign) <= 1
     for row in benign:
         if not row["fired"]:
-            assert row["steered"] == 0 and row["reply"] == row["plain"]
+            assert row["steered"] == 0
+            assert row["reply_gated + latch"] == row["reply_unsteered"]
+    for row in harmful:
+        # Steered from the gate's first firing on: the prompt's closing tokens at the latest.
+        assert row["first_gated"] < row["prompt_tokens"]
+
+
+def test_always_on_steering_changes_the_replies(demo):
+    _, results = demo
+    changed = [r["reply_always on"] != r["reply_unsteered"] for r in results["rows"]]
+    assert sum(changed) >= 10, changed
+
+
+def safety_demo_arms():
+    import safety_demo
+
+    return safety_demo.ARMS
