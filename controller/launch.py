@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,11 +44,15 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, start_new_session=True)
 
-    def wait_ready(self, timeout: float = 600.0) -> None:
+    def wait_ready(self, timeout: float = 600.0,
+                   on_wait: Callable[[str], None] | None = None) -> None:
         """Block until ``/v1/dynsteer/health`` answers 200; raise with the log tail if the
-        server exits or does not come up in ``timeout`` seconds."""
+        server exits or does not come up in ``timeout`` seconds. ``on_wait`` is called about
+        every 2 s with the log's last line (what the server is doing, for a progress bar)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if on_wait is not None:
+                on_wait(self.log_tail(1))
             if self.proc.poll() is not None:
                 raise RuntimeError(f"dynsteer serve exited ({self.proc.returncode}):\n"
                                    f"{self.log_tail()}")

@@ -118,6 +118,8 @@ def shared_suffix(ids: Sequence[Sequence[int]]) -> int:
 def served(out: Path) -> Iterator[Any]:
     """A ready `dynsteer serve` of the embedded model whose monitor sites cover the probe and
     the steered layers (vLLM's log goes to ``out/serve.log``)."""
+    from tqdm import tqdm
+
     from dynsteer.controller.launch import ServerProcess
 
     sites = f"post_block@{min(LAYER, *STEER_LAYERS)}-{max(LAYER, *STEER_LAYERS)}"
@@ -126,10 +128,19 @@ def served(out: Path) -> Iterator[Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with ServerProcess(args, out / "serve.log") as server:
-        print(f"[safety] starting dynsteer serve (log: {server.log}) ...", flush=True)
-        server.wait_ready()
+        print(f"[safety] starting dynsteer serve (log: {server.log})", flush=True)
+        with tqdm(desc="starting dynsteer serve", bar_format="{desc} {elapsed} {postfix}",
+                  leave=False, file=sys.stderr) as bar:
+            server.wait_ready(on_wait=lambda line: bar.set_postfix_str(_log_message(line)))
         print(f"[safety] server ready after {time.time() - started:.0f} s", flush=True)
         yield server
+
+
+def _log_message(line: str, width: int = 60) -> str:
+    """The message part of a vLLM log line, cut to ``width`` (the postfix of a progress
+    bar): what the server is doing while it starts."""
+    message = line.split("] ", 1)[-1].strip()
+    return message if len(message) <= width else message[: width - 1] + "…"
 
 
 def capture(client: Any, ids: Sequence[Sequence[int]], sites: Sequence[str],
