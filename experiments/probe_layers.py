@@ -20,7 +20,8 @@ What it does (CPU is enough; activations come from a real `dynsteer serve`, as f
      the reply starts), one vector per prompt;
    * ``max``: the per-token view the gate takes: a probe trained on tokens, and a held-out
      prompt scored by its highest-scoring token (the gate fires if any token does). With
-     ``--positives suffix`` (the default, as ``safety_loop.train_probe`` trains the gate) the
+     ``--positives suffix`` (the default; the positives ``safety_loop.train_probe`` gives the
+     gate, which also adds the model's replies as negatives: this sweep reads prompts only) the
      positives are the chat template's closing tokens of harmful prompts and every other token
      is a negative; with ``--positives request`` every token of a harmful prompt after the
      template's opening is a positive, and the negatives are every token of a benign prompt and
@@ -75,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hooks", default=HOOKS, help=f"comma-separated hooks (default {HOOKS})")
     ap.add_argument("--positives", choices=("suffix", "request"), default="suffix",
                     help="token probe positives: the chat template's closing tokens of harmful "
-                    "prompts (suffix, as safety_loop.train_probe trains the gate) or every "
+                    "prompts (suffix, the gate's positives in safety_loop.train_probe) or every "
                     "token of a harmful prompt after the template's opening (request)")
     ap.add_argument("--batch", type=int, default=16, help="prompts per capture request")
     ap.add_argument("--seed", type=int, default=0)

@@ -33,7 +33,7 @@ def test_outputs_are_well_formed(sweep):
     out, results, returned = sweep
     assert results == returned
     assert (out / "probe_layers.png").stat().st_size > 0
-    assert (results["train"], results["test"]) == (32, 14)
+    assert (results["train"], results["test"], results["positives"]) == (32, 14, "suffix")
     assert {row["site"] for row in results["sites"]} == SITES
     for row in results["sites"]:
         assert row["site"] == f"{row['hook']}@{row['layer']}"
@@ -47,8 +47,8 @@ def test_outputs_are_well_formed(sweep):
 
 def test_planted_harmful_requests_are_told_apart(sweep):
     # The planted harmful requests are blatant and the benign ones everyday cooking questions:
-    # the middle layers separate them (0.98-1.0 measured at every site; 7 + 7 held-out prompts,
-    # so one misordered pair costs 0.02).
+    # the middle layers separate them (1.0 measured at every site here, 0.98-1.0 with
+    # --positives request; 7 + 7 held-out prompts, so one misordered pair costs 0.02).
     _, results, _ = sweep
     for row in results["sites"]:
         assert min(row["auroc_last"], row["auroc_max"]) >= 0.85, row
