@@ -19,7 +19,9 @@ Scenarios, each request of a batch carrying its own spec:
 * ``python``      ``gated`` with a Python controller on every request (a numpy latch, loaded
                   through the entry point, :mod:`bench_controllers`);
 * ``events``      ``gated`` on a third engine that publishes controller events every step to a
-                  live ZeroMQ subscriber in this process (events counted and reported).
+                  live ZeroMQ subscriber in this process (events counted and reported);
+* ``ablate``      every request ablating one registered direction at layers 16-23, on an engine
+                  of its own with one projection slot (``max_projections: 1``).
 
 Shapes: decode-heavy (128 prompt + 128 generated tokens) at batches 1, 32, 256 and a
 prefill-heavy one (2048 prompt + 16 generated) at batch 32. Prints a table (tokens/s = generated
@@ -55,7 +57,9 @@ MONITOR = 16
 GATED_LAYERS = list(range(16, 24))
 DISTINCT = 32
 SCENARIOS = ["idle", "registered", "inline-32", "inline-32-b64", "gated", "gates-32", "latch",
-             "python", "events"]
+             "python", "events", "ablate"]
+OWN_ENGINE = {"events": "events", "ablate": "projecting"}
+"""Scenarios that run on an engine of their own (others run on ``plugin``)."""
 EVENTS_ADDRESS = "tcp://127.0.0.1:5599"
 
 
@@ -104,6 +108,8 @@ class Specs:
                                    "layer": MONITOR, "steer": gated}} for p in probes],
         }
         self.by_scenario["events"] = self.by_scenario["gated"]
+        self.by_scenario["ablate"] = [{"steer": [{"vector": "bench", "layers": GATED_LAYERS,
+                                                  "op": "ablate"}]}]
 
     def params(self, scenario: str, batch: int, gen_len: int) -> list[Any]:
         from vllm import SamplingParams
@@ -220,8 +226,10 @@ def main() -> None:
         path = make_model(Path(tmp) / "llama8b")
         t0 = time.time()
         engines = {"stock": start(path, None, args.mem)}
-        if set(args.scenarios) - {"events"}:
+        if set(args.scenarios) - set(OWN_ENGINE):
             engines["plugin"] = start(path, {}, args.mem)
+        if "ablate" in args.scenarios:
+            engines["projecting"] = start(path, {"max_projections": 1}, args.mem)
         if args.control:
             engines["control"] = start(path, None, args.mem)
         subscriber = None
@@ -230,8 +238,9 @@ def main() -> None:
                                              "events_every": 1}, args.mem)
             subscriber = Subscriber(EVENTS_ADDRESS)
         startup = time.time() - t0
-        steerings = {n: Steering(e) for n, e in engines.items() if n in ("plugin", "events")}
-        primary = "plugin" if "plugin" in engines else "events"
+        steerings = {n: Steering(e) for n, e in engines.items()
+                     if n in ("plugin", *OWN_ENGINE.values())}
+        primary = next(n for n in ("plugin", "events", "projecting") if n in engines)
         steering = steerings[primary]
         vector = np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32) * 0.01
         steering.register_vector("bench", vector)
@@ -247,8 +256,7 @@ def main() -> None:
         shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
         if not args.no_prefill:
             shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
-        runs = [("stock", "idle"), *(("events" if s == "events" else "plugin", s)
-                                     for s in args.scenarios),
+        runs = [("stock", "idle"), *((OWN_ENGINE.get(s, "plugin"), s) for s in args.scenarios),
                 *([("control", "idle")] if args.control else [])]
         seed = 0
         for shape, batch, prompt_len, gen_len in shapes:
@@ -294,7 +302,7 @@ def main() -> None:
             med = statistics.median(values)
             spread = (max(values) - min(values)) / med
             engine, scenario = key.split("/", 1)
-            host = run["host_time"].get(scenario) if engine in ("plugin", "events") else None
+            host = run["host_time"].get(scenario) if engine in steerings else None
             per_step = per_request = None
             if host:
                 per_step = (host["step_us"] + host["output_us"]) / max(host["steps"], 1)

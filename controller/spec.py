@@ -44,6 +44,14 @@ from .limits import (
 Phase = Literal["all", "prefill", "decode"]
 """``prefill``: prompt positions; ``decode``: generated positions; ``all``: both."""
 
+Op = Literal["add", "ablate", "clamp"]
+"""What an entry does to the stream ``x`` with ``d = vector / ‖vector‖``: ``add`` adds
+``scale · vector``; ``ablate`` subtracts ``scale · (x·d) d`` (scale 1 removes the direction);
+``clamp`` adds ``scale · (value - x·d) d`` (scale 1 sets the projection to ``value``)."""
+PROJECTIONS: tuple[Op, ...] = ("ablate", "clamp")
+"""The ops that act on the stream's projection on a direction (the engine's projection slots,
+engine option ``max_projections``)."""
+
 MAX_JSON_DEPTH = 64
 """Deepest nesting of JSON arrays and objects accepted in a spec given as JSON text, and in a
 request body that carries one (a full spec needs 5 levels). Deeper input is a
@@ -60,7 +68,8 @@ Layer = Annotated[int, Field(strict=True, ge=0)]
 
 
 class SteerEntry(BaseModel):
-    """One additive steering vector at one hook of some layers."""
+    """One steering vector at one hook of some layers: added to the stream, or a direction
+    the stream's projection on is removed or pinned (``op``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -77,11 +86,21 @@ class SteerEntry(BaseModel):
     """Multiplier of the vector; ``0`` disables the entry."""
     phase: Phase = "all"
     """Which positions: prompt (``prefill``), generated (``decode``) or ``all``."""
+    op: Op = "add"
+    """``add`` (default), ``ablate`` or ``clamp`` (see :data:`Op`); ``ablate`` and ``clamp``
+    use the vector's direction only, so its norm does not matter (it must not be zero)."""
+    value: FiniteFloat | None = None
+    """The projection ``clamp`` pins the stream to (required by ``clamp``, refused by the
+    others)."""
 
     @model_validator(mode="after")
     def _one_vector(self) -> SteerEntry:
         if (self.vector is None) == (self.vector_b64 is None):
             raise ValueError("give exactly one of vector (floats or a name) or vector_b64")
+        if (self.op == "clamp") != (self.value is not None):
+            raise ValueError("op 'clamp' needs a value (the projection to pin the stream to)"
+                             if self.op == "clamp" else
+                             f"value is only for op 'clamp' (this entry's op is {self.op!r})")
         return self
 
     @property
@@ -201,6 +220,9 @@ class ModelShape:
     probe_names: Collection[str] = ()
     max_steer_norm: float = DEFAULT_MAX_STEER_NORM
     """Largest ``‖scale · vector‖`` of one entry (engine option ``max_steer_norm``)."""
+    max_projections: int = 0
+    """Ablate / clamp entries one kind of token may have at one site (engine option
+    ``max_projections``)."""
     dtype_max: float = FLOAT32_MAX
     """Largest finite value of the model's dtype."""
 
@@ -367,9 +389,45 @@ def check_entries(entries: Iterable[SteerEntry], shape: ModelShape, prefix: str)
         else:
             vector = _inline_values(where, entry, shape)
             norm = float(np.linalg.norm(vector.astype(np.float64)))
-        check_steer_magnitude(where, norm, entry.scale, shape.max_steer_norm, shape.dtype_max)
+        if entry.op == "add":
+            check_steer_magnitude(where, norm, entry.scale, shape.max_steer_norm,
+                                  shape.dtype_max)
+        else:
+            _check_projection(where, entry, norm, shape)
         for layer in entry.layers:
             _check_site(f"{where}.layers", entry.hook, layer, shape)
+
+
+def _check_projection(where: str, entry: SteerEntry, norm: float, shape: ModelShape) -> None:
+    """An ablate / clamp entry is usable: the engine has projection slots, the vector has a
+    direction, and a clamp's target is within the steering bound."""
+    if shape.max_projections == 0:
+        raise SpecError(f"{where}.op: {entry.op!r} needs the engine option "
+                        "dynsteer.max_projections >= 1 (it is 0: start the engine with it)")
+    if not norm > 0:
+        raise SpecError(f"{where}.vector: op {entry.op!r} acts along the vector's direction, "
+                        "and a zero vector has none")
+    if entry.value is not None:
+        check_steer_magnitude(f"{where}.value", abs(entry.value), entry.scale,
+                              shape.max_steer_norm, shape.dtype_max)
+
+
+def check_projection_slots(steer: Sequence[SteerEntry], gated: Sequence[SteerEntry],
+                           shape: ModelShape, prefix: str) -> None:
+    """The ablate / clamp entries a kind of token gets at one site (a phase's own and gated
+    entries together) fit the engine's ``max_projections`` slots."""
+    for phase in ("prefill", "decode"):
+        count: dict[tuple[str, int], int] = {}
+        for entry in (*steer, *gated):
+            if entry.op in PROJECTIONS and entry.applies_to(phase):  # type: ignore[arg-type]
+                for layer in entry.layers:
+                    site = (entry.hook, layer)
+                    count[site] = count.get(site, 0) + 1
+                    if count[site] > shape.max_projections:
+                        raise SpecError(
+                            f"{prefix}: more than {shape.max_projections} ablate / clamp "
+                            f"entries steer {phase} tokens at ({entry.hook}, layer {layer}); "
+                            "raise dynsteer.max_projections or merge the directions")
 
 
 def check_gate(gate: GateSpec, shape: ModelShape, prefix: str) -> None:
@@ -418,4 +476,5 @@ def check_against_model(spec: SteeringSpec, shape: ModelShape, prefix: str = SPE
     check_entries(spec.steer, shape, f"{prefix}.steer")
     if spec.gate is not None:
         check_gate(spec.gate, shape, f"{prefix}.gate")
+    check_projection_slots(spec.steer, spec.gate.steer if spec.gate else (), shape, prefix)
     check_controller(spec, prefix)

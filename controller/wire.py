@@ -9,8 +9,9 @@ and the prefix-cache fingerprint hashes bytes, not decimal text.
 
 Layout (positional, so msgpack stays small):
 
-* entry: ``[hook, layers, phase, scale, vector]`` (indices :data:`HOOK` ... :data:`VECTOR`),
-  ``vector`` = float32 bytes or a registered vector's name;
+* entry: ``[hook, layers, phase, scale, vector, op, value]`` (indices :data:`HOOK` ...
+  :data:`VALUE`), ``vector`` = float32 bytes or a registered vector's name, ``op`` = ``add``,
+  ``ablate`` or ``clamp``, ``value`` = the clamp's target (None for the others);
 * spec: ``{"steer": [entry...], "gate": gate or None, "controller": {"name", "params"} or
   None, "key": hex, "session": str or None}``; ``key`` is a content hash of everything but the
   session, so workers can reuse what they built for an identical spec and the prefix-cache
@@ -34,12 +35,13 @@ from .spec import GateSpec, SteerEntry, SteeringSpec, check_controller
 WIRE_KEY = "dynsteer_wire"
 """Key of the resolved spec in ``SamplingParams.extra_args`` (set by the frontend only)."""
 
-__all__ = ["F32", "HOOK", "LAYERS", "PHASE", "SCALE", "VECTOR", "WIRE_KEY", "WireEntry",
+__all__ = ["F32", "HOOK", "LAYERS", "OP", "PHASE", "SCALE", "VALUE", "VECTOR", "WIRE_KEY",
+           "WireEntry",
            "WireProbe", "entry_to_wire", "fingerprint", "gate_to_wire", "probe_to_wire",
            "spec_to_wire"]
 
 WireEntry = list[Any]
-HOOK, LAYERS, PHASE, SCALE, VECTOR = range(5)
+HOOK, LAYERS, PHASE, SCALE, VECTOR, OP, VALUE = range(7)
 """Positions in a wire entry."""
 
 WireProbe = list[Any]
@@ -49,7 +51,8 @@ probe is registered."""
 
 def entry_to_wire(entry: SteerEntry) -> WireEntry:
     vector = entry.name if entry.name is not None else f32_bytes(entry.values())
-    return [entry.hook, list(entry.layers), entry.phase, float(entry.scale), vector]
+    return [entry.hook, list(entry.layers), entry.phase, float(entry.scale), vector, entry.op,
+            None if entry.value is None else float(entry.value)]
 
 
 def probe_to_wire(weights: Any, threshold: float, sharpness: float) -> WireProbe:

@@ -19,7 +19,7 @@ from dynsteer.controller.limits import DEFAULT_MAX_STEER_NORM
 from .plugin import CONFIG_KEY, requested
 
 PLUGIN_VERSION = "0.1.0"
-KERNEL_ABI = 10
+KERNEL_ABI = 11
 """Bumped whenever the in-graph ops change, so compile caches of older graphs are not reused."""
 
 
@@ -53,6 +53,11 @@ class EngineOptions(BaseModel):
     ``2 * sites * hidden * 4`` bytes of device memory (1 MiB for 32 sites at hidden 4096).
     Past it, a new config's row replaces the least recently used idle one (a copy of the
     sites it steers); with every row in use, new configs run unsteered (logged)."""
+    max_projections: int = Field(default=0, ge=0, le=16)
+    """Ablate / clamp entries (``"op"``) one kind of token may have at one site: the slots of a
+    row. 0 (the default) turns the two ops off and costs nothing; each slot costs
+    ``sites * (max_rows + 1) * (hidden + 4) * 4`` bytes of device memory, and a steered token
+    reads its row's slots at every site (one dot product per slot)."""
     max_gates: int = Field(default=128, ge=1, le=65536)
     """Distinct probes (with their threshold, sharpness and monitor site) gating requests in
     flight; each costs ``hidden * 4`` bytes of device memory."""

@@ -292,6 +292,39 @@ def capture_check(hf: Any, steering: Any) -> dict[str, Any]:
     return report
 
 
+def projection_check(path: Path, hf: Any) -> dict[str, Any]:
+    """The ablate / clamp cases of tests/test_projection_reference.py (static, gated, two slots,
+    with an add) on an engine with projection slots, under graph replay, against HF."""
+    import numpy as np
+    from engine_utils import logprobs_of, params, run, start_llm, stop_llm
+    from hf_reference import run_reference
+    from test_projection_reference import (
+        GATED_CASES,
+        MAX_TOKENS,
+        MONITOR_SITES,
+        PROMPT,
+        STATIC_CASES,
+        calibrate,
+    )
+
+    specs = {**{n: {"steer": e} for n, e in STATIC_CASES.items()},
+             **{n: calibrate(hf, s) for n, s in GATED_CASES.items()}}
+    llm = start_llm(path, dynsteer={"sites": "pre_attn@*,post_attn@*,post_block@*",
+                                    "monitor_sites": MONITOR_SITES, "max_projections": 2},
+                    gpu_memory_utilization=0.3)
+    outs = run(llm, [PROMPT] * len(specs), [params(MAX_TOKENS, spec=s) for s in specs.values()])
+    stop_llm(llm)
+    report = {}
+    for (name, spec), out in zip(specs.items(), outs, strict=True):
+        tokens, got = logprobs_of(out)
+        want = run_reference(hf, tokens, len(PROMPT), spec.get("steer", []),
+                             gate=spec.get("gate"))[0]
+        plain = run_reference(hf, tokens, len(PROMPT))[0]
+        report[name] = {"max_abs_err_vs_hf": float(np.abs(got - want).max()),
+                        "steering_effect": float(np.abs(want - plain).max())}
+    return report
+
+
 def engine_check(workdir: Path) -> dict[str, Any]:
     import bench_controllers
     import numpy as np
@@ -360,6 +393,7 @@ def engine_check(workdir: Path) -> dict[str, Any]:
     report["poison"] = poison_engine_check(llm, prompts)
     report["after"] = llm.collective_rpc(_count_replays)[0]
     stop_llm(llm)
+    report["projections"] = projection_check(path, hf)
     return report
 
 
@@ -403,6 +437,9 @@ def verdicts(result: dict[str, Any]) -> dict[str, bool]:
         engine["global"]["cleared_tokens_equal_baseline"])
     for name, ok in engine["poison"].items():
         checks[f"poison engine: {name}"] = bool(ok)
+    for name, e in engine["projections"].items():
+        checks[f"projection {name} vs HF"] = e["max_abs_err_vs_hf"] <= 2e-3
+        checks[f"projection {name} has an effect"] = e["steering_effect"] > 4e-2
     before, after = engine["before"], engine["after"]
     if "replays" in after:
         checks["FULL graphs replayed"] = after["replays"] > before["replays"]

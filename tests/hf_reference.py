@@ -2,9 +2,11 @@
 
 ``pre_attn`` adds to the layer's input, ``post_attn`` to the attention output (so to the stream
 after the attention residual add), ``post_block`` to the layer's output; each only at the
-positions of the entry's phase (prompt positions = prefill, generated = decode). A gate reads
-the stream at its monitor site *before* that site's steering, in float64, and scales its
-entries per position at that site and every later one.
+positions of the entry's phase (prompt positions = prefill, generated = decode). An ``ablate`` /
+``clamp`` entry acts on the whole residual stream there (for ``post_attn``: the layer input plus
+the attention output), one entry after the other, static entries before gated ones, all before
+the adds. A gate reads the stream at its monitor site *before* that site's steering, in
+float64, and scales its entries per position at that site and every later one.
 
 The comparisons of engine results with it (logprobs, captured streams) are here too, with their
 tolerances: one helper per kind of result, used by every test module.
@@ -36,9 +38,39 @@ def _phase_mask(phase: str, seq_len: int, prompt_len: int) -> torch.Tensor:
     return mask
 
 
+def _vector(e: dict[str, Any], vectors: dict) -> torch.Tensor:
+    vec = e["vector"]
+    return torch.tensor(vectors[vec] if isinstance(vec, str) else vec, dtype=torch.float64)
+
+
+def _projections(entries, seq_len, prompt_len, vectors) -> dict[tuple[str, int], list]:
+    """Per site, in entry order: (unit direction, scale per position, target projection)."""
+    out: dict[tuple[str, int], list] = {}
+    for e in entries:
+        if e.get("op", "add") == "add":
+            continue
+        direction = _vector(e, vectors)
+        direction = direction / direction.norm()
+        scale = _phase_mask(e.get("phase", "all"), seq_len, prompt_len) * e.get("scale", 1.0)
+        for layer in e["layers"]:
+            out.setdefault((e.get("hook", "post_block"), layer), []).append(
+                (direction, scale, e.get("value", 0.0)))
+    return out
+
+
+def _project(stream: torch.Tensor, items: list, gates: torch.Tensor | None) -> torch.Tensor:
+    """``stream`` (float64) after each projection in turn (scaled by ``gates`` if given)."""
+    for direction, scale, value in items:
+        c = scale if gates is None else scale * gates[:, None]
+        stream = stream + c * (value - (stream @ direction)[..., None]) * direction
+    return stream
+
+
 def _deltas(entries, seq_len, prompt_len, vectors) -> dict[tuple[str, int], torch.Tensor]:
     out: dict[tuple[str, int], torch.Tensor] = {}
     for e in entries:
+        if e.get("op", "add") != "add":
+            continue
         vec = e["vector"]
         vec = torch.tensor(vectors[vec] if isinstance(vec, str) else vec, dtype=torch.float64)
         add = _phase_mask(e.get("phase", "all"), seq_len, prompt_len) * vec * e.get("scale", 1.0)
@@ -54,6 +86,8 @@ class Steerer:
     def __init__(self, entries, gate, seq_len, prompt_len, vectors, probes,
                  gate_fn=None) -> None:
         self.static = _deltas(entries, seq_len, prompt_len, vectors)
+        self.static_projections = _projections(entries, seq_len, prompt_len, vectors)
+        self.gated_projections: dict[tuple[str, int], list] = {}
         self.gate_fn = gate_fn
         """``gate_fn(scores, gates) -> gates`` (numpy, per position): a controller's decisions
         on top of the probe's gates (None: the gates as they are)."""
@@ -63,6 +97,7 @@ class Steerer:
         self.scores: torch.Tensor | None = None
         if gate is not None:
             self.gated = _deltas(gate["steer"], seq_len, prompt_len, vectors)
+            self.gated_projections = _projections(gate["steer"], seq_len, prompt_len, vectors)
             probe = gate["probe"]
             probe = probes[probe] if isinstance(probe, str) else probe
             self.w = torch.tensor(probe["weights"], dtype=torch.float64)
@@ -84,6 +119,13 @@ class Steerer:
             assert self.gates is not None, "gated site before the monitor"
             g = self.gates[:, None] * self.gated[site]
             delta = g if delta is None else delta + g
+        if site in self.static_projections or site in self.gated_projections:
+            z = stream[0].double()
+            projected = _project(z, self.static_projections.get(site, []), None)
+            if site in self.gated_projections:
+                assert self.gates is not None, "gated site before the monitor"
+                projected = _project(projected, self.gated_projections[site], self.gates)
+            delta = projected - z if delta is None else delta + projected - z
         return x if delta is None else x + delta.to(x.dtype)
 
 

@@ -61,9 +61,36 @@ def make_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, extreme
     control[1:, ops.CTL_SCALE] = torch.tensor([1.0, 0.4, 0.0])
     index[ops.INDEX_CONTROL, :tokens] = torch.randint(0, 4, (tokens,), generator=g,
                                                       dtype=torch.int32)
+    # Projection slots (2): rows 2 and 3 have two, row 4 one (its second slot unused).
+    flags[2:] |= ops.PROJECT_FLAG
+    proj_dir = torch.randn(rows_n, 2, hidden, generator=g, dtype=torch.float64)
+    proj_dir /= proj_dir.norm(dim=-1, keepdim=True)
+    proj_dir[:2] = 0
+    proj_dir[4, 1] = 0
+    proj_par = torch.zeros(rows_n, 2, ops.PROJ_PARAMS)
+    proj_par[2:] = torch.randn(rows_n - 2, 2, ops.PROJ_PARAMS, generator=g)
+    proj_par[2:, :, ops.PROJ_VALUE] *= 5
+    proj_par[4, 1] = 0
+    proj_gram = (proj_dir @ proj_dir.transpose(1, 2)).float()
     return x, h, ops.SteerBuffers(index=index, gate_score=gate_score, table=table, dyn=dyn,
                                   flags=flags, probes=probes, params=params, capture=capture,
-                                  site_lane=site_lane, control=control)
+                                  site_lane=site_lane, control=control,
+                                  proj_dir=proj_dir.float(), proj_par=proj_par,
+                                  proj_gram=proj_gram)
+
+
+def projection_reference(stream: torch.Tensor, gate: float, r: int, b: ops.SteerBuffers
+                         ) -> torch.Tensor:
+    """float64: what row ``r``'s projection slots add to one token's ``stream``, applying them
+    one after the other to the stream as each left it (no Gram matrix)."""
+    z = stream.double().clone()
+    if not int(b.flags[r]) & ops.PROJECT_FLAG:
+        return torch.zeros_like(z)
+    for d in range(b.proj_dir.shape[1]):
+        direction = b.proj_dir[r, d].double()
+        static, gated, value = (float(v) for v in b.proj_par[r, d])
+        z = z + (static + gate * gated) * (value - z @ direction) * direction
+    return z - stream.double()
 
 
 def on(device: str, x, h, b: ops.SteerBuffers):
@@ -97,6 +124,8 @@ def reference(x, h, b: ops.SteerBuffers):
                 gates[t] = max(float(gates[t]), floor) * scale
             scores[t] = s
         r = int(rows[t])
+        stream = x[t].double() + (h[t].double() if h is not None else 0)
+        out[t] += projection_reference(stream, float(gates[t]), r, b)
         out[t] += table[r].double() + gates[t] * dyn[r].double()
     return out, gates, scores
 
@@ -232,6 +261,7 @@ def test_compiled_graph_reads_buffers_in_place():
     from dynsteer.engine_ext.worker.sites import SiteBuffers, SiteOp
 
     x0, h0, b = make_inputs(8, 16, torch.float32, seed=5)
+    b.flags.bitwise_and_(~ops.PROJECT_FLAG)  # adds only (projections: the float64 tests)
     b.index.zero_()
     rows, probe_rows, capture_rows = (b.index[i] for i in (ops.INDEX_ROW, ops.INDEX_PROBE,
                                                            ops.INDEX_CAPTURE))
@@ -266,16 +296,20 @@ def test_steer_add_matches_float64(tokens, hidden, dtype, device):
     """A site without monitor (:func:`ops.steer_add`): both tiers with the gate earlier sites
     wrote, eager and compiled, against float64; an element the steering would push past the
     stream limit (or to NaN) keeps its value."""
-    x, _, b = make_inputs(tokens, hidden, dtype, seed=tokens + hidden)
+    x, h, b = make_inputs(tokens, hidden, dtype, seed=tokens + hidden)
     b.table[3, 0] = float("inf")
     b.table[4, 1] = 2 * ops.stream_limit(dtype)
     rows = b.index[ops.INDEX_ROW, :tokens].long()
     gate = b.gate_score[ops.GATE, :tokens, None].double()
     want = x.double() + b.table[rows].double() + gate * b.dyn[rows].double()
+    for t in range(tokens):
+        want[t] += projection_reference(x[t].double() + h[t].double(), float(gate[t]),
+                                        int(rows[t]), b)
     over = ~(want.abs() <= ops.stream_limit(dtype))
     want[over] = x.double()[over]
-    xd, _, bd = on(device, x, None, b)
-    args = (xd, bd.index, bd.gate_score, bd.table, bd.dyn)
+    xd, hd, bd = on(device, x, h, b)
+    args = (xd, hd, bd.index, bd.gate_score, bd.table, bd.dyn, bd.proj_dir, bd.proj_par,
+            bd.proj_gram)
     compiled = torch.compile(ops.steer_add, fullgraph=True, dynamic=True)
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 0.1}
     for out in (ops.steer_add(*args), compiled(*args)):

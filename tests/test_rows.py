@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from dynsteer.controller.spec import parse_entries, parse_spec
 from dynsteer.controller.wire import WIRE_KEY, entry_to_wire, spec_to_wire
+from dynsteer.engine_ext.worker import ops
 from dynsteer.engine_ext.worker.rows import RowTable
 from dynsteer.engine_ext.worker.state import SteeringState
 from dynsteer.engine_ext.worker.token_rows import TokenRows
@@ -217,3 +218,50 @@ def test_specs_with_equal_contents_share_one_row():
     state.remove_request("r0")
     state.add_request("again", 1, {WIRE_KEY: spec_to_wire(parse_spec(spec))}, 3)
     assert state.info()["rows_in_use"] == 1
+
+
+def projecting_state(slots: int = 2) -> SteeringState:
+    return SteeringState(SITES, 4, max_rows=4, max_tokens=16, max_slots=4,
+                         device=torch.device("cpu"), max_projections=slots)
+
+
+def test_projections_fill_their_slots_in_order():
+    """A row's projection slots at a site: global entries first, then the request's own, then
+    its gated ones; unit directions (from huge and tiny vectors alike), coefficients, target,
+    the Gram matrix, and the flag; other sites and unused slots stay zero."""
+    state = projecting_state(3)
+    state.set_global(resolved_entries([{"vector": [0, 3e30, 0, 0], "layers": [1],
+                                        "op": "ablate"}]))
+    spec = resolved({
+        "steer": [{"vector": [4e-30, 3e-30, 0, 0], "layers": [1], "op": "clamp", "value": 2.0,
+                   "scale": 0.5}],
+        "gate": {"probe": {"weights": [1, 0, 0, 0]}, "layer": 1,
+                 "steer": [{"vector": [0, 0, 0, -2], "layers": [1], "op": "ablate"}]}})
+    state.add_request("a", 1, spec, prompt_len=2)
+    state.fill(np.array([1]), np.array([0]), np.array([2]))
+    row = int(state.token_rows.rows[0])
+    i = state.rows.site_index(("post_block", 1))
+    assert int(state.rows.flags[i, row]) & ops.PROJECT_FLAG
+    directions = state.rows.proj_dir[i, row].numpy()
+    np.testing.assert_allclose(directions, [[0, 1, 0, 0], [0.8, 0.6, 0, 0], [0, 0, 0, -1]],
+                               rtol=1e-6)
+    np.testing.assert_allclose(state.rows.proj_par[i, row].numpy(),
+                               [[1, 0, 0], [0.5, 0, 2], [0, 1, 0]])
+    np.testing.assert_allclose(state.rows.proj_gram[i, row].numpy(),
+                               directions @ directions.T, atol=1e-7)
+    assert np.isfinite(directions).all()
+    j = state.rows.site_index(("post_block", 0))
+    assert not int(state.rows.flags[j, row]) & ops.PROJECT_FLAG
+    assert not state.rows.proj_dir[j].any()
+
+
+def test_projections_past_the_slots_leave_the_request_unsteered():
+    """Global + own projections beyond ``max_projections`` at a site: the request runs
+    unsteered (logged), never with some of them dropped."""
+    state = projecting_state(1)
+    state.set_global(resolved_entries([{"vector": [0, 1, 0, 0], "layers": [1],
+                                        "op": "ablate"}]))
+    state.add_request("a", 1, resolved({"steer": [{"vector": [1, 0, 0, 0], "layers": [1],
+                                                   "op": "ablate"}]}), prompt_len=2)
+    state.fill(np.array([1]), np.array([0]), np.array([2]))
+    assert int(state.token_rows.rows[0]) == 0

@@ -78,3 +78,66 @@ def test_parse_entries_prefix():
     with pytest.raises(SpecError, match=r"steer\[1\].scale"):
         parse_entries([{"vector": "calm", "layers": [0]},
                        {"vector": "calm", "layers": [0], "scale": "big"}])
+
+
+PROJECTING = ModelShape(hidden_size=4, num_layers=3, sites=SHAPE.sites,
+                        vector_norms={"calm": 1.0, "zero": 0.0}, max_projections=2)
+
+
+def test_ablate_and_clamp_are_accepted():
+    spec = parse_spec({"steer": [
+        {"vector": "calm", "layers": [0], "op": "ablate"},
+        {"vector": [0, 0, 1e-30, 0], "layers": [0], "op": "clamp", "value": -2.5},
+        {"vector": [1e30, 0, 0, 0], "layers": [1], "op": "ablate", "phase": "prefill"}]})
+    assert [e.op for e in spec.steer] == ["ablate", "clamp", "ablate"]
+    check_against_model(spec, PROJECTING)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"vector": "calm", "layers": [0], "op": "clamp"},
+         r"^dynsteer.steer\[0\]: op 'clamp' needs a value"),
+        ({"vector": "calm", "layers": [0], "value": 1.0},
+         r"^dynsteer.steer\[0\]: value is only for op 'clamp'"),
+        ({"vector": "calm", "layers": [0], "op": "rotate"}, r"^dynsteer.steer\[0\].op: "),
+        ({"vector": "calm", "layers": [0], "op": "clamp", "value": float("nan")},
+         r"^dynsteer.steer\[0\].value: "),
+    ],
+)
+def test_malformed_projections_name_the_field(entry, message):
+    with pytest.raises(SpecError, match=message):
+        parse_spec({"steer": [entry]})
+
+
+@pytest.mark.parametrize(
+    ("entries", "shape", "message"),
+    [
+        ([{"vector": "calm", "layers": [0], "op": "ablate"}], SHAPE,
+         r"^dynsteer.steer\[0\].op: 'ablate' needs the engine option "
+         r"dynsteer.max_projections >= 1 \(it is 0"),
+        ([{"vector": "zero", "layers": [0], "op": "ablate"}], PROJECTING,
+         r"^dynsteer.steer\[0\].vector: op 'ablate' acts along the vector's direction, and a "
+         "zero vector has none"),
+        ([{"vector": [0, 0, 0, 0], "layers": [0], "op": "clamp", "value": 1.0}], PROJECTING,
+         r"^dynsteer.steer\[0\].vector: op 'clamp' acts along"),
+        ([{"vector": "calm", "layers": [0], "op": "clamp", "value": 1e9}], PROJECTING,
+         r"^dynsteer.steer\[0\].value: ‖scale · vector‖ = 1e\+09 exceeds"),
+        ([{"vector": "calm", "layers": [0, 1], "op": "ablate", "phase": "decode"}] * 3,
+         PROJECTING, r"^dynsteer: more than 2 ablate / clamp entries steer decode tokens at "
+         r"\(post_block, layer 0\); raise dynsteer.max_projections"),
+    ],
+)
+def test_projections_that_do_not_fit_the_engine_are_refused(entries, shape, message):
+    with pytest.raises(SpecError, match=message):
+        check_against_model(parse_spec({"steer": entries}), shape)
+
+
+def test_projection_slots_count_the_gate_s_entries_too():
+    gate = {"probe": {"weights": [1.0, 0, 0, 0]}, "layer": 0,
+            "steer": [{"vector": "calm", "layers": [1], "op": "ablate"}] * 2}
+    spec = parse_spec({"steer": [{"vector": "calm", "layers": [1], "op": "ablate",
+                                  "phase": "prefill"}], "gate": gate})
+    with pytest.raises(SpecError, match="steer prefill tokens at"):
+        check_against_model(spec, PROJECTING)
+    check_against_model(parse_spec({"gate": gate}), PROJECTING)

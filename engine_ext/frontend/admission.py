@@ -159,6 +159,7 @@ class FrontendState:
             vector_norms=self.vector_norms,
             probe_names=frozenset(self.probes),
             max_steer_norm=self.options.max_steer_norm,
+            max_projections=self.options.max_projections,
             dtype_max=self.dtype_max,
         )
 

@@ -30,6 +30,7 @@ from dynsteer.controller.spec import (
     SteerEntry,
     check_entries,
     check_gate,
+    check_projection_slots,
     parse_entries,
 )
 from dynsteer.controller.wire import entry_to_wire, gate_to_wire, probe_to_wire
@@ -165,7 +166,9 @@ class ControlPlane:
     def set_global(self, entries: Sequence[SteerEntry | dict[str, Any]]) -> Change:
         """Steer every request with ``entries`` (added to each request's own steering)."""
         parsed = parse_entries(list(entries), prefix="steer")
-        check_entries(parsed, self.frontend.shape(), prefix="steer")
+        shape = self.frontend.shape()
+        check_entries(parsed, shape, prefix="steer")
+        check_projection_slots(parsed, (), shape, prefix="steer")
         shown = [e.model_dump(exclude_none=True) for e in parsed]
         wire = [entry_to_wire(e) for e in parsed]
 
@@ -209,5 +212,6 @@ class ControlPlane:
         check_entries(entries, shape, prefix="steer")
         if gate is not None:
             check_gate(gate, shape, "gate")
+        check_projection_slots(entries, gate.steer if gate else (), shape, "steer")
         return {"steer": [entry_to_wire(e) for e in entries],
                 "gate": gate_to_wire(gate) if gate is not None else None}

@@ -63,6 +63,7 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         hidden_size=facts.hidden_size,
         max_rows=options.max_rows,
         max_gates=options.max_gates,
+        max_projections=options.max_projections,
         max_tokens=facts.max_tokens,
         max_slots=facts.max_requests + 1,
         device=facts.device,

@@ -15,7 +15,14 @@ residual stream, so the stream is ``x + h``; ``h`` is None where ``x`` is the wh
     lane = site_lane[site]                              (-1: this site is not captured)
     if c and lane >= 0:
         capture[lane, c] = x[t] + h[t]                   (fp32, the stream the monitor reads)
-    y = x[t] + table[r] + gate[t] * dyn[r]              (fp32)
+    P = 0
+    if flags[r] & PROJECT_FLAG:                          (ablate / clamp, in slot order)
+        s[d] = (x[t] + h[t]) · proj_dir[r, d]            (fp32, every slot d at once)
+        for d in 0..D-1:
+            c = proj_par[r, d, STATIC] + gate[t] * proj_par[r, d, GATED]
+            delta[d] = c * (proj_par[r, d, VALUE] - s[d] - sum_{e<d} delta[e] * proj_gram[r, e, d])
+        P = sum_d delta[d] * proj_dir[r, d]
+    y = x[t] + P + table[r] + gate[t] * dyn[r]          (fp32)
     out[t] = y where |y| <= limit, else x[t]            (element-wise; NaN fails the test)
 
 The op's inputs besides ``x``, ``h`` and ``site`` are the fields of :class:`SteerBuffers`, in
@@ -24,9 +31,18 @@ per-token buffers (``max_tokens`` columns): the op reads and writes only the fir
 ``T = x.shape[0]`` columns, so callers pass them unsliced.
 
 Row 0 of ``table``/``dyn`` is zero (not steered); ``flags[row]`` says which of the two a row
-uses so unused rows are never read. The monitor reads the stream *before* this site's
-steering; the gate stays in the per-token ``gate`` buffer so later sites of the same forward
-use it (cross-layer gating).
+uses so unused rows are never read.
+
+Projections (``ablate`` / ``clamp`` entries, see :mod:`dynsteer.controller.spec`) act on the
+incoming stream, before the adds, one after the other in slot order: slot ``d`` sees the stream
+as the slots before it left it, ``z_d = z_0 + sum_{e<d} delta[e] * dir[e]``, whose projection
+on ``dir[d]`` is ``s[d] + sum_{e<d} delta[e] * gram[e, d]``. So one pass over the stream (the
+dot products with every slot's direction) gives all of them, exactly as applying them in
+sequence would. Unused slots have zero coefficients (their delta is 0). With
+``max_projections`` 0 (the default) the tables have no slots and none of this is traced.
+
+The monitor reads the stream *before* this site's steering; the gate stays in the per-token
+``gate`` buffer so later sites of the same forward use it (cross-layer gating).
 
 The last line is the data plane's own defence against bad numbers (every value was already
 checked when it entered, see :mod:`dynsteer.controller.limits`): ``limit`` is
@@ -77,7 +93,13 @@ from dynsteer.controller.limits import STREAM_ABS_LIMIT
 OP_NAMESPACE = "dynsteer"
 STATIC_FLAG = 1
 DYNAMIC_FLAG = 2
-"""Bits of ``flags[row]``: the row uses ``table`` (static) / ``dyn`` (gated)."""
+PROJECT_FLAG = 4
+"""Bits of ``flags[row]``: the row uses ``table`` (static) / ``dyn`` (gated) / projection
+slots (``proj_*``)."""
+PROJ_STATIC, PROJ_GATED, PROJ_VALUE = 0, 1, 2
+PROJ_PARAMS = 3
+"""Columns of ``proj_par[row, slot]``: the slot's static coefficient, its gated coefficient
+(times the token's gate) and its target projection (0 for ``ablate``)."""
 PARAM_THRESHOLD, PARAM_SHARPNESS, PARAM_SITE = 0, 1, 2
 PARAMS = 3
 """Columns of ``params[probe]``."""
@@ -118,6 +140,12 @@ class SteerBuffers(NamedTuple):
     """int32 ``[S]``: each site's capture lane (-1: not captured)."""
     control: torch.Tensor
     """float32 ``[K, CTL_COLS]``: per-request controller state (row 0: none)."""
+    proj_dir: torch.Tensor
+    """float32 ``[R, D, H]``: this site's projection directions (unit) per steering row."""
+    proj_par: torch.Tensor
+    """float32 ``[R, D, PROJ_PARAMS]``: each slot's coefficients and target."""
+    proj_gram: torch.Tensor
+    """float32 ``[R, D, D]``: dot products of each row's directions."""
 
 
 STEER_SCHEMA = ("(Tensor x, Tensor? h, " + "".join(f"Tensor {f}, " for f in SteerBuffers._fields)
@@ -174,33 +202,74 @@ def steer_torch(x: torch.Tensor, h: torch.Tensor | None, b: SteerBuffers,
              gate, score, site)
     r = index[INDEX_ROW].to(torch.long)
     delta = b.table.index_select(0, r)
-    if bool(((b.flags.index_select(0, r) & DYNAMIC_FLAG) != 0).any()):
+    flags = b.flags.index_select(0, r)
+    if bool(((flags & DYNAMIC_FLAG) != 0).any()):
         delta = delta + gate[:n, None] * b.dyn.index_select(0, r)
     x32 = x.to(torch.float32)
+    projected = ((flags & PROJECT_FLAG) != 0).nonzero().squeeze(1)
+    if projected.numel():
+        stream = x32.index_select(0, projected)
+        if h is not None:
+            stream = stream + h.index_select(0, projected).to(torch.float32)
+        delta[projected] += projection_change(
+            stream, gate[:n].index_select(0, projected), r.index_select(0, projected),
+            b.proj_dir, b.proj_par, b.proj_gram, _gather_rows)
     y = x32 + delta
     y = torch.where(y.abs() <= stream_limit(x.dtype), y, x32)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-def steer_add(x: torch.Tensor, index: torch.Tensor, gate_score: torch.Tensor,
-              table: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
-    """Static + gated steering of a site without monitor or capture: the op's last two lines
-    in tensor ops (see the module docstring), so the compiler fuses them into the kernels
+def steer_add(x: torch.Tensor, h: torch.Tensor | None, index: torch.Tensor,
+              gate_score: torch.Tensor, table: torch.Tensor, dyn: torch.Tensor,
+              proj_dir: torch.Tensor, proj_par: torch.Tensor,
+              proj_gram: torch.Tensor) -> torch.Tensor:
+    """Static + gated steering of a site without monitor or capture: the op's last lines in
+    tensor ops (see the module docstring), so the compiler fuses them into the kernels
     around the site. A row's unused tier is zero, so reading it adds exactly nothing; the
-    gate is the token's, written at its monitor site earlier in the forward."""
+    gate is the token's, written at its monitor site earlier in the forward. Projection
+    slots are read only when the engine has them (``max_projections``), and then by every
+    steered token (unused slots are zero)."""
     n = x.shape[0]
     rows = index[INDEX_ROW, :n].to(torch.long)
+    gate = gate_score[GATE, :n]
     x32 = x.to(torch.float32)
-    y = x32 + _row_of(table, rows) + gate_score[GATE, :n, None] * _row_of(dyn, rows)
+    y = x32 + _row_of(table, rows) + gate[:, None] * _row_of(dyn, rows)
+    if proj_dir.shape[1]:  # max_projections > 0: fixed when the graph is traced
+        stream = x32 if h is None else x32 + h.to(torch.float32)
+        y = y + projection_change(stream, gate, rows, proj_dir, proj_par, proj_gram, _row_of)
     y = torch.where(y.abs() <= stream_limit(x.dtype), y, x32)
     return y.to(x.dtype)
+
+
+def projection_change(stream: torch.Tensor, gate: torch.Tensor, rows: torch.Tensor,
+                      proj_dir: torch.Tensor, proj_par: torch.Tensor, proj_gram: torch.Tensor,
+                      gather) -> torch.Tensor:
+    """What the rows' projection slots add to each token's stream (fp32 ``[T, H]``), applied
+    one after the other in slot order (see the module docstring); ``gather(table, rows)``
+    reads the tokens' rows of a table."""
+    directions = gather(proj_dir, rows)                       # [T, D, H]
+    par = gather(proj_par, rows)                              # [T, D, PROJ_PARAMS]
+    gram = gather(proj_gram, rows)                            # [T, D, D]
+    s = torch.einsum("th,tdh->td", stream, directions)
+    coef = par[..., PROJ_STATIC] + gate[:, None] * par[..., PROJ_GATED]
+    deltas: list[torch.Tensor] = []
+    for d in range(directions.shape[1]):
+        seen = s[:, d]
+        for e, earlier in enumerate(deltas):
+            seen = seen + earlier * gram[:, e, d]
+        deltas.append(coef[:, d] * (par[:, d, PROJ_VALUE] - seen))
+    return torch.einsum("td,tdh->th", torch.stack(deltas, dim=1), directions)
+
+
+def _gather_rows(rows_table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return rows_table.index_select(0, rows)
 
 
 def _row_of(rows_table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``rows_table[rows]``, written so that a token on row 0 (all zeros) loads nothing: row 0
     is read as padding, which Inductor lowers to a masked load. Unsteered tokens (most of
     them, most of the time) then cost one index load per site instead of two row gathers."""
-    return F.pad(rows_table[1:], (0, 0, 1, 0))[rows]
+    return F.pad(rows_table[1:], (0, 0) * (rows_table.dim() - 1) + (1, 0))[rows]
 
 
 def control_step(index: torch.Tensor, gate_score: torch.Tensor, control: torch.Tensor,

@@ -6,6 +6,12 @@ the kernel never reads an unused row. Row 0 is all zeros and means "not steered"
 *sum* of everything that steers one kind of token (one request config in one phase, global
 steering included), so the kernel does one gather per site whatever the number of entries.
 
+A row may also hold up to ``D`` (engine option ``max_projections``) *projections* per site: the
+ablate / clamp entries, each a unit direction ``proj_dir[S, R, D]``, its coefficients and target
+``proj_par[S, R, D]`` (static, gated, value) and the Gram matrix of the row's directions
+``proj_gram[S, R]``, which lets the kernel apply them one after the other from dot products with
+the incoming stream alone (:mod:`.ops`). The flag ``PROJECT_FLAG`` marks rows that have any.
+
 ``probes[P, H]`` / ``params[P, 3]`` (threshold, sharpness, monitor site index) hold the probes of
 gated requests; probe row 0 means "no monitor". Both tables deduplicate identical contents and
 refcount them: requests with the same config share a row.
@@ -29,11 +35,40 @@ from .ops import (
     PARAM_SITE,
     PARAM_THRESHOLD,
     PARAMS,
+    PROJ_GATED,
+    PROJ_PARAMS,
+    PROJ_STATIC,
+    PROJ_VALUE,
+    PROJECT_FLAG,
     STATIC_FLAG,
 )
 
 Contents = dict[Site, np.ndarray]
 """What a row adds at each site (float32 vectors of hidden size); absent sites add zero."""
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One ablate / clamp entry at one site: the stream ``z`` becomes
+    ``z + (static + gate * gated) * (value - z·direction) * direction``."""
+
+    direction: np.ndarray
+    """float32 unit vector."""
+    static: float
+    gated: float
+    value: float
+
+
+Projections = dict[Site, tuple[Projection, ...]]
+"""A row's projections per site, in the order they apply."""
+
+
+def add_projections(a: Projections, b: Projections) -> Projections:
+    """``a``'s projections, then ``b``'s, per site."""
+    out = dict(a)
+    for site, items in b.items():
+        out[site] = out.get(site, ()) + items
+    return out
 
 
 def add_contents(a: Contents, b: Contents) -> Contents:
@@ -55,7 +90,12 @@ def _digest(*parts: object) -> bytes:
         if isinstance(part, dict):
             for site in sorted(part):
                 h.update(repr(site).encode())
-                h.update(np.ascontiguousarray(part[site], dtype=np.float32).tobytes())
+                value = part[site]
+                for item in value if isinstance(value, tuple) else (value,):
+                    if isinstance(item, Projection):
+                        h.update(repr((item.static, item.gated, item.value)).encode())
+                        item = item.direction
+                    h.update(np.ascontiguousarray(item, dtype=np.float32).tobytes())
         elif isinstance(part, np.ndarray):
             h.update(np.ascontiguousarray(part, dtype=np.float32).tobytes())
         else:
@@ -151,16 +191,24 @@ class RowTable:
     """Allocates steering rows and writes their static and gated contents per site."""
 
     def __init__(
-        self, sites: tuple[Site, ...], hidden_size: int, max_rows: int, device: torch.device
+        self, sites: tuple[Site, ...], hidden_size: int, max_rows: int, device: torch.device,
+        max_projections: int = 0,
     ) -> None:
         self.sites = sites
         self.hidden_size = hidden_size
         self.max_rows = max_rows
+        self.max_projections = max_projections
         self._site_index = {site: i for i, site in enumerate(sites)}
         shape = (len(sites), max_rows + 1, hidden_size)
         self.table = torch.zeros(shape, dtype=torch.float32, device=device)
         self.dyn = torch.zeros(shape, dtype=torch.float32, device=device)
         self.flags = torch.zeros(len(sites), max_rows + 1, dtype=torch.int32, device=device)
+        d = max_projections
+        self.proj_dir = torch.zeros(*shape[:2], d, hidden_size, dtype=torch.float32,
+                                    device=device)
+        self.proj_par = torch.zeros(*shape[:2], d, PROJ_PARAMS, dtype=torch.float32,
+                                    device=device)
+        self.proj_gram = torch.zeros(*shape[:2], d, d, dtype=torch.float32, device=device)
         self._slots = _Slots(max_rows)
         self._written: dict[int, frozenset[int]] = {}
         """Per row: the site indices its current contents occupy (the rest are zero)."""
@@ -179,30 +227,41 @@ class RowTable:
         return self._slots.rejected
 
     def acquire(self, static: Contents, dynamic: Contents | None = None,
-                key: bytes | None = None) -> int | None:
-        """A row holding ``static`` + gated ``dynamic`` (0 when both empty); None when full.
+                key: bytes | None = None, projections: Projections | None = None
+                ) -> int | None:
+        """A row holding ``static`` + gated ``dynamic`` + ``projections`` (0 when all are
+        empty); None when full. A ValueError when a site has more projections than the
+        table's ``max_projections`` slots.
 
         Rows are shared by content (``key`` defaults to a digest of it) or by a caller's key
         that determines the content (see :meth:`acquire_keyed`)."""
         static = _nonzero(static, self._site_index)
         dynamic = _nonzero(dynamic or {}, self._site_index)
-        if not static and not dynamic:
+        projections = {s: p for s, p in (projections or {}).items()
+                       if s in self._site_index and p}
+        for site, items in projections.items():
+            if len(items) > self.max_projections:
+                raise ValueError(f"{len(items)} ablate / clamp entries at {site}, more than "
+                                 f"max_projections={self.max_projections}")
+        if not static and not dynamic and not projections:
             return 0
-        row, fresh = self._slots.take(key or _digest(static, "dyn", dynamic))
+        row, fresh = self._slots.take(key or _digest(static, "dyn", dynamic, "proj",
+                                                     projections))
         if fresh:
-            self._write(row, static, dynamic)  # type: ignore[arg-type]
+            self._write(row, static, dynamic, projections)  # type: ignore[arg-type]
         return row
 
     def acquire_keyed(self, key: bytes,
-                      make: Callable[[], tuple[Contents, Contents]]) -> int | None:
+                      make: Callable[[], tuple[Contents, Contents, Projections]]
+                      ) -> int | None:
         """:meth:`acquire` for contents that ``key`` determines: a request whose key was seen
         takes that row without building or hashing its contents (``make`` runs otherwise, and
         the row is shared with any other key of equal contents)."""
         row = self._slots.reuse(b"k" + key)
         if row is not None:
             return row
-        static, dynamic = make()
-        row = self.acquire(static, dynamic)
+        static, dynamic, projections = make()
+        row = self.acquire(static, dynamic, projections=projections)
         if row is not None:
             self._slots.alias(b"k" + key, row)
         return row
@@ -211,11 +270,12 @@ class RowTable:
         """Drop one reference; the row is free for new contents when none remain."""
         self._slots.give_back(row)
 
-    def _write(self, row: int, static: Contents, dynamic: Contents) -> None:
+    def _write(self, row: int, static: Contents, dynamic: Contents,
+               projections: Projections) -> None:
         """Write the row's new contents and zero what its old contents left at other sites:
         only those sites are copied (a config steers a few of the sites, a whole row is
         ``2 * sites * hidden * 4`` bytes)."""
-        used = frozenset(self._site_index[s] for s in (*static, *dynamic))
+        used = frozenset(self._site_index[s] for s in (*static, *dynamic, *projections))
         sites = sorted(used | self._written.get(row, frozenset()))
         self._written[row] = used
         position = {i: k for k, i in enumerate(sites)}
@@ -227,13 +287,40 @@ class RowTable:
                 k = position[self._site_index[site]]
                 host[part, k] = torch.from_numpy(np.asarray(vec, dtype=np.float32))
                 flags[k] |= flag
+        d = self.max_projections
+        proj = _host_buffer((len(sites), d, self.hidden_size + PROJ_PARAMS + d), torch.float32,
+                            device)
+        for site, items in projections.items():
+            k = position[self._site_index[site]]
+            _pack_projections(items, proj[k], self.hidden_size)
+            flags[k] |= PROJECT_FLAG
         # Issued on the current stream: ordered after every forward that read the old contents.
         # Consecutive sites go in one copy.
+        h, p = self.hidden_size, PROJ_PARAMS
         for first, last in _runs(sites):
             part = slice(position[first], position[last] + 1)
-            self.table[first:last + 1, row].copy_(host[0, part], non_blocking=True)
-            self.dyn[first:last + 1, row].copy_(host[1, part], non_blocking=True)
-            self.flags[first:last + 1, row].copy_(flags[part], non_blocking=True)
+            rows = slice(first, last + 1)
+            self.table[rows, row].copy_(host[0, part], non_blocking=True)
+            self.dyn[rows, row].copy_(host[1, part], non_blocking=True)
+            self.flags[rows, row].copy_(flags[part], non_blocking=True)
+            if d:
+                self.proj_dir[rows, row].copy_(proj[part, :, :h], non_blocking=True)
+                self.proj_par[rows, row].copy_(proj[part, :, h:h + p], non_blocking=True)
+                self.proj_gram[rows, row].copy_(proj[part, :, h + p:], non_blocking=True)
+
+
+def _pack_projections(items: tuple[Projection, ...], out: torch.Tensor, hidden: int) -> None:
+    """One site's projections into ``out[D, hidden + PROJ_PARAMS + D]``: directions, then
+    (static, gated, value), then the Gram matrix of the directions (float64 products)."""
+    directions = np.stack([p.direction for p in items]).astype(np.float32)
+    out[:len(items), :hidden] = torch.from_numpy(directions)
+    for i, p in enumerate(items):
+        out[i, hidden + PROJ_STATIC] = p.static
+        out[i, hidden + PROJ_GATED] = p.gated
+        out[i, hidden + PROJ_VALUE] = p.value
+    d64 = directions.astype(np.float64)
+    gram = torch.from_numpy((d64 @ d64.T).astype(np.float32))
+    out[:len(items), hidden + PROJ_PARAMS:hidden + PROJ_PARAMS + len(items)] = gram
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

@@ -24,8 +24,10 @@ from dynsteer.controller.wire import (
     F32,
     HOOK,
     LAYERS,
+    OP,
     PHASE,
     SCALE,
+    VALUE,
     VECTOR,
     WIRE_KEY,
     WireEntry,
@@ -38,7 +40,16 @@ from .controllers import ControllerRunner
 from .events import EngineEvents
 from .host_time import HostTime
 from .ops import GATE, SCORE, SteerBuffers
-from .rows import Contents, ProbeRow, ProbeTable, RowTable, add_contents
+from .rows import (
+    Contents,
+    ProbeRow,
+    ProbeTable,
+    Projection,
+    Projections,
+    RowTable,
+    add_contents,
+    add_projections,
+)
 from .sites import SiteBuffers
 from .telemetry import GateTelemetry
 from .token_rows import TokenRows, expand_positions
@@ -57,6 +68,8 @@ class _Request:
     """This request's own static steering per phase (global steering excluded)."""
     gated: dict[str, Contents]
     """This request's gated steering per phase."""
+    projections: dict[str, Projections]
+    """This request's ablate / clamp entries per phase (own, then gated)."""
     probe: ProbeRow | None
     wire: dict[str, Any] | None = None
     """The resolved spec (None: unsteered)."""
@@ -74,12 +87,18 @@ class _Resolved:
 
     own: dict[str, Contents]
     gated: dict[str, Contents]
+    projections: dict[str, Projections]
     probe: ProbeRow | None
     trace: bool
 
+    def dynamic(self, phase: str) -> bool:
+        """Whether tokens of ``phase`` are steered by the gate (gated adds or projections)."""
+        return bool(self.gated[phase]) or any(
+            p.gated for items in self.projections[phase].values() for p in items)
+
 
 _UNSTEERED = _Resolved(own={p: {} for p in PHASES}, gated={p: {} for p in PHASES},
-                       probe=None, trace=False)
+                       projections={p: {} for p in PHASES}, probe=None, trace=False)
 
 RESOLVED_SPECS = 256
 """Distinct resolved specs a worker keeps built (a bounded LRU; identical specs reuse them)."""
@@ -101,12 +120,13 @@ class SteeringState:
         block_size: int = 16,
         max_gates: int | None = None,
         monitor_sites: frozenset[Site] | None = None,
+        max_projections: int = 0,
     ) -> None:
         self.sites = sites
         self.monitor_sites = frozenset(sites) if monitor_sites is None else monitor_sites
         """Sites whose op monitors and captures (None: every site)."""
         self.hidden_size = hidden_size
-        self.rows = RowTable(sites, hidden_size, max_rows, device)
+        self.rows = RowTable(sites, hidden_size, max_rows, device, max_projections)
         self.probe_table = ProbeTable(sites, hidden_size, max_gates or max_rows, device)
         self.token_rows = TokenRows(max_tokens, device)
         self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
@@ -133,6 +153,7 @@ class SteeringState:
         """Registered probes in their resolved form (the site comes from each request's gate)."""
         self._global_entries: list[WireEntry] = []
         self._global: dict[str, Contents] = {p: {} for p in PHASES}
+        self._global_projections: dict[str, Projections] = {p: {} for p in PHASES}
         self._requests: dict[str, _Request] = {}
         self._prefill_row = np.zeros(max_slots, dtype=np.int32)
         self._decode_row = np.zeros(max_slots, dtype=np.int32)
@@ -180,9 +201,8 @@ class SteeringState:
     def set_global(self, entries: list[WireEntry]) -> None:
         """Replace global steering (resolved entries, see :mod:`dynsteer.controller.wire`);
         every live request is re-resolved against it."""
-        contents = self._contents(entries)
+        self._global, self._global_projections = self._contents(entries)
         self._global_entries = entries
-        self._global = contents
         self._versions[1] += 1
         for req in self._requests.values():
             self._release(req)
@@ -210,8 +230,9 @@ class SteeringState:
                 resolved, key = self._resolve(wire), wire["key"]
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 logger.warning("dynsteer: request %s runs unsteered: %s", req_id, e)
-        own, gated, probe = resolved.own, resolved.gated, resolved.probe
-        req = _Request(slot=slot, own=own, gated=gated, probe=probe, key=key,
+        probe = resolved.probe
+        req = _Request(slot=slot, own=resolved.own, gated=resolved.gated,
+                       projections=resolved.projections, probe=probe, key=key,
                        wire=wire if resolved is not _UNSTEERED else None)
         self._ensure_slot(slot)
         self._requests[req_id] = req
@@ -223,7 +244,8 @@ class SteeringState:
         if self.events is not None:
             self.events.request_started(req_id, req.wire)
         if probe is not None:
-            dynamic_from = 0 if gated["prefill"] else (prompt_len if gated["decode"] else None)
+            dynamic_from = (0 if resolved.dynamic("prefill") else
+                            prompt_len if resolved.dynamic("decode") else None)
             self.telemetry.admit(req_id, slot, prompt_len, site=site_name(probe.site),
                                  dynamic_from=dynamic_from, trace=resolved.trace,
                                  session=req.wire.get("session") if req.wire else None)
@@ -327,9 +349,13 @@ class SteeringState:
             self._resolved.move_to_end(cache_key)
             return hit
         gate = wire["gate"]
+        own, own_projections = self._contents(wire["steer"])
+        gated, gated_projections = (self._contents(gate["steer"], gated=True) if gate is not None
+                                    else (_UNSTEERED.gated, _UNSTEERED.projections))
         resolved = _Resolved(
-            own=self._contents(wire["steer"]),
-            gated=self._contents(gate["steer"]) if gate is not None else _UNSTEERED.gated,
+            own=own, gated=gated,
+            projections={p: add_projections(own_projections[p], gated_projections[p])
+                         for p in PHASES},
             probe=self._resolve_probe(gate) if gate is not None else None,
             trace=bool(gate["trace"]) if gate is not None else False,
         )
@@ -357,21 +383,36 @@ class SteeringState:
     def _steers(self, slot: int) -> bool:
         return bool(self._prefill_row[slot] or self._decode_row[slot] or self._probe_row[slot])
 
-    def _contents(self, entries: list[WireEntry]) -> dict[str, Contents]:
-        out: dict[str, Contents] = {p: {} for p in PHASES}
+    def _contents(self, entries: list[WireEntry], gated: bool = False
+                  ) -> tuple[dict[str, Contents], dict[str, Projections]]:
+        """The entries' adds and projections per phase (``gated``: scaled by the gate)."""
+        adds: dict[str, Contents] = {p: {} for p in PHASES}
+        projections: dict[str, Projections] = {p: {} for p in PHASES}
         for entry in entries:
             if entry[SCALE] == 0:
                 continue
             vec = entry[VECTOR]
             values = self.vectors[vec] if isinstance(vec, str) else np.frombuffer(vec, dtype=F32)
-            scaled = values * np.float32(entry[SCALE])
-            if scaled.shape != (self.hidden_size,):
-                raise ValueError(f"vector length {scaled.shape[0]} != hidden {self.hidden_size}")
+            if values.shape != (self.hidden_size,):
+                raise ValueError(f"vector length {values.shape[0]} != hidden {self.hidden_size}")
+            if entry[OP] == "add":
+                scaled = values * np.float32(entry[SCALE])
+                part = {(entry[HOOK], layer): scaled for layer in entry[LAYERS]}
+                for phase in PHASES:
+                    if entry[PHASE] in ("all", phase):
+                        adds[phase] = add_contents(adds[phase], part)
+                continue
+            norm = float(np.linalg.norm(values.astype(np.float64)))
+            if not 0 < norm < np.inf:
+                raise ValueError(f"op {entry[OP]!r} needs a vector with a direction")
+            scale = float(entry[SCALE])
+            item = (Projection(direction=(values / norm).astype(F32), static=0.0 if gated else
+                               scale, gated=scale if gated else 0.0, value=entry[VALUE] or 0.0),)
             for phase in PHASES:
                 if entry[PHASE] in ("all", phase):
-                    for layer in entry[LAYERS]:
-                        out[phase] = add_contents(out[phase], {(entry[HOOK], layer): scaled})
-        return out
+                    projections[phase] = add_projections(
+                        projections[phase], {(entry[HOOK], layer): item for layer in entry[LAYERS]})
+        return adds, projections
 
     def _ensure_slot(self, slot: int) -> None:
         old = len(self._prompt_len)
@@ -390,7 +431,8 @@ class SteeringState:
         """Take the request's rows. Row keys name what determines the contents (spec key,
         phase, registry and global versions), so a request whose rows exist already takes
         them without building or hashing anything; all ranks derive the same keys."""
-        gated, key = req.gated, f"{req.key}|r{self._versions[0]}"
+        gated, projections = req.gated, req.projections
+        key = f"{req.key}|r{self._versions[0]}"
         if req.probe is not None:
             probe_row = self.probe_table.acquire(req.probe, key=key.encode())
             if probe_row is None:
@@ -399,11 +441,19 @@ class SteeringState:
                 logger.warning("dynsteer: all probe rows are in use; a request runs without "
                                "its gate (raise dynsteer.max_gates)")
                 gated, key = _UNSTEERED.gated, key + "-nogate"
+                projections = {p: _static_only(projections[p]) for p in PHASES}
             self._probe_row[req.slot] = probe_row or 0
         for phase, target in zip(PHASES, (self._prefill_row, self._decode_row), strict=True):
-            row = self.rows.acquire_keyed(
-                f"{key}|{phase}|g{self._versions[1]}".encode(),
-                lambda p=phase, g=gated: (add_contents(self._global[p], req.own[p]), g[p]))
+            try:
+                row = self.rows.acquire_keyed(
+                    f"{key}|{phase}|g{self._versions[1]}".encode(),
+                    lambda p=phase, g=gated, j=projections: (
+                        add_contents(self._global[p], req.own[p]), g[p],
+                        add_projections(self._global_projections[p], j[p])))
+            except ValueError as e:  # global + own projections past max_projections
+                logger.warning("dynsteer: a request runs unsteered in %s: %s (raise "
+                               "dynsteer.max_projections)", phase, e)
+                row = 0
             if row is None:
                 logger.warning(
                     "dynsteer: all %d steering rows are in use; a request runs unsteered in %s "
@@ -434,7 +484,7 @@ class SteeringState:
         if action == Action.SWITCH_VECTOR:
             if name not in self.vectors:
                 raise KeyError(f"no registered vector {name!r}")
-            gate["steer"] = [[*e[:VECTOR], name] for e in gate["steer"]]
+            gate["steer"] = [[*e[:VECTOR], name, *e[VECTOR + 1:]] for e in gate["steer"]]
         elif action == Action.SWITCH_PROBE:
             if name not in self.probes:
                 raise KeyError(f"no registered probe {name!r}")
@@ -447,6 +497,7 @@ class SteeringState:
         resolved = self._resolve(wire)
         self._release(req)
         req.own, req.gated, req.wire, req.key = resolved.own, resolved.gated, wire, wire["key"]
+        req.projections = resolved.projections
         req.probe = resolved.probe
         self._assign(req)
         record = self.telemetry.record_of_slot(req.slot)
@@ -463,7 +514,8 @@ class SteeringState:
                 table=self.rows.table[i], dyn=self.rows.dyn[i], flags=self.rows.flags[i],
                 probes=self.probe_table.probes, params=self.probe_table.params,
                 capture=self.capture.capture, site_lane=self.capture.site_lane,
-                control=self.control.table,
+                control=self.control.table, proj_dir=self.rows.proj_dir[i],
+                proj_par=self.rows.proj_par[i], proj_gram=self.rows.proj_gram[i],
             ))
         return out
 
@@ -491,3 +543,9 @@ class SteeringState:
             "tokens_gated": dict(self.telemetry.tokens_gated),
             "host_time": self.host_time.summary(),
         }
+
+
+def _static_only(projections: Projections) -> Projections:
+    """``projections`` without the gated ones (for a request whose gate has no probe row)."""
+    kept = {site: tuple(p for p in items if p.static) for site, items in projections.items()}
+    return {site: items for site, items in kept.items() if items}

@@ -21,6 +21,11 @@ from . import ops
 # The layout constants of ops.py, as globals a jitted function may read.
 STATIC_FLAG = tl.constexpr(ops.STATIC_FLAG)
 DYNAMIC_FLAG = tl.constexpr(ops.DYNAMIC_FLAG)
+PROJECT_FLAG = tl.constexpr(ops.PROJECT_FLAG)
+PROJ_STATIC = tl.constexpr(ops.PROJ_STATIC)
+PROJ_GATED = tl.constexpr(ops.PROJ_GATED)
+PROJ_VALUE = tl.constexpr(ops.PROJ_VALUE)
+PROJ_PARAMS = tl.constexpr(ops.PROJ_PARAMS)
 PARAM_THRESHOLD = tl.constexpr(ops.PARAM_THRESHOLD)
 PARAM_SHARPNESS = tl.constexpr(ops.PARAM_SHARPNESS)
 PARAM_SITE = tl.constexpr(ops.PARAM_SITE)
@@ -49,10 +54,10 @@ def _steer_kernel(
     x_ptr, h_ptr, out_ptr,
     # SteerBuffers, in its order
     index_ptr, gate_score_ptr, table_ptr, dyn_ptr, flags_ptr, probes_ptr, params_ptr,
-    capture_ptr, site_lane_ptr, control_ptr,
+    capture_ptr, site_lane_ptr, control_ptr, proj_dir_ptr, proj_par_ptr, proj_gram_ptr,
     site, hidden, x_stride, h_stride, out_stride, index_stride, gate_score_stride,
     params_stride, lane_stride, limit,
-    HAS_H: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_H: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     c = tl.load(index_ptr + INDEX_CAPTURE * index_stride + t)
@@ -87,6 +92,38 @@ def _steer_kernel(
         tl.store(gate_ptr, g)
     use_static = (flags & STATIC_FLAG) != 0
     use_dynamic = (flags & DYNAMIC_FLAG) != 0
+    use_proj = (flags & PROJECT_FLAG) != 0
+    # Projection slots (ablate / clamp): one pass for the dot products with every slot's
+    # direction, then the slots in order through the Gram matrix (see ops.py). ``deltas`` stays
+    # zero for tokens whose row has none, and then no direction is loaded below.
+    slot = tl.arange(0, SLOTS_P2)
+    deltas = tl.zeros([SLOTS_P2], dtype=tl.float32)
+    dir_base = proj_dir_ptr + row * SLOTS * hidden + slot[:, None] * hidden
+    if SLOTS > 0:  # noqa: SIM102  (a constexpr test: the block is not traced without slots)
+        if use_proj:
+            dots = tl.zeros([SLOTS_P2, BLOCK], dtype=tl.float32)
+            for start in range(0, hidden, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < hidden
+                z = tl.load(x_ptr + t * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                if HAS_H:
+                    z += tl.load(h_ptr + t * h_stride + offs, mask=mask,
+                                 other=0.0).to(tl.float32)
+                w = tl.load(dir_base + offs[None, :],
+                            mask=(slot[:, None] < SLOTS) & mask[None, :], other=0.0)
+                dots += w * z[None, :]
+            s = tl.sum(dots, axis=1)
+            par = proj_par_ptr + (row * SLOTS + slot) * PROJ_PARAMS
+            inside = slot < SLOTS
+            coef = (tl.load(par + PROJ_STATIC, mask=inside, other=0.0)
+                    + g * tl.load(par + PROJ_GATED, mask=inside, other=0.0))
+            value = tl.load(par + PROJ_VALUE, mask=inside, other=0.0)
+            for d in tl.static_range(SLOTS):
+                gram = tl.load(proj_gram_ptr + (row * SLOTS + slot) * SLOTS + d,
+                               mask=slot < d, other=0.0)
+                seen = tl.sum(tl.where(slot == d, s, 0.0)) + tl.sum(deltas * gram)
+                delta = tl.sum(tl.where(slot == d, coef * (value - seen), 0.0))
+                deltas = tl.where(slot == d, delta, deltas)
     for start in range(0, hidden, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hidden
@@ -94,6 +131,10 @@ def _steer_kernel(
         d = tl.load(table_ptr + row * hidden + offs, mask=mask & use_static, other=0.0)
         dd = tl.load(dyn_ptr + row * hidden + offs, mask=mask & use_dynamic, other=0.0)
         out = x + d + g * dd
+        if SLOTS > 0:
+            w = tl.load(dir_base + offs[None, :],
+                        mask=(slot[:, None] < SLOTS) & mask[None, :] & use_proj, other=0.0)
+            out += tl.sum(deltas[:, None] * w, axis=0)
         # Never write NaN, inf or an overflowing steered value (see ops.py); NaN fails <=.
         out = tl.where(tl.abs(out) <= limit, out, x)
         tl.store(out_ptr + t * out_stride + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -227,15 +268,22 @@ def steer_triton(x: torch.Tensor, h: torch.Tensor | None, b: ops.SteerBuffers, s
     if b.index.stride(-1) != 1 or b.gate_score.stride(-1) != 1 or not b.capture.is_contiguous():
         # Not copied: the writes to gate_score and capture would be lost.
         raise ValueError("dynsteer::steer: index, gate_score and capture need unit stride")
+    if not (b.proj_dir.is_contiguous() and b.proj_par.is_contiguous()
+            and b.proj_gram.is_contiguous()):
+        raise ValueError("dynsteer::steer: the projection tables must be contiguous")
     tokens, hidden = x.shape
     out = torch.empty_like(x)
     if tokens == 0:
         return out
     block = _block_for(hidden)
     hh = h if h is not None else x
+    slots = b.proj_dir.shape[1]
+    if slots:  # the [slots, block] tile of directions shares the block's registers
+        block = min(block, max(256, 2048 // triton.next_power_of_2(slots)))
     _steer_kernel[(tokens,)](
         x, hh, out, *b, site, hidden, x.stride(0), hh.stride(0), out.stride(0),
         b.index.stride(0), b.gate_score.stride(0), b.params.stride(0), b.capture.stride(0),
-        limit, HAS_H=h is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8,
+        limit, HAS_H=h is not None, BLOCK=block, SLOTS=slots,
+        SLOTS_P2=max(1, triton.next_power_of_2(slots)), num_warps=4 if block <= 1024 else 8,
     )
     return out
