@@ -246,11 +246,13 @@ def projection_change(stream: torch.Tensor, gate: torch.Tensor, rows: torch.Tens
                       gather) -> torch.Tensor:
     """What the rows' projection slots add to each token's stream (fp32 ``[T, H]``), applied
     one after the other in slot order (see the module docstring); ``gather(table, rows)``
-    reads the tokens' rows of a table."""
+    reads the tokens' rows of a table. Products and sums, not ``einsum``: Inductor fuses the
+    gathers into one reduction and one pointwise kernel instead of materializing every
+    token's directions for a batched matmul (which cost 6-12% of an 8B decode step)."""
     directions = gather(proj_dir, rows)                       # [T, D, H]
     par = gather(proj_par, rows)                              # [T, D, PROJ_PARAMS]
     gram = gather(proj_gram, rows)                            # [T, D, D]
-    s = torch.einsum("th,tdh->td", stream, directions)
+    s = (stream[:, None, :] * directions).sum(-1)
     coef = par[..., PROJ_STATIC] + gate[:, None] * par[..., PROJ_GATED]
     deltas: list[torch.Tensor] = []
     for d in range(directions.shape[1]):
@@ -258,7 +260,7 @@ def projection_change(stream: torch.Tensor, gate: torch.Tensor, rows: torch.Tens
         for e, earlier in enumerate(deltas):
             seen = seen + earlier * gram[:, e, d]
         deltas.append(coef[:, d] * (par[:, d, PROJ_VALUE] - seen))
-    return torch.einsum("td,tdh->th", torch.stack(deltas, dim=1), directions)
+    return (torch.stack(deltas, dim=1)[..., None] * directions).sum(1)
 
 
 def _gather_rows(rows_table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
