@@ -115,15 +115,16 @@ def shared_suffix(ids: Sequence[Sequence[int]]) -> int:
 
 
 @contextmanager
-def served(out: Path) -> Iterator[Any]:
+def served(out: Path, options: dict[str, Any] | None = None) -> Iterator[Any]:
     """A ready `dynsteer serve` of the embedded model whose monitor sites cover the probe and
-    the steered layers (vLLM's log goes to ``out/serve.log``)."""
+    the steered layers, with more engine ``options`` if given (vLLM's log goes to
+    ``out/serve.log``)."""
     from tqdm import tqdm
 
     from dynsteer.controller.launch import ServerProcess
 
     sites = f"post_block@{min(LAYER, *STEER_LAYERS)}-{max(LAYER, *STEER_LAYERS)}"
-    config = {"dynsteer": {"monitor_sites": sites}}
+    config = {"dynsteer": {"monitor_sites": sites, **(options or {})}}
     args = ["--max-model-len", "1024", "--additional-config", json.dumps(config)]
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
