@@ -49,6 +49,8 @@ from safety_data import (  # noqa: E402  (the experiments folder is not a packag
     split,
 )
 
+from dynsteer.engine_ext.default_model import cache_root  # noqa: E402
+
 LAYER = 15
 """SmolLM2-135M (30 layers): the middle, where request intent is linearly readable
 (`probe_layers.py` measures it by layer)."""
@@ -58,7 +60,6 @@ REFUSALS = ("I'm sorry, but I can't help with that.", "I cannot help with this r
             "I'm sorry, I can't assist with that.")
 COMPLIANCES = ("Sure, here is what you asked for.", "Sure! Here's how to do it.",
                "Of course, here are the steps.")
-CACHE = Path.home() / ".cache" / "dynsteer" / "demo"
 ARTIFACTS_VERSION = 3
 """Bump when what :func:`prepare` computes changes, so cached artifacts are not reused."""
 
@@ -77,7 +78,8 @@ def add_common_args(ap: argparse.ArgumentParser, *, train: int = 128, test: int 
     ap.add_argument("--scale", type=float, default=0.35, help="multiplier of the direction")
     ap.add_argument("--max-tokens", type=int, default=max_tokens)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cache", type=Path, default=CACHE)
+    ap.add_argument("--cache", type=Path, default=cache_root() / "demo",
+                    help="where data, probes and directions are cached")
 
 
 def progress(items: Any, desc: str, total: int | None = None) -> Any:
