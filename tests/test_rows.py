@@ -265,3 +265,15 @@ def test_projections_past_the_slots_leave_the_request_unsteered():
                                                    "op": "ablate"}]}), prompt_len=2)
     state.fill(np.array([1]), np.array([0]), np.array([2]))
     assert int(state.token_rows.rows[0]) == 0
+
+
+def test_gated_projections_count_as_dynamic_steering():
+    """A gate whose only entries are projections still makes its tokens dynamically steered:
+    the prefix guard withholds KV from their first gated position (a decode-only projection:
+    from the first generated position)."""
+    state = projecting_state(1)
+    for req_id, phase, want in (("all", "all", 0), ("decode", "decode", 5)):
+        spec = resolved({"gate": {"probe": {"weights": [1, 0, 0, 0]}, "layer": 1, "steer": [
+            {"vector": [0, 1, 0, 0], "layers": [1], "op": "ablate", "phase": phase}]}})
+        state.add_request(req_id, 1 if req_id == "all" else 2, spec, prompt_len=5)
+        assert state.telemetry._live[req_id].dynamic_from == want
