@@ -82,6 +82,7 @@ from safety_loop import (
     first_gated,
     gated_spec,
     load_sets,
+    load_tokenizer,
     prepare,
     progress,
     served,
@@ -385,16 +386,14 @@ def warm_up(setup: Setup, spec: dict[str, Any] | None) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    import transformers
 
     from dynsteer.controller.client import DynsteerClient
-    from dynsteer.engine_ext.default_model import default_model_path
 
     t0 = time.time()
     train_set, test_set = load_sets(args)
     print(f"[controllers] training on {len(train_set)} prompts, {len(test_set)} held-out "
           f"sessions x {len(ARMS)} arms", flush=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer = load_tokenizer()
     rows: list[dict[str, Any]] = []
     timing: dict[str, dict[str, Any]] = {}
     with served_with_controller_sockets(args.out) as (server, events, commands), \

@@ -199,20 +199,26 @@ def best_sites(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the sweep; returns what ``probe_layers.json`` holds."""
     args = parse_args(argv)
-    import transformers
-    from safety_loop import capture, chat_ids, load_sets, progress, shared_prefix, shared_suffix
+    from safety_loop import (
+        capture,
+        chat_ids,
+        load_sets,
+        load_tokenizer,
+        progress,
+        shared_prefix,
+        shared_suffix,
+    )
 
     from dynsteer.controller.client import DynsteerClient
     from dynsteer.controller.contract import resolve_sites, site_name
     from dynsteer.controller.launch import ServerProcess
-    from dynsteer.engine_ext.default_model import default_model_path
 
     t0 = time.time()
     monitor = monitor_sites(args.hooks, args.layers)
     train_set, test_set = load_sets(args)
     print(f"[probe_layers] training on {len(train_set)} prompts, evaluating {len(test_set)} "
           f"held out; token probe positives: {args.positives}", flush=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer = load_tokenizer()
     ids = [chat_ids(tokenizer, e.text) for e in [*train_set, *test_set]]
     prefix, suffix = shared_prefix(ids), shared_suffix(ids)
     y_train = np.array([e.label for e in train_set])

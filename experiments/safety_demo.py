@@ -47,6 +47,7 @@ from safety_loop import (
     first_gated,
     gated_spec,
     load_sets,
+    load_tokenizer,
     prepare,
     run_chats,
     served,
@@ -103,17 +104,15 @@ def plot(rows: list[dict[str, Any]], threshold: float, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    import transformers
     from refusal import is_refusal
 
     from dynsteer.controller.client import DynsteerClient
-    from dynsteer.engine_ext.default_model import default_model_path
 
     t0 = time.time()
     train_set, test_set = load_sets(args)
     print(f"[demo] training on {len(train_set)} prompts, evaluating {len(test_set)} held out",
           flush=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer = load_tokenizer()
     with served(args.out) as server:
         client = DynsteerClient(server.url)
         model = client.info().model

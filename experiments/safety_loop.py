@@ -97,6 +97,15 @@ def load_sets(args: argparse.Namespace) -> tuple[list[Example], list[Example]]:
             balanced(test_set, args.test_per_label, seed=args.seed))
 
 
+def load_tokenizer() -> Any:
+    """The embedded model's tokenizer (the one the server applies its chat template with)."""
+    import transformers
+
+    from dynsteer.engine_ext.default_model import default_model_path
+
+    return transformers.AutoTokenizer.from_pretrained(default_model_path())
+
+
 def chat_ids(tokenizer: Any, text: str, reply: str = "") -> list[int]:
     """The token ids the server's chat route feeds the model for one user turn (and, with
     ``reply``, the start of the assistant's answer)."""

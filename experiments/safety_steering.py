@@ -112,6 +112,7 @@ from safety_loop import (  # noqa: E402
     first_gated,
     gated_spec,
     load_sets,
+    load_tokenizer,
     prepare,
     progress,
     run_chats,
@@ -576,16 +577,14 @@ def provenance() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    import transformers
 
     from dynsteer.controller.client import DynsteerClient
-    from dynsteer.engine_ext.default_model import default_model_path
 
     started = time.time()
     train_set, test_set = load_sets(args)
     print(f"[steering] training on {len(train_set)} prompts, evaluating {len(test_set)} held "
           f"out; sweeps: {', '.join(args.sweeps) or 'none'}", flush=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer = load_tokenizer()
     args.out.mkdir(parents=True, exist_ok=True)
     with served(args.out) as server:
         client = DynsteerClient(server.url)
