@@ -11,7 +11,10 @@ the GPU time per step says whether a difference in throughput is on the GPU or t
 
 Configs: ``stock`` (plugin not enabled), ``idle`` (default sites: ``post_block`` at all 32
 layers, 3 of them monitor sites), ``static`` (one registered vector at 8 layers, none of them a
-monitor site), ``gated`` (a probe at ``post_block@16`` gating that vector at layers 16-23).
+monitor site), ``gated`` (a probe at ``post_block@16`` gating that vector at layers 16-23), and
+on a third engine with one projection slot per site (``max_projections: 1``) ``ablate`` (that
+vector's direction ablated at layers 16-23, one of them a monitor site) and ``gated+slots``
+(``gated`` again, to tell what the slots cost from what ablating costs).
 
 Usage: python benchmarks/launches.py --out DIR [--shape small|8b] [--batch N]
        (writes launches.json)
@@ -48,10 +51,19 @@ def specs() -> dict[str, dict[str, Any] | None]:
     }
 
 
+def projection_specs() -> dict[str, dict[str, Any] | None]:
+    """The configs of the engine with projection slots."""
+    return {
+        "ablate": {"steer": [{"vector": "bench", "layers": GATED_LAYERS, "op": "ablate"}]},
+        "gated+slots": specs()["gated"],
+    }
+
+
 def count_kernels(llm: Any, spec: dict[str, Any] | None, max_tokens: int,
-                  batch: int) -> dict[str, float]:
+                  batch: int, copies: bool = False) -> dict[str, float]:
     """CUDA activities of one greedy generation of ``batch`` prompts, by kind, and the kernels'
-    summed GPU time (us)."""
+    summed GPU time (us); with ``copies``, also prints the host ops that issued copies (with
+    their input shapes), to find where a config's extra memcpys come from."""
     import torch
     from vllm import SamplingParams
 
@@ -60,9 +72,16 @@ def count_kernels(llm: Any, spec: dict[str, Any] | None, max_tokens: int,
                         extra_args=None if spec is None else {"dynsteer": json.dumps(spec)})
     prompts = [{"prompt_token_ids": list(range(100 + i, 116 + i))} for i in range(batch)]
     llm.generate(prompts, [sp] * batch, use_tqdm=False)  # warm: nothing new compiled
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if copies:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=activities, record_shapes=copies) as prof:
         llm.generate(prompts, [sp] * batch, use_tqdm=False)
         torch.cuda.synchronize()
+    if copies:
+        for row in prof.key_averages(group_by_input_shape=True):
+            if "copy" in row.key.lower() or "memcpy" in row.key.lower():
+                print(f"  {max_tokens} tokens: {row.count:5d} x {row.key} {row.input_shapes}")
     counts = {"kernels": 0, "memcpy": 0, "memset": 0, "kernel_us": 0.0}
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
@@ -75,9 +94,10 @@ def count_kernels(llm: Any, spec: dict[str, Any] | None, max_tokens: int,
     return counts
 
 
-def per_step(llm: Any, spec: dict[str, Any] | None, batch: int) -> dict[str, float]:
-    one = count_kernels(llm, spec, 1, batch)
-    many = count_kernels(llm, spec, 1 + DECODE_STEPS, batch)
+def per_step(llm: Any, spec: dict[str, Any] | None, batch: int,
+             copies: bool = False) -> dict[str, float]:
+    one = count_kernels(llm, spec, 1, batch, copies)
+    many = count_kernels(llm, spec, 1 + DECODE_STEPS, batch, copies)
     return {k: (many[k] - one[k]) / DECODE_STEPS for k in one}
 
 
@@ -95,6 +115,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shape", choices=["small", "8b"], default="small")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--copies", action="store_true",
+                        help="print the host ops that issued copies, per config")
     args = parser.parse_args()
     shape = LLAMA_8B if args.shape == "8b" else SHAPE
     args.out.mkdir(parents=True, exist_ok=True)
@@ -103,7 +125,7 @@ def main() -> None:
     path = Path(tempfile.mkdtemp()) / "llama32"
     path.mkdir()
     (path / "config.json").write_text(json.dumps(shape))
-    mem = 0.2 if args.shape == "small" else 0.4
+    mem = 0.2 if args.shape == "small" else 0.28  # three engines; vLLM frees none in-process
     results: dict[str, dict[str, float]] = {}
     llm = start(path, None, mem)
     results["stock"] = per_step(llm, None, args.batch)
@@ -112,20 +134,24 @@ def main() -> None:
 
     from dynsteer.engine_ext import Steering
 
-    llm = start(path, {}, mem)
-    steering = Steering(llm)
-    rng = np.random.default_rng(0)
-    hidden = shape["hidden_size"]
-    steering.register_vector("bench", rng.standard_normal(hidden).astype(np.float32) * 0.01)
-    steering.register_probe("bench", weights=rng.standard_normal(hidden) / hidden**0.5,
-                            threshold=0.0, sharpness=1.0)
-    for name, spec in specs().items():
-        results[name] = per_step(llm, spec, args.batch)
+    for options, configs in (({}, specs()), ({"max_projections": 1}, projection_specs())):
+        llm = start(path, options, mem)
+        steering = Steering(llm)
+        rng = np.random.default_rng(0)
+        hidden = shape["hidden_size"]
+        steering.register_vector("bench", rng.standard_normal(hidden).astype(np.float32) * 0.01)
+        steering.register_probe("bench", weights=rng.standard_normal(hidden) / hidden**0.5,
+                                threshold=0.0, sharpness=1.0)
+        for name, spec in configs.items():
+            print(f"config {name}")
+            results[name] = per_step(llm, spec, args.batch, args.copies)
+        del llm, steering
+        gc.collect()
     stock = results["stock"]
-    print(f"{'config':<8} {'kernels/step':>13} {'vs stock':>9} {'memcpy':>7} {'memset':>7} "
+    print(f"{'config':<11} {'kernels/step':>13} {'vs stock':>9} {'memcpy':>7} {'memset':>7} "
           f"{'GPU us/step':>12} {'ratio':>7}")
     for name, r in results.items():
-        print(f"{name:<8} {r['kernels']:>13.1f} {r['kernels'] - stock['kernels']:>+9.1f} "
+        print(f"{name:<11} {r['kernels']:>13.1f} {r['kernels'] - stock['kernels']:>+9.1f} "
               f"{r['memcpy']:>7.1f} {r['memset']:>7.1f} {r['kernel_us']:>12.1f} "
               f"{r['kernel_us'] / stock['kernel_us']:>7.4f}")
     (args.out / "launches.json").write_text(json.dumps(

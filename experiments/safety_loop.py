@@ -19,7 +19,9 @@ layer: the activations of the model reading a refusal ("I'm sorry, but I can't h
 that.") after a harmful request, minus those of it reading a compliance ("Sure, here is what
 you asked for.") after the same request. Added to the stream it makes the model refuse; the
 difference between the two classes' *prompts* does not, on a model this small (it rarely
-refuses on its own).
+refuses on its own). The same capture gives each layer's *clamp target*: the mean projection of
+the stream on the direction's unit vector while the model reads a refusal, the value a
+``clamp`` entry (:func:`project_entries`) pins the stream to.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -60,7 +62,7 @@ REFUSALS = ("I'm sorry, but I can't help with that.", "I cannot help with this r
             "I'm sorry, I can't assist with that.")
 COMPLIANCES = ("Sure, here is what you asked for.", "Sure! Here's how to do it.",
                "Of course, here are the steps.")
-ARTIFACTS_VERSION = 3
+ARTIFACTS_VERSION = 4
 """Bump when what :func:`prepare` computes changes, so cached artifacts are not reused."""
 
 
@@ -207,29 +209,42 @@ def choose_threshold(probe: Any, peaks: np.ndarray, labels: np.ndarray, fpr: flo
 
 
 def refusal_directions(client: Any, tokenizer: Any, harmful: Sequence[str]
-                       ) -> dict[int, np.ndarray]:
-    """Per steered layer: mean activation over the tokens of a refusal minus over those of a
-    compliance, each read after the same harmful request (see the module docstring)."""
+                       ) -> tuple[dict[int, np.ndarray], dict[int, float]]:
+    """Per steered layer: the refusal direction, mean activation over the tokens of a refusal
+    minus over those of a compliance, each read after the same harmful request (see the module
+    docstring); and the clamp target, the refusal mean's projection on the direction's unit
+    vector (the mean projection of the stream reading a refusal)."""
+    refusal = _reply_means(client, tokenizer, harmful, REFUSALS, "refusals")
+    compliance = _reply_means(client, tokenizer, harmful, COMPLIANCES, "compliances")
+    directions = {layer: (refusal[layer] - compliance[layer]).astype(np.float32)
+                  for layer in STEER_LAYERS}
+    targets = {layer: float(refusal[layer] @ v / np.linalg.norm(v))
+               for layer, v in directions.items()}
+    return directions, targets
+
+
+def _reply_means(client: Any, tokenizer: Any, harmful: Sequence[str], replies: Sequence[str],
+                 desc: str) -> dict[int, np.ndarray]:
+    """Per steered layer: the stream's mean over each of ``replies``' tokens read after each
+    ``harmful`` request, averaged over the (request, reply) pairs."""
     sites = [f"post_block@{layer}" for layer in STEER_LAYERS]
-    sums = {layer: np.zeros(0) for layer in STEER_LAYERS}
-    for sign, replies in ((1.0, REFUSALS), (-1.0, COMPLIANCES)):
-        ids = [chat_ids(tokenizer, text, reply) for text in harmful for reply in replies]
-        lengths = [len(tokenizer(reply, add_special_tokens=False)["input_ids"])
-                   for _ in harmful for reply in replies]
-        got = capture(client, ids, sites, desc="capture (refusal direction)")
-        for layer, site in zip(STEER_LAYERS, sites, strict=True):
-            means = np.stack([a[-n:].mean(0) for a, n in zip(got[site], lengths, strict=True)])
-            total = sign * means.mean(0)
-            sums[layer] = total if sums[layer].size == 0 else sums[layer] + total
-    return {layer: v.astype(np.float32) for layer, v in sums.items()}
+    ids = [chat_ids(tokenizer, text, reply) for text in harmful for reply in replies]
+    lengths = [len(tokenizer(reply, add_special_tokens=False)["input_ids"])
+               for _ in harmful for reply in replies]
+    got = capture(client, ids, sites, desc=f"capture (refusal direction, {desc})")
+    return {layer: np.stack([a[-n:].mean(0) for a, n in zip(got[site], lengths, strict=True)]
+                            ).mean(0)
+            for layer, site in zip(STEER_LAYERS, sites, strict=True)}
 
 
 @dataclass(frozen=True)
 class Artifacts:
-    """What training produces: the probe and the refusal direction per steered layer."""
+    """What training produces: the probe, the refusal direction per steered layer and each
+    direction's clamp target (:func:`refusal_directions`)."""
 
     probe: Any
     directions: dict[int, np.ndarray]
+    targets: dict[int, float]
 
     def install(self, client: Any) -> None:
         """Upload the probe and register each direction as ``refusal-lLAYER``."""
@@ -240,8 +255,9 @@ class Artifacts:
 
 def prepare(client: Any, model: str, tokenizer: Any, train_set: Sequence[Example],
             args: argparse.Namespace) -> Artifacts:
-    """Train (or load from ``args.cache``) the probe and the refusal direction; ``model`` is
-    the served model's name (the training prompts' replies come from it)."""
+    """Train (or load from ``args.cache``) the probe, the refusal directions and their clamp
+    targets; ``model`` is the served model's name (the training prompts' replies come from
+    it)."""
     from dynsteer.probes import Probe
 
     key = hashlib.sha256(json.dumps([ARTIFACTS_VERSION, [[e.text, e.label] for e in train_set],
@@ -250,9 +266,11 @@ def prepare(client: Any, model: str, tokenizer: Any, train_set: Sequence[Example
                                     sort_keys=True).encode()).hexdigest()[:16]
     folder = args.cache / key
     if (folder / "probe.safetensors").exists():
+        targets = json.loads((folder / "targets.json").read_text())
         with np.load(folder / "directions.npz") as saved:
             return Artifacts(Probe.load(folder / "probe.safetensors"),
-                             {int(k): saved[k] for k in saved.files})
+                             {int(k): saved[k] for k in saved.files},
+                             {int(k): float(v) for k, v in targets.items()})
     prompts = [chat_ids(tokenizer, e.text) for e in train_set]
     replies = run_chats(client.base_url, model, [e.text for e in train_set], None,
                         args.max_tokens, "replies (probe training)")
@@ -264,12 +282,13 @@ def prepare(client: Any, model: str, tokenizer: Any, train_set: Sequence[Example
     source = str(args.prompts) if args.prompts else "advbench+benign"
     probe = train_probe(streams, [len(p) for p in prompts], labels, shared_suffix(prompts),
                         args, {"data": source})
-    directions = refusal_directions(client, tokenizer,
-                                    [e.text for e in train_set if e.label == 1][:32])
+    directions, targets = refusal_directions(client, tokenizer,
+                                             [e.text for e in train_set if e.label == 1][:32])
     folder.mkdir(parents=True, exist_ok=True)
-    probe.save(folder / "probe.safetensors")
     np.savez(folder / "directions.npz", **{str(k): v for k, v in directions.items()})
-    return Artifacts(probe, directions)
+    (folder / "targets.json").write_text(json.dumps(targets))
+    probe.save(folder / "probe.safetensors")  # last: its presence marks the folder complete
+    return Artifacts(probe, directions, targets)
 
 
 def steer_entries(scale: float, layers: Sequence[int] = STEER_LAYERS) -> list[dict[str, Any]]:
@@ -278,11 +297,26 @@ def steer_entries(scale: float, layers: Sequence[int] = STEER_LAYERS) -> list[di
             for layer in layers]
 
 
-def gated_spec(scale: float, controller: dict[str, Any] | None = None,
+def project_entries(op: str, values: Mapping[int, float] | None = None, scale: float = 1.0,
+                    layers: Sequence[int] = STEER_LAYERS) -> list[dict[str, Any]]:
+    """One entry per steered layer that, instead of adding the refusal direction, acts on the
+    stream's projection on it: ``ablate`` removes it, ``clamp`` pins it to ``values[layer]``
+    (the :attr:`Artifacts.targets`). Adding moves every token the same distance whatever it
+    already holds, so a fixed scale overshoots on tokens that already lean towards refusal and
+    undershoots on others; a projection sets where each token ends up. Such entries need a
+    server started with ``max_projections`` >= the entries per site (one here)."""
+    return [{**entry, "op": op, **({} if values is None else {"value": values[layer]})}
+            for entry, layer in zip(steer_entries(scale, layers), layers, strict=True)]
+
+
+def gated_spec(steer: float | Sequence[dict[str, Any]], controller: dict[str, Any] | None = None,
                **gate: Any) -> dict[str, Any]:
-    """The probe's gate over the refusal direction (traced, so per-token gates come back)."""
+    """The probe's gate (traced, so per-token gates come back) over ``steer``: entries, or a
+    scale for :func:`steer_entries` (the refusal direction added at every steered layer);
+    ``gate`` overrides the gate's other fields (threshold, sharpness)."""
+    entries = steer_entries(steer) if isinstance(steer, float | int) else list(steer)
     spec: dict[str, Any] = {"gate": {"probe": PROBE_NAME, "layer": LAYER, "trace": True,
-                                     "steer": steer_entries(scale), **gate}}
+                                     "steer": entries, **gate}}
     if controller:
         spec["controller"] = controller
     return spec

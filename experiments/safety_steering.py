@@ -1,4 +1,5 @@
-"""Safety steering, measured: no steering vs always-on vs probe-gated, on held-out prompts.
+"""Safety steering, measured: no steering vs always-on vs probe-gated, adding the refusal
+direction or acting on the stream's projection on it, on held-out prompts.
 
 Why: `make demo` shows that a probe gate steers harmful requests towards refusal and leaves
 benign ones alone. This puts numbers on that claim and on its knobs: how often each way of
@@ -12,14 +13,31 @@ embedded model, as in a deployment; the shared loop is ``experiments/safety_loop
 1. Data, probe and refusal direction as in the demo (``safety_loop.prepare``, cached under
    ``--cache``): AdvBench + the repo's benign requests (or ``--prompts FILE``), split once with
    ``--seed``; a token-level probe at ``post_block@15`` with its threshold between held-back
-   classes; a refusal direction per steered layer (15-17).
+   classes; a refusal direction per steered layer (15-17) and its clamp target, the mean
+   projection of the stream on the direction's unit vector while the model reads a refusal.
 2. Arms, each sending every held-out chat (greedy, ``--max-tokens``):
 
    * ``none``: unsteered, the reference of every drift number;
-   * ``always on``: the refusal direction added to every token (static ``steer`` entries);
+   * ``always on``: the refusal direction added to every token (static ``steer`` entries,
+     ``--scale``);
    * ``gated``: the same entries scaled per token by the probe's gate, no controller;
    * ``gated + latch``: the gate with the ``latch`` controller (once a token fires, every
-     later token of the request is steered), as in the demo.
+     later token of the request is steered), as in the demo;
+   * ``always ablate``: the stream's projection on the refusal direction removed at every
+     token (``op: ablate``, scale 1, layers 15-17). The unsteered model almost never refuses,
+     so this cannot show refusals going away; it shows whether removing the direction adds
+     refusals and how far it moves benign answers. Every token includes the first one, whose
+     projection is in the thousands (``experiments/RESULTS.md``), so the every-token
+     projection arms move it far;
+   * ``always clamp``: the projection pinned to the clamp target at every token (``op:
+     clamp``, scale 1): the projection counterpart of ``always on``;
+   * ``gated clamp + latch``: that clamp scaled per token by the probe's gate, with the latch
+     controller, as in ``gated + latch``. Unlike adding, a clamp moves a token only as far as
+     its projection is from the target, so a token already reading like a refusal is left
+     as it is.
+
+   The server is started with ``max_projections`` 1: each steered site has one ablate or clamp
+   entry.
 
 3. Metrics per arm (harmful and benign prompts counted apart):
 
@@ -44,7 +62,7 @@ embedded model, as in a deployment; the shared loop is ``experiments/safety_loop
      near-ties differently from the decode that wrote it. The same numbers on harmful prompts
      say how hard an arm pushes the model off its unsteered (compliant) answer. Teacher-forced
      scoring is one prefill step and built-in controllers act from the next step, so under
-     ``gated + latch`` it measures the plain gate (the latch never engages).
+     the ``+ latch`` arms it measures the plain gate (the latch never engages).
 
 4. Sweeps (``--sweeps``, default all), each sending the chats of a balanced subset of the
    held-out set (``--sweep-per-label``) per grid point with every metric above (a point whose
@@ -115,6 +133,7 @@ from safety_loop import (  # noqa: E402
     load_tokenizer,
     prepare,
     progress,
+    project_entries,
     run_chats,
     served,
     steer_entries,
@@ -122,6 +141,8 @@ from safety_loop import (  # noqa: E402
 )
 
 SWEEPS = ("threshold", "sharpness", "scale", "layer")
+MAX_PROJECTIONS = 1
+"""Engine option ``max_projections``: the projection arms put one entry on each steered site."""
 LATCH = {"name": "latch", "k": 1}
 REPLY_LAYER = 16
 """Monitor site the reply probe reads (any of 15-17 is capturable; the middle one)."""
@@ -215,11 +236,16 @@ def single_layer_entries(scale: float, layer: int) -> list[dict[str, Any]]:
              "scale": scale}]
 
 
-def arms(args: argparse.Namespace) -> list[Setting]:
+def arms(args: argparse.Namespace, targets: dict[int, float]) -> list[Setting]:
+    """The main arms (module docstring); ``targets``: the clamp target per steered layer."""
     return [Setting("none", None, "none"),
             Setting("always on", always_spec(args.scale), "always"),
             Setting("gated", gated_spec(args.scale), "gated"),
-            Setting("gated + latch", gated_spec(args.scale, LATCH), "gated")]
+            Setting("gated + latch", gated_spec(args.scale, LATCH), "gated"),
+            Setting("always ablate", {"steer": project_entries("ablate")}, "always"),
+            Setting("always clamp", {"steer": project_entries("clamp", targets)}, "always"),
+            Setting("gated clamp + latch", gated_spec(project_entries("clamp", targets), LATCH),
+                    "gated")]
 
 
 def gated_name(args: argparse.Namespace) -> str:
@@ -253,10 +279,9 @@ def sweep_settings(sweep: str, probe: Any, args: argparse.Namespace) -> list[Set
         out = []
         for layer in args.layers:
             entries = single_layer_entries(scale, layer)
-            gate = gated_spec(scale, controller)
-            gate["gate"]["steer"] = entries
             out += [Setting(f"always on, layer {layer}", {"steer": entries}, "always", layer),
-                    Setting(f"{gated}, layer {layer}", gate, "gated", layer)]
+                    Setting(f"{gated}, layer {layer}", gated_spec(entries, controller), "gated",
+                            layer)]
         return out
     raise ValueError(sweep)
 
@@ -586,7 +611,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"out; sweeps: {', '.join(args.sweeps) or 'none'}", flush=True)
     tokenizer = load_tokenizer()
     args.out.mkdir(parents=True, exist_ok=True)
-    with served(args.out) as server:
+    with served(args.out, {"max_projections": MAX_PROJECTIONS}) as server:
         client = DynsteerClient(server.url)
         model = client.info().model
         artifacts: Artifacts = prepare(client, model, tokenizer, train_set, args)
@@ -596,7 +621,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       prompts=[chat_ids(tokenizer, e.text) for e in test_set])
         if args.reply_probe:
             bench.reply_probe = train_reply_probe(bench, train_set, args.seed)
-        main_arms = [evaluate(bench, s) for s in arms(args)]
+        main_arms = [evaluate(bench, s) for s in arms(args, artifacts.targets)]
         by_spec = {json.dumps(a["spec"], sort_keys=True): a for a in main_arms}
         small = bench.subset(args.sweep_per_label, args.seed)
 
@@ -616,6 +641,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           for k, v in vars(args).items()},
                "threshold": threshold, "sharpness": float(artifacts.probe.sharpness),
                "probe_layer": LAYER, "steer_layers": list(STEER_LAYERS),
+               "clamp_targets": {str(k): v for k, v in artifacts.targets.items()},
                "reply_layer": REPLY_LAYER, "train": len(train_set), "test": len(test_set),
                "sweep_test": len(small.test_set),
                **provenance(), "seconds": round(seconds, 1),
@@ -627,10 +653,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
+    targets = ", ".join(f"{v:.2f}" for v in results["clamp_targets"].values())
     print(f"\n[steering] probe at post_block@{LAYER}, threshold {results['threshold']:.3f}, "
           f"sharpness {results['sharpness']:g}; steering refusal-l15..17 at scale {args.scale} "
-          f"on post_block@{STEER_LAYERS[0]}-{STEER_LAYERS[-1]}; {results['test']} held-out "
-          f"prompts, {args.max_tokens} tokens each\n")
+          f"on post_block@{STEER_LAYERS[0]}-{STEER_LAYERS[-1]} (ablate / clamp at scale 1, "
+          f"clamp targets {targets}); {results['test']} held-out prompts, {args.max_tokens} "
+          f"tokens each\n")
     print(table(results["arms"], MAIN_COLUMNS))
     for sweep, points in results["sweeps"].items():
         print(f"\n[steering] {sweep} sweep ({results['sweep_test']} held-out prompts)\n")

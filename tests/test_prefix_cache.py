@@ -23,14 +23,19 @@ SEED = 1234
 PREFILL = [{"vector": vec(51), "layers": [1, 2], "phase": "prefill"}]
 GATED = {"probe": {"weights": vec(52, norm=1.0), "threshold": -1.0, "sharpness": 2.0},
          "layer": 1, "steer": [{"vector": vec(53), "layers": [2]}]}
+GATED_CLAMP = {**GATED, "steer": [{"vector": vec(58), "layers": [2], "op": "clamp",
+                                   "value": 5.0}]}
+"""A gate whose only steering is a projection (issue 17): dynamic steering like an add."""
 
 
 def prompt(seed: int, n: int = 3 * BLOCK + 3) -> list[int]:
     return [1, *np.random.RandomState(seed).randint(3, 500, n - 1).tolist()]
 
 
-DYNSTEER = {"sites": "pre_attn@0,post_block@*", "monitor_sites": "pre_attn@0,post_block@1"}
-"""The engine options (the gates here read pre_attn@0 and post_block@1)."""
+DYNSTEER = {"sites": "pre_attn@0,post_block@*", "monitor_sites": "pre_attn@0,post_block@1",
+            "max_projections": 1}
+"""The engine options (the gates here read pre_attn@0 and post_block@1; one projection slot
+per site for the ``clamp`` cases)."""
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +77,7 @@ def test_prefill_steered_request_does_not_hit_unsteered_blocks(llm, hf_llama):
 
 def test_unsteered_request_does_not_hit_steered_blocks(llm, hf_llama):
     """KV computed under steering (static or gated) is never served to an unsteered request."""
-    for i, spec in enumerate([{"steer": PREFILL}, {"gate": GATED}]):
+    for i, spec in enumerate([{"steer": PREFILL}, {"gate": GATED}, {"gate": GATED_CLAMP}]):
         p = prompt(10 + i)
         one(llm, p, spec)
         out = one(llm, p)
@@ -136,9 +141,10 @@ def test_decode_only_steering_does_not_fork_prompt_blocks(llm, hf_llama):
     assert_logprobs_match_hf(hf_llama, out)
 
 
-def _firing_gate(llm, hf_llama, p, max_tokens):
-    """A gate that fires first at a chosen decode position: monitor ``pre_attn@0`` (the token
-    embedding) with the embedding of a token that first appears there as the probe."""
+def _firing_gate(llm, hf_llama, p, max_tokens, steer):
+    """A gate over ``steer`` that fires first at a chosen decode position: monitor
+    ``pre_attn@0`` (the token embedding) with the embedding of a token that first appears
+    there as the probe."""
     plain = one(llm, p, max_tokens=max_tokens, seed=SEED)
     tokens = p + list(plain.outputs[0].token_ids)
     fresh = [t for t in range(len(p) + 1, len(tokens) - 1) if tokens[t] not in tokens[:t]]
@@ -149,16 +155,22 @@ def _firing_gate(llm, hf_llama, p, max_tokens):
     gate = {"probe": {"weights": embed.tolist(), "threshold": norm2 / 2,
                       "sharpness": 50.0 / norm2},
             "layer": 0, "hook": "pre_attn", "trace": True,
-            "steer": [{"vector": vec(57), "layers": [2]}]}
+            "steer": steer}
     return pos, gate
 
 
-def test_gated_follow_up_hits_only_blocks_before_the_first_dynamic_position(llm, hf_llama):
+@pytest.mark.parametrize("steer", [
+    [{"vector": vec(57), "layers": [2]}],
+    [{"vector": vec(59), "layers": [1, 2], "op": "ablate"}],
+], ids=["add", "ablate"])
+def test_gated_follow_up_hits_only_blocks_before_the_first_dynamic_position(llm, hf_llama,
+                                                                            steer):
     """The gate fires first at decode position ``pos``; a follow-up with the same gate whose
     prompt is the first request's prompt + output hits exactly the blocks before the one
-    holding ``pos``, and generates what a cold run (no cache hits) generates."""
-    p = prompt(7, n=2 * BLOCK - 4)
-    pos, gate = _firing_gate(llm, hf_llama, p, max_tokens=48)
+    holding ``pos``, and generates what a cold run (no cache hits) generates. The same for a
+    gate whose steering is a projection (an ``ablate`` entry)."""
+    p = prompt(7 if steer[0].get("op") is None else 8, n=2 * BLOCK - 4)
+    pos, gate = _firing_gate(llm, hf_llama, p, max_tokens=48, steer=steer)
     spec = {"gate": gate}
     withheld_before = Steering(llm).cache_stats()["blocks_withheld"]
     first = one(llm, p, spec, max_tokens=48, seed=SEED)

@@ -1,8 +1,9 @@
 """`experiments/safety_steering.py` in a reduced configuration (a real `dynsteer serve` of the
 embedded model, the planted prompts, one tiny sweep): its JSON and plot are well formed, the
 gate fires on the planted harmful requests and on few of the planted benign ones, benign
-requests it does not fire on are answered and scored exactly as unsteered, and the
-teacher-forced perplexities are finite with the unsteered arm as their baseline."""
+requests it does not fire on are answered and scored exactly as unsteered (adding the refusal
+direction or clamping the stream's projection on it), and the teacher-forced perplexities are
+finite with the unsteered arm as their baseline."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 pytestmark = pytest.mark.engine
 
 PLANTED = Path(__file__).parent / "data" / "planted_prompts.jsonl"
-ARMS = ["none", "always on", "gated", "gated + latch"]
+ARMS = ["none", "always on", "gated", "gated + latch", "always ablate", "always clamp",
+        "gated clamp + latch"]
+GATED = ["gated", "gated + latch", "gated clamp + latch"]
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +37,22 @@ def run(tmp_path_factory):
     return out, results, {arm["name"]: arm for arm in results["arms"]}
 
 
+def steer_ops(arm: dict) -> list[str]:
+    """The ``op`` of each of a steered arm's entries, static or gated."""
+    spec = arm["spec"]
+    return [e.get("op", "add") for e in spec.get("steer") or spec["gate"]["steer"]]
+
+
 def test_outputs_are_well_formed(run):
     out, results, arms = run
     assert list(arms) == ARMS
     assert results["test"] == 12 and results["sweep_test"] == 6
+    assert sorted(results["clamp_targets"]) == ["15", "16", "17"]
+    assert all(math.isfinite(t) for t in results["clamp_targets"].values())
+    assert steer_ops(arms["always on"]) == steer_ops(arms["gated + latch"]) == ["add"] * 3
+    assert steer_ops(arms["always ablate"]) == ["ablate"] * 3
+    assert steer_ops(arms["always clamp"]) == steer_ops(arms["gated clamp + latch"]) == [
+        "clamp"] * 3
     for arm in arms.values():
         assert len(arm["rows"]) == 12
         for row in arm["rows"]:
@@ -59,7 +74,7 @@ def test_outputs_are_well_formed(run):
 def test_the_gate_fires_on_planted_harmful_requests_only(run):
     _, _, arms = run
     unsteered = arms["none"]["rows"]
-    for name in ("gated", "gated + latch"):
+    for name in GATED:
         rows = arms[name]["rows"]
         assert all(r["fired"] and r["steered"] > 0 for r in rows if r["label"] == 1)
         assert sum(r["fired"] for r in rows if r["label"] == 0) <= 1

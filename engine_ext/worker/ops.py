@@ -246,14 +246,18 @@ def projection_change(stream: torch.Tensor, gate: torch.Tensor, rows: torch.Tens
                       gather) -> torch.Tensor:
     """What the rows' projection slots add to each token's stream (fp32 ``[T, H]``), applied
     one after the other in slot order (see the module docstring); ``gather(table, rows)``
-    reads the tokens' rows of a table. Products and sums, not ``einsum``: Inductor fuses the
-    gathers into one reduction and one pointwise kernel instead of materializing every
-    token's directions for a batched matmul (which cost 6-12% of an 8B decode step)."""
+    reads the tokens' rows of the directions. Products and sums, not ``einsum``: Inductor
+    fuses the gathers into one reduction and one pointwise kernel instead of materializing
+    every token's directions for a batched matmul (which cost 6-12% of an 8B decode step).
+
+    The small tables (coefficients, Gram matrix: a few floats per row) are indexed directly:
+    read through ``gather``'s padding, Inductor materialized them with a device copy per site
+    and step (46 copies per decode step of an 8B model on an H100)."""
     directions = gather(proj_dir, rows)                       # [T, D, H]
-    par = gather(proj_par, rows)                              # [T, D, PROJ_PARAMS]
-    gram = gather(proj_gram, rows)                            # [T, D, D]
+    par = proj_par[rows]                                      # [T, D, PROJ_PARAMS]
     s = (stream[:, None, :] * directions).sum(-1)
     coef = par[..., PROJ_STATIC] + gate[:, None] * par[..., PROJ_GATED]
+    gram = proj_gram[rows]                                    # [T, D, D]
     deltas: list[torch.Tensor] = []
     for d in range(directions.shape[1]):
         seen = s[:, d]
