@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import make_tiny_model, stable_model_dir
+from tiny_models import ARCHITECTURES, make_tiny_model, stable_model_dir
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +19,8 @@ def tiny_model_dir():
     so vLLM's compile cache is reused; see ``tiny_models.stable_model_dir``)."""
 
     def get(arch: str) -> Path:
-        return stable_model_dir(f"tiny-{arch}", lambda path: make_tiny_model(arch, path), arch)
+        return stable_model_dir(f"tiny-{arch}", lambda path: make_tiny_model(arch, path), arch,
+                                ARCHITECTURES[arch])
 
     return get
 

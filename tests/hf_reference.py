@@ -1,7 +1,8 @@
 """The independent reference: HF transformers with the same steering written as plain hooks.
 
-``pre_attn`` adds to the layer's input, ``post_attn`` to the attention output (so to the stream
-after the attention residual add), ``post_block`` to the layer's output; each only at the
+``pre_attn`` adds to the layer's input, ``post_attn`` to the attention branch's output (so to
+the stream after the attention residual add; :func:`attention_branch` says what that branch is
+per architecture), ``post_block`` to the layer's output; each only at the
 positions of the entry's phase (prompt positions = prefill, generated = decode). An ``ablate`` /
 ``clamp`` entry acts on the whole residual stream there (for ``post_attn``: the layer input plus
 the attention output), one entry after the other, static entries before gated ones, all before
@@ -129,12 +130,25 @@ class Steerer:
         return x if delta is None else x + delta.to(x.dtype)
 
 
+def attention_branch(model, layer) -> tuple[torch.nn.Module, float]:
+    """The module whose output HF adds to the residual stream after attention, and the factor
+    it is added with: the attention itself in Llama-like layers, its output norm in Gemma's
+    (``post_attention_layernorm`` normalizes the attention output before the add), the
+    attention scaled by ``residual_multiplier`` in Granite's."""
+    if model.config.model_type == "gemma3_text":
+        return layer.post_attention_layernorm, 1.0
+    return layer.self_attn, float(getattr(model.config, "residual_multiplier", 1.0))
+
+
 @contextmanager
 def steering_hooks(model, steerer: Steerer):
-    """Register forward hooks implementing ``steerer`` on an HF causal LM."""
+    """Register forward hooks implementing ``steerer`` on an HF causal LM. ``post_attn`` is
+    the stream right after attention's residual add, ``input + factor * branch`` (see
+    :func:`attention_branch`); its delta goes into the branch's output, divided by the factor."""
     handles = []
     inputs: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
+        branch, factor = attention_branch(model, layer)
         def pre_hook(mod, args, kwargs, i=i):
             hs = args[0] if args else kwargs["hidden_states"]
             hs = steerer.apply(("pre_attn", i), hs, hs)
@@ -144,9 +158,10 @@ def steering_hooks(model, steerer: Steerer):
             kwargs["hidden_states"] = hs
             return args, kwargs
 
-        def attn_hook(mod, args, output, i=i):
-            out = steerer.apply(("post_attn", i), inputs[i] + output[0], output[0])
-            return (out, *output[1:])
+        def attn_hook(mod, args, output, i=i, factor=factor):
+            added = factor * (output[0] if isinstance(output, tuple) else output)
+            out = steerer.apply(("post_attn", i), inputs[i] + added, added) / factor
+            return (out, *output[1:]) if isinstance(output, tuple) else out
 
         def post_hook(mod, args, output, i=i):
             hs = output[0] if isinstance(output, tuple) else output
@@ -154,7 +169,7 @@ def steering_hooks(model, steerer: Steerer):
             return (hs, *output[1:]) if isinstance(output, tuple) else hs
 
         handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        handles.append(layer.self_attn.register_forward_hook(attn_hook))
+        handles.append(branch.register_forward_hook(attn_hook))
         handles.append(layer.register_forward_hook(post_hook))
     try:
         yield
@@ -195,7 +210,7 @@ def record_streams(model: Any, tokens: Sequence[int], entries: Sequence[dict[str
                    vectors: dict | None = None) -> dict[tuple[str, int], np.ndarray]:
     """The residual stream of a forward over a prompt at every (hook, layer), ``[len, H]``.
 
-    ``pre_attn``: the layer's input; ``post_attn``: input + attention output; ``post_block``:
+    ``pre_attn``: the layer's input; ``post_attn``: input + attention branch; ``post_block``:
     the layer's output (TransformerLens resid_pre / resid_mid / resid_post); each read before
     that site's own steering by ``entries`` (static, every position is a prompt position).
     """

@@ -49,6 +49,13 @@ pre_attn@1) goes through the fused add reading the gate the monitor wrote."""
 REGISTERED = {"toxicity": {"weights": vec(3, norm=1.0), "threshold": 0.0, "sharpness": 1.0}}
 
 
+def register_probes(steering) -> None:
+    """Register :data:`REGISTERED` (what the ``registered-decode`` case gates with)."""
+    for name, p in REGISTERED.items():
+        steering.register_probe(name, weights=p["weights"], threshold=p["threshold"],
+                                sharpness=p["sharpness"])
+
+
 def calibrate(hf, spec: dict) -> dict:
     """Threshold midway between the two middle prompt scores, sharpness 4 / score spread.
 
@@ -72,9 +79,7 @@ def gated_run(request, tiny_model_dir):
     llm = start_llm(path, dynsteer={"sites": ALL_SITES, "monitor_sites": MONITOR_SITES})
     try:
         steering = Steering(llm)
-        p = REGISTERED["toxicity"]
-        steering.register_probe("toxicity", weights=p["weights"], threshold=p["threshold"],
-                                sharpness=p["sharpness"])
+        register_probes(steering)
         names = ["plain", *cases]
         outs = run(llm, [PROMPT] * len(names),
                    [params(MAX_TOKENS, spec=cases.get(n)) for n in names])
@@ -84,17 +89,24 @@ def gated_run(request, tiny_model_dir):
     return hf, cases, dict(zip(names, outs, strict=True)), telemetry
 
 
-@pytest.mark.parametrize("case", list(base_cases()))
-def test_gated_logprobs_match_hf(gated_run, case):
-    """Prompt + decode logprobs under gated steering equal the HF hook reference."""
-    hf, cases, outs, _ = gated_run
-    spec = cases[case]
-    tokens, want, steerer = assert_logprobs_match_hf(hf, outs[case], spec.get("steer", []),
+def assert_gated_matches_hf(hf, spec: dict, out) -> tuple[list[int], np.ndarray]:
+    """``out`` (a calibrated case's request) equals the HF hook reference, whose gate splits
+    the tokens and whose gated steering is strong enough to be checked; returns (all tokens,
+    HF's gate per position)."""
+    tokens, want, steerer = assert_logprobs_match_hf(hf, out, spec.get("steer", []),
                                                      gate=spec["gate"], probes=REGISTERED)
     gates = steerer.gates.numpy()
     assert (gates > 0.9).any() and (gates < 0.1).any(), "threshold should split the tokens"
     plain = run_reference(hf, tokens, len(PROMPT), spec.get("steer", []))[0]
     assert np.abs(want - plain).max() > 20 * LOGPROB_ATOL, "gated steering too weak to be checked"
+    return tokens, gates
+
+
+@pytest.mark.parametrize("case", list(base_cases()))
+def test_gated_logprobs_match_hf(gated_run, case):
+    """Prompt + decode logprobs under gated steering equal the HF hook reference."""
+    hf, cases, outs, _ = gated_run
+    assert_gated_matches_hf(hf, cases[case], outs[case])
 
 
 @pytest.mark.parametrize("case", list(base_cases()))

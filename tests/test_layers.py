@@ -18,14 +18,23 @@ from vllm.model_executor.models.utils import PPMissingLayer
 from dynsteer.controller.contract import resolve_sites
 from dynsteer.controller.spec import parse_entries
 from dynsteer.controller.wire import entry_to_wire
-from dynsteer.engine_ext.compat.model import SteeredLayer, SteeredNorm, wrap_sites
+from dynsteer.engine_ext.compat.model import (
+    SUPPORTED_ARCHITECTURES,
+    SteeredLayer,
+    SteeredNorm,
+    SteeredStreamLayer,
+    SteeredStreamNorm,
+    wrap_sites,
+)
 from dynsteer.engine_ext.worker.sites import SiteOp, install_sites
 from dynsteer.engine_ext.worker.state import SteeringState
 
 H = 4
 LAYERS = 4
 TOKENS = 5
-SUPPORTED = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+SUPPORTED = [name for name, spec in SUPPORTED_ARCHITECTURES.items()
+             if spec.mid_norm == "post_attention_layernorm"]
+"""The supported classes the fakes stand for (Gemma's mid-stream norm has another name)."""
 
 
 class FakeNorm(nn.Module):
@@ -205,9 +214,9 @@ def test_layers_of_another_pipeline_stage_are_skipped():
 def test_unsupported_architecture_names_the_model_class():
     """An architecture whose layer contract is not verified fails at startup, by name, and
     nothing is wrapped."""
-    model = fake_model("Gemma3ForCausalLM")
+    model = fake_model("FalconForCausalLM")
     layers = list(model.model.layers)
-    with pytest.raises(RuntimeError, match="does not support the model class Gemma3ForCausalLM"):
+    with pytest.raises(RuntimeError, match="does not support the model class FalconForCausalLM"):
         wrap_sites(model, recording_ops([]))
     assert list(model.model.layers) == layers
 
@@ -255,3 +264,62 @@ def test_install_sites_steers_each_site_from_its_own_buffers():
         got, want = steered(positions, x), reference(positions, x)
     torch.testing.assert_close(got, want)
     assert (got[1] - unsteered[1]).abs().max() > 0.1
+
+
+class FakeStreamNorm(nn.Module):
+    def forward(self, x):
+        return x / (1 + x.abs().mean(-1, keepdim=True))
+
+
+class FakeStreamLayer(nn.Module):
+    """A single-stream layer like vLLM's Granite: ``(positions, hidden_states) -> stream``,
+    the mid stream is both the norm's input and the residual of the MLP add."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.input_layernorm = FakeStreamNorm()
+        self.post_attention_layernorm = FakeStreamNorm()
+
+    def forward(self, positions, hidden_states):
+        residual = hidden_states
+        attn = torch.tanh((self.index + 2) * self.input_layernorm(hidden_states))
+        hidden_states = residual + attn * 0.5 + positions[:, None]
+        residual = hidden_states
+        mlp = torch.sin(3 * self.post_attention_layernorm(hidden_states))
+        return residual + mlp * 0.5
+
+
+def test_single_stream_layers_steer_the_stream_everywhere():
+    """In a single-stream layer (Granite's contract) ``pre_attn`` / ``post_block`` steer the
+    layer's input / output and ``post_attn`` the stream after attention's add, which the MLP's
+    residual add sees too: the wrapped model equals the layer math with the deltas added by
+    hand at those three points."""
+    model = type("GraniteForCausalLM", (nn.Module,), {})()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([FakeStreamLayer(0), FakeStreamLayer(1)])
+    gen = torch.Generator().manual_seed(3)
+    deltas = {site: torch.randn(H, generator=gen)
+              for site in (("pre_attn", 0), ("post_attn", 0), ("post_attn", 1),
+                           ("post_block", 1))}
+    positions = torch.arange(TOKENS, dtype=torch.float32)
+    x = torch.randn(TOKENS, H, generator=gen)
+
+    def by_hand(x):
+        for i in range(2):
+            x = x + deltas.get(("pre_attn", i), 0)
+            layer = FakeStreamLayer(i)
+            mid = x + torch.tanh((i + 2) * layer.input_layernorm(x)) * 0.5 + positions[:, None]
+            mid = mid + deltas.get(("post_attn", i), 0)
+            x = mid + torch.sin(3 * layer.post_attention_layernorm(mid)) * 0.5
+            x = x + deltas.get(("post_block", i), 0)
+        return x
+
+    ops = {site: RecordingOp(f"{site}", [], d) for site, d in deltas.items()}
+    assert sorted(wrap_sites(model, ops)) == sorted(deltas)
+    assert isinstance(model.model.layers[0], SteeredStreamLayer)
+    assert isinstance(model.model.layers[1].layer.post_attention_layernorm, SteeredStreamNorm)
+    steered = x
+    for layer in model.model.layers:
+        steered = layer(positions, steered)
+    torch.testing.assert_close(steered, by_hand(x))

@@ -47,28 +47,43 @@ STATIC_CASES = {
 """Static steering entries per case: every hook, every phase, scales, several layers."""
 
 
+ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 64}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {
+        "embedding_multiplier": 3.0, "residual_multiplier": 0.6,
+        "attention_multiplier": 0.2, "logits_scaling": 2.0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 256,
+        "tie_word_embeddings": True, "pad_token_id": 0}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+}
+"""Each test architecture: HF config class, HF model class, what differs from the common
+shape (GPT-2 is the unsupported one). Multipliers are set away from 1 so
+the reference tests exercise what makes each architecture's layer differ from Llama's."""
+
+
 def make_tiny_model(arch: str, path: Path, seed: int = 0, vocab: int = VOCAB) -> Path:
-    """Save a tiny random ``arch`` model (``llama``, ``qwen2`` or ``qwen3``) under ``path``."""
+    """Save a tiny random ``arch`` model (a key of :data:`ARCHITECTURES`) under ``path``."""
     import transformers
 
+    config_name, model_name, extra = ARCHITECTURES[arch]
     common = dict(
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=LAYERS,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
         tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
     )
-    if arch == "llama":
-        config = transformers.LlamaConfig(**common)
-        cls = transformers.LlamaForCausalLM
-    elif arch == "qwen2":
-        config = transformers.Qwen2Config(**common)
-        cls = transformers.Qwen2ForCausalLM
-    elif arch == "qwen3":
-        config = transformers.Qwen3Config(head_dim=64, **common)
-        cls = transformers.Qwen3ForCausalLM
-    else:
-        raise ValueError(arch)
+    config = getattr(transformers, config_name)(**{**common, **extra})
     torch.manual_seed(seed)
-    model = cls(config).to(torch.float32)
+    model = getattr(transformers, model_name)(config).to(torch.float32)
     with torch.no_grad():
         # Random init keeps the residual stream small; make norms non-trivial so the per-site
         # math (norm after the steered add) is really exercised.

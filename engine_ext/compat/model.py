@@ -1,21 +1,38 @@
-"""vLLM's decoder-layer contract: where the residual stream is and how a site is wrapped in.
+"""vLLM's decoder-layer contracts: where the residual stream is and how a site is wrapped in.
 
-vLLM decoder layers (Llama, Qwen2, Qwen3) take ``(positions, hidden_states, residual)`` and return
-``(hidden_states, residual)``; the residual stream after a layer is ``hidden_states + residual``
-and layer 0 receives ``residual=None``. A site's module ``op(x, h=None)`` returns ``x`` steered,
-reading the stream ``x + h``; it is applied to ``residual`` (or to ``hidden_states`` at layer 0's
-entry), so every later layer sees it:
+Two contracts cover the supported architectures; which one a layer follows is read from its
+``forward`` signature when the sites are installed:
 
-* ``pre_attn``  (TransformerLens ``resid_pre``): wrapper around the layer, before it;
-* ``post_attn`` (``resid_mid``): wrapper around the post-attention norm, which is where vLLM
-  fuses the attention residual add;
+* *split stream* (Llama, Qwen2/3, Mistral, Phi-3, Gemma 3, Qwen3-MoE, Mixtral): layers take
+  ``(positions, hidden_states, residual)`` and return ``(hidden_states, residual)``; the stream
+  after a layer is ``hidden_states + residual`` and layer 0 receives ``residual=None``. vLLM
+  fuses the residual adds into the norms, so the stream after attention first exists inside
+  the norm that receives ``(attn_out, residual)``: Llama's ``post_attention_layernorm``,
+  Gemma's ``pre_feedforward_layernorm`` (Gemma's ``post_attention_layernorm`` normalizes the
+  attention output *before* the add, so it is not a stream site);
+* *single stream* (Granite): layers take ``(positions, hidden_states)`` and return the stream;
+  the attention output is added as ``residual + attn_out * residual_multiplier`` in the layer
+  body, and that sum is both the input of ``post_attention_layernorm`` and the residual the
+  MLP output is added to.
+
+A site's module ``op(x, h=None)`` returns ``x`` steered, reading the stream ``x + h``:
+
+* ``pre_attn``  (TransformerLens ``resid_pre``): wrapper around the layer, before it; it steers
+  ``residual`` (``hidden_states`` at layer 0's entry and in single-stream layers);
+* ``post_attn`` (``resid_mid``): wrapper around the architecture's mid-stream norm; split
+  stream: its residual input is steered; single stream: its input is steered *in place*, so
+  the layer's ``residual`` variable (the same tensor) carries the steering into the MLP's add
+  too (torch.compile's functionalization keeps the aliasing);
 * ``post_block`` (``resid_post``): wrapper around the layer, after it.
 
 Layers and norms are wrapped (not hooked), so torch.compile traces the ops into the graph.
+What each hook means per architecture, in terms of HF transformers' residual stream, is the
+README's architecture table; ``tests/hf_reference.py`` checks it.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from torch import nn
@@ -25,20 +42,34 @@ from torch import nn
 class ArchSpec:
     """How to reach the sites of one model class (verified against HF transformers)."""
 
-    post_attn_norm: str
-    """The norm that receives ``(attn_out, residual)`` right after attention."""
+    mid_norm: str = "post_attention_layernorm"
+    """The norm that reads the residual stream right after attention's residual add."""
 
+
+_GEMMA = ArchSpec(mid_norm="pre_feedforward_layernorm")
 
 SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec(post_attn_norm="post_attention_layernorm"),
-    "Qwen2ForCausalLM": ArchSpec(post_attn_norm="post_attention_layernorm"),
-    "Qwen3ForCausalLM": ArchSpec(post_attn_norm="post_attention_layernorm"),
+    "LlamaForCausalLM": ArchSpec(),
+    "Qwen2ForCausalLM": ArchSpec(),
+    "Qwen3ForCausalLM": ArchSpec(),
+    "MistralForCausalLM": ArchSpec(),
+    "Phi3ForCausalLM": ArchSpec(),
+    "GraniteForCausalLM": ArchSpec(),
+    "Gemma3ForCausalLM": _GEMMA,
+    "Qwen3MoeForCausalLM": ArchSpec(),
+    "MixtralForCausalLM": ArchSpec(),
 }
-"""Architectures whose layer contract is checked by tests against HF transformers."""
+"""Architectures whose layer contract is checked by tests against HF transformers
+(``tests/test_architectures.py``); only these are accepted."""
+
+
+def splits_stream(layer: nn.Module) -> bool:
+    """Whether ``layer`` follows the split-stream contract (it takes a ``residual``)."""
+    return "residual" in inspect.signature(layer.forward).parameters
 
 
 class SteeredLayer(nn.Module):
-    """A decoder layer with optional ``pre_attn`` / ``post_block`` sites."""
+    """A split-stream decoder layer with optional ``pre_attn`` / ``post_block`` sites."""
 
     def __init__(self, layer: nn.Module, pre: nn.Module | None, post: nn.Module | None) -> None:
         super().__init__()
@@ -58,8 +89,24 @@ class SteeredLayer(nn.Module):
         return hidden_states, residual
 
 
+class SteeredStreamLayer(nn.Module):
+    """A single-stream decoder layer with optional ``pre_attn`` / ``post_block`` sites."""
+
+    def __init__(self, layer: nn.Module, pre: nn.Module | None, post: nn.Module | None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.pre = pre
+        self.post = post
+
+    def forward(self, positions, hidden_states, **kwargs):
+        if self.pre is not None:
+            hidden_states = self.pre(hidden_states)
+        hidden_states = self.layer(positions, hidden_states, **kwargs)
+        return hidden_states if self.post is None else self.post(hidden_states)
+
+
 class SteeredNorm(nn.Module):
-    """A fused add+norm whose residual input is steered first (the ``post_attn`` site)."""
+    """A fused add+norm whose residual input is steered first (split stream's ``post_attn``)."""
 
     def __init__(self, norm: nn.Module, site: nn.Module) -> None:
         super().__init__()
@@ -70,6 +117,20 @@ class SteeredNorm(nn.Module):
         if residual is None:
             raise RuntimeError("dynsteer post_attn site expects the norm to receive a residual")
         return self.norm(x, self.site(residual, x))
+
+
+class SteeredStreamNorm(nn.Module):
+    """A norm whose input, the whole stream, is steered in place first (single stream's
+    ``post_attn``): the layer keeps the same tensor as the residual of its MLP add."""
+
+    def __init__(self, norm: nn.Module, site: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.site = site
+
+    def forward(self, x):
+        x.copy_(self.site(x))
+        return self.norm(x)
 
 
 def arch_spec_for(model: nn.Module) -> ArchSpec:
@@ -115,10 +176,13 @@ def wrap_sites(model: nn.Module, ops: dict[tuple[str, int], nn.Module]) -> list[
         layer = layers[index]
         if not _owned(layer):
             continue
+        split = splits_stream(layer)
         if "post_attn" in at:
-            norm = getattr(layer, spec.post_attn_norm)
-            setattr(layer, spec.post_attn_norm, SteeredNorm(norm, at["post_attn"]))
+            norm = getattr(layer, spec.mid_norm)
+            steered = SteeredNorm if split else SteeredStreamNorm
+            setattr(layer, spec.mid_norm, steered(norm, at["post_attn"]))
         if "pre_attn" in at or "post_block" in at:
-            layers[index] = SteeredLayer(layer, at.get("pre_attn"), at.get("post_block"))
+            wrapper = SteeredLayer if split else SteeredStreamLayer
+            layers[index] = wrapper(layer, at.get("pre_attn"), at.get("post_block"))
         installed.extend((hook, index) for hook in at)
     return installed

@@ -1,0 +1,111 @@
+"""Every supported architecture beyond Llama / Qwen2 / Qwen3 matches HF transformers: Mistral,
+Phi-3 (fused projections), Granite (multipliers, single-stream layers), Gemma 3 (text; extra
+norms, scaled embeddings), and the mixture-of-experts Qwen3-MoE and Mixtral.
+
+One engine per architecture (compile on, fp32, CPU build), every hook at every layer, in one
+batch: the baseline, static steering at every hook and phase (``tiny_models.STATIC_CASES``),
+gated steering (the cases of ``test_gating_reference``: monitors at all three hooks through the
+op, gated sites after them through the fused add, registered and inline probes), then
+activation capture at the monitor sites. What each hook means per architecture is in the
+README's table and ``hf_reference.attention_branch``. An architecture without a verified layer
+contract fails at engine startup with a message naming its class.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_utils import ALL_SITES, LOGPROB_ATOL, params, run, start_llm, stop_llm
+from hf_reference import (
+    assert_capture_matches_hf,
+    assert_logprobs_match_hf,
+    load_hf,
+    record_streams,
+    reference_logprobs,
+)
+from test_gating_reference import (
+    MAX_TOKENS,
+    MONITOR_SITES,
+    PROMPT,
+    assert_gated_matches_hf,
+    base_cases,
+    calibrate,
+    register_probes,
+)
+from tiny_models import STATIC_CASES, make_tiny_model
+
+from dynsteer.engine_ext import Steering
+
+pytestmark = pytest.mark.engine
+
+ARCHS = ["mistral", "phi3", "granite", "gemma3", "qwen3_moe", "mixtral"]
+PROMPTS = [[1, 17, 42, 99, 7, 250, 3, 64], [1, 300, 5, 77, 8]]
+GATED = list(base_cases())
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_run(request, tiny_model_dir):
+    """(HF model, the gated specs, outputs by case name, telemetry, capture, streams) of one
+    architecture's engine, stopped before the tests read them."""
+    path = tiny_model_dir(request.param)
+    hf = load_hf(path)
+    gated = {name: calibrate(hf, spec) for name, spec in base_cases().items()}
+    specs = {"baseline": None, **{n: {"steer": e} for n, e in STATIC_CASES.items()}, **gated}
+    prompts = [PROMPTS[i % 2] for i in range(1 + len(STATIC_CASES))] + [PROMPT] * len(gated)
+    llm = start_llm(path, dynsteer={"sites": ALL_SITES, "monitor_sites": MONITOR_SITES})
+    try:
+        steering = Steering(llm)
+        register_probes(steering)
+        outs = dict(zip(specs, run(llm, prompts, [params(MAX_TOKENS, spec=s)
+                                                  for s in specs.values()]), strict=True))
+        telemetry = {n: steering.telemetry(outs[n]) for n in gated}
+        capture = steering.capture(PROMPTS, MONITOR_SITES, reduce="all")
+    finally:
+        stop_llm(llm)
+    return hf, gated, outs, telemetry, capture
+
+
+def test_baseline_matches_hf(arch_run):
+    """With the plugin on and no steering, logprobs equal HF's."""
+    hf, _, outs, _, _ = arch_run
+    assert_logprobs_match_hf(hf, outs["baseline"])
+
+
+@pytest.mark.parametrize("case", list(STATIC_CASES))
+def test_static_steering_matches_hf(arch_run, case):
+    """Every hook and phase: prompt and generated logprobs equal the HF hook reference."""
+    hf, _, outs, _, _ = arch_run
+    out = outs[case]
+    tokens, want, _ = assert_logprobs_match_hf(hf, out, STATIC_CASES[case])
+    unsteered = reference_logprobs(hf, tokens, len(out.prompt_token_ids))
+    assert np.abs(want - unsteered).max() > 20 * LOGPROB_ATOL, "steering too weak to be checked"
+
+
+@pytest.mark.parametrize("case", GATED)
+def test_gated_steering_matches_hf(arch_run, case):
+    """Gated steering equals HF's, and the traced gates are HF's gates."""
+    hf, gated, outs, telemetry, _ = arch_run
+    tokens, gates = assert_gated_matches_hf(hf, gated[case], outs[case])
+    traced = telemetry[case]["gates"]
+    if traced:
+        np.testing.assert_allclose(np.array(traced[: len(tokens) - 1], dtype=np.float64),
+                                   gates[: len(tokens) - 1], atol=5e-3)
+
+
+def test_capture_matches_hf(arch_run):
+    """The stream captured at each monitor site (one per hook) equals HF's."""
+    hf, _, _, _, capture = arch_run
+    assert set(capture) == set(MONITOR_SITES.split(","))
+    assert_capture_matches_hf(capture, [record_streams(hf, p) for p in PROMPTS], "all")
+
+
+def test_unsupported_architecture_fails_at_startup_naming_its_class(tmp_path, capfd):
+    """A model class without a verified layer contract (GPT-2 here) stops the engine's startup
+    with a message naming the class and the supported list."""
+    path = make_tiny_model("gpt2", tmp_path / "gpt2")
+    with pytest.raises(RuntimeError):
+        start_llm(path, dynsteer={})
+    captured = capfd.readouterr()
+    log = captured.out + captured.err  # the engine process's traceback and vLLM's log
+    assert "dynsteer does not support the model class GPT2LMHeadModel" in log
+    assert "GraniteForCausalLM" in log and "start the engine without" in log
