@@ -135,7 +135,7 @@ def attention_branch(model, layer) -> tuple[torch.nn.Module, float]:
     it is added with: the attention itself in Llama-like layers, its output norm in Gemma's
     (``post_attention_layernorm`` normalizes the attention output before the add), the
     attention scaled by ``residual_multiplier`` in Granite's."""
-    if model.config.model_type == "gemma3_text":
+    if model.config.model_type in ("gemma2", "gemma3_text"):
         return layer.post_attention_layernorm, 1.0
     return layer.self_attn, float(getattr(model.config, "residual_multiplier", 1.0))
 

@@ -56,6 +56,10 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", {
         "embedding_multiplier": 3.0, "residual_multiplier": 0.6,
         "attention_multiplier": 0.2, "logits_scaling": 2.0}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 256,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True, "pad_token_id": 0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
         "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 256,
         "tie_word_embeddings": True, "pad_token_id": 0}),
@@ -67,7 +71,7 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
 }
 """Each test architecture: HF config class, HF model class, what differs from the common
-shape (GPT-2 is the unsupported one). Multipliers are set away from 1 so
+shape (GPT-2 is the unsupported one). Multipliers and soft-caps are set away from 1 / off so
 the reference tests exercise what makes each architecture's layer differ from Llama's."""
 
 

@@ -3,7 +3,7 @@
 Two contracts cover the supported architectures; which one a layer follows is read from its
 ``forward`` signature when the sites are installed:
 
-* *split stream* (Llama, Qwen2/3, Mistral, Phi-3, Gemma 3, Qwen3-MoE, Mixtral): layers take
+* *split stream* (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, Qwen3-MoE, Mixtral): layers take
   ``(positions, hidden_states, residual)`` and return ``(hidden_states, residual)``; the stream
   after a layer is ``hidden_states + residual`` and layer 0 receives ``residual=None``. vLLM
   fuses the residual adds into the norms, so the stream after attention first exists inside
@@ -55,6 +55,7 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralForCausalLM": ArchSpec(),
     "Phi3ForCausalLM": ArchSpec(),
     "GraniteForCausalLM": ArchSpec(),
+    "Gemma2ForCausalLM": _GEMMA,
     "Gemma3ForCausalLM": _GEMMA,
     "Qwen3MoeForCausalLM": ArchSpec(),
     "MixtralForCausalLM": ArchSpec(),
