@@ -20,8 +20,6 @@ knobs are those of vLLM 0.26):
 - ``no_ipc_all``: also every other IPC / symmetric-memory user off: the FlashInfer fusion
   pass, sequence parallelism and async TP (``pass_config``), the standalone FlashInfer
   all-reduce and NCCL symmetric memory (env); all-reduce is plain NCCL (pynccl).
-- ``eager_diag``: ``no_ipc_all`` with ``enforce_eager=True`` (diagnosis only: does the wait
-  sit in compilation / graph capture?); skipped when ``no_ipc_all`` succeeded.
 - ``fi_trtllm``: ``no_custom_ar`` with ``VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm`` (keeps the
   fusion pass, on the IPC workspace instead of the multicast one).
 - ``nccl_p2p_off`` (only when named): ``no_ipc_all`` with ``NCCL_P2P_DISABLE=1``.
@@ -38,7 +36,7 @@ before the freeze, and its distinct thread stacks (8 innermost frames each).
 
 Usage (on the 2-GPU machine; OUT receives tp_<variant>.log, tp_topo.txt and tp_startup.json):
     python -u experiments/tp_startup.py $OUT
-    python -u experiments/tp_startup.py $OUT --variants no_ipc_all,eager_diag --deadline 150
+    python -u experiments/tp_startup.py $OUT --variants no_ipc_all --deadline 150
     python -u experiments/tp_startup.py $OUT --variants selftest_hang --deadline 10   (no GPU:
         a sleeping process tree, to check the timeout path)
 """
@@ -136,7 +134,6 @@ VARIANTS = {
     "defaults": Variant(),
     "no_custom_ar": Variant(NO_AR_ENV, {"disable_custom_all_reduce": True}),
     "no_ipc_all": Variant(NO_IPC_ENV, NO_IPC_KWARGS),
-    "eager_diag": Variant(NO_IPC_ENV, {**NO_IPC_KWARGS, "enforce_eager": True}, "no_ipc_all"),
     "fi_trtllm": Variant(
         {**NO_AR_ENV, "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm"},
         {"disable_custom_all_reduce": True},
@@ -144,7 +141,7 @@ VARIANTS = {
     "nccl_p2p_off": Variant({**NO_IPC_ENV, "NCCL_P2P_DISABLE": "1"}, NO_IPC_KWARGS),
     SELFTEST: Variant(),
 }
-DEFAULT_ORDER = "defaults,no_custom_ar,no_ipc_all,eager_diag,fi_trtllm"
+DEFAULT_ORDER = "defaults,no_custom_ar,no_ipc_all,fi_trtllm"
 DUMP_RESERVE_S = 25.0
 """Time kept back from the budget for a timed-out variant's dump and kill."""
 MIN_DEADLINE_S = 60.0
