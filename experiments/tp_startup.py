@@ -126,8 +126,6 @@ SELFTEST = "selftest_hang"
 class Variant:
     env: dict[str, str] = field(default_factory=dict)
     kwargs: dict[str, Any] = field(default_factory=dict)
-    skip_if_ok: str | None = None
-    """Skip this variant when the named one ran and succeeded."""
 
 
 VARIANTS = {
@@ -460,10 +458,7 @@ def drive(args: argparse.Namespace) -> int:
     try:
         for name in names:
             left = args.budget - (time.monotonic() - start) - DUMP_RESERVE_S
-            gate = VARIANTS[name].skip_if_ok
-            if gate and results.get(gate, {}).get("status") == "ok":
-                results[name] = {"status": "skipped", "reason": f"{gate} was ok"}
-            elif left < MIN_DEADLINE_S:
+            if left < MIN_DEADLINE_S:
                 results[name] = {"status": "skipped", "reason": "budget"}
             else:
                 print(f"[tp_startup] {name}: deadline {min(args.deadline, left):.0f} s",
