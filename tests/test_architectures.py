@@ -1,7 +1,7 @@
 """Every supported architecture beyond Llama / Qwen2 / Qwen3 matches HF transformers: Mistral,
 Phi-3 (fused projections), Granite (multipliers, single-stream layers), Gemma 2 (soft-capping)
-and Gemma 3 text (extra norms, scaled embeddings), and the mixture-of-experts Qwen3-MoE and
-Mixtral.
+and Gemma 3 text (extra norms, scaled embeddings), and the mixture-of-experts Qwen3-MoE,
+Mixtral and GPT-OSS (attention sinks, alternating sliding windows, its own argument order).
 
 One engine per architecture (compile on, fp32, CPU build), every hook at every layer, in one
 batch: the baseline, static steering at every hook and phase (``tiny_models.STATIC_CASES``),
@@ -39,7 +39,7 @@ from dynsteer.engine_ext import Steering
 
 pytestmark = pytest.mark.engine
 
-ARCHS = ["mistral", "phi3", "granite", "gemma2", "gemma3", "qwen3_moe", "mixtral"]
+ARCHS = ["mistral", "phi3", "granite", "gemma2", "gemma3", "qwen3_moe", "mixtral", "gpt_oss"]
 PROMPTS = [[1, 17, 42, 99, 7, 250, 3, 64], [1, 300, 5, 77, 8]]
 GATED = list(base_cases())
 

@@ -323,3 +323,37 @@ def test_single_stream_layers_steer_the_stream_everywhere():
     for layer in model.model.layers:
         steered = layer(positions, steered)
     torch.testing.assert_close(steered, by_hand(x))
+
+
+class FakeStreamFirstLayer(FakeDecoderLayer):
+    """GPT-OSS's argument order, ``(hidden_states, positions, residual)``, and an attribute
+    the model reads through its layers (``mlp``)."""
+
+    def __init__(self, index: int, log: list) -> None:
+        super().__init__(index, log)
+        self.mlp = nn.Linear(H, H)
+
+    def forward(self, hidden_states, positions, residual):
+        return super().forward(positions, hidden_states, residual)
+
+
+def test_layers_taking_the_stream_first_are_steered_the_same():
+    """A layer whose signature puts ``hidden_states`` before ``positions`` (GPT-OSS) is called
+    in its own order and steered exactly as a ``(positions, hidden_states)`` layer; reads of
+    the layer's attributes through the wrapper reach the layer."""
+    x = torch.randn(TOKENS, H, generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(TOKENS, dtype=torch.float32)
+    want = fake_model()
+    wrap_sites(want, recording_ops([]))
+    expected = want(positions, x)
+
+    got = type("GptOssForCausalLM", (nn.Module,), {})()
+    got.model = nn.Module()
+    got.model.layers = nn.ModuleList(FakeStreamFirstLayer(i, []) for i in range(LAYERS))
+    mlps = [layer.mlp for layer in got.model.layers]
+    wrap_sites(got, recording_ops([]))
+    assert all(layer.mlp is mlp for layer, mlp in zip(got.model.layers, mlps, strict=True))
+    hidden_states, residual = x, None
+    for layer in got.model.layers:
+        hidden_states, residual = layer(hidden_states, positions, residual)
+    torch.testing.assert_close((hidden_states, residual), expected)

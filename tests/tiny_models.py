@@ -68,6 +68,9 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
         "moe_intermediate_size": 64, "norm_topk_prob": True}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
         "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": 128, "pad_token_id": 0}),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
 }
 """Each test architecture: HF config class, HF model class, what differs from the common

@@ -3,10 +3,11 @@
 Two contracts cover the supported architectures; which one a layer follows is read from its
 ``forward`` signature when the sites are installed:
 
-* *split stream* (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, Qwen3-MoE, Mixtral): layers take
-  ``(positions, hidden_states, residual)`` and return ``(hidden_states, residual)``; the stream
-  after a layer is ``hidden_states + residual`` and layer 0 receives ``residual=None``. vLLM
-  fuses the residual adds into the norms, so the stream after attention first exists inside
+* *split stream* (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, Qwen3-MoE, Mixtral, GPT-OSS):
+  layers take ``(positions, hidden_states, residual)`` (GPT-OSS: ``(hidden_states, positions,
+  residual)``) and return ``(hidden_states, residual)``; the stream after a layer is
+  ``hidden_states + residual`` and layer 0 receives ``residual=None``. vLLM fuses the
+  residual adds into the norms, so the stream after attention first exists inside
   the norm that receives ``(attn_out, residual)``: Llama's ``post_attention_layernorm``,
   Gemma's ``pre_feedforward_layernorm`` (Gemma's ``post_attention_layernorm`` normalizes the
   attention output *before* the add, so it is not a stream site);
@@ -59,6 +60,7 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
     "Gemma3ForCausalLM": _GEMMA,
     "Qwen3MoeForCausalLM": ArchSpec(),
     "MixtralForCausalLM": ArchSpec(),
+    "GptOssForCausalLM": ArchSpec(),
 }
 """Architectures whose layer contract is checked by tests against HF transformers
 (``tests/test_architectures.py``); only these are accepted."""
@@ -69,8 +71,12 @@ def splits_stream(layer: nn.Module) -> bool:
     return "residual" in inspect.signature(layer.forward).parameters
 
 
-class SteeredLayer(nn.Module):
-    """A split-stream decoder layer with optional ``pre_attn`` / ``post_block`` sites."""
+class _LayerWrapper(nn.Module):
+    """A decoder layer with optional ``pre_attn`` / ``post_block`` sites around it.
+
+    Attributes the wrapper does not have are read from the layer, so model code that reaches
+    into its layers (GPT-OSS reads ``layers[i].mlp.experts``) sees the layer it wrapped.
+    """
 
     def __init__(self, layer: nn.Module, pre: nn.Module | None, post: nn.Module | None) -> None:
         super().__init__()
@@ -78,26 +84,38 @@ class SteeredLayer(nn.Module):
         self.pre = pre
         self.post = post
 
-    def forward(self, positions, hidden_states, residual, **kwargs):
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("layer"), name)
+
+
+class SteeredLayer(_LayerWrapper):
+    """A split-stream layer. Most take ``(positions, hidden_states, residual)``; GPT-OSS takes
+    ``(hidden_states, positions, residual)``: the order is read from the layer's signature."""
+
+    def __init__(self, layer: nn.Module, pre: nn.Module | None, post: nn.Module | None) -> None:
+        super().__init__(layer, pre, post)
+        names = list(inspect.signature(layer.forward).parameters)
+        self.stream_first = names.index("hidden_states") < names.index("positions")
+
+    def forward(self, first, second, residual, **kwargs):
+        positions, hidden_states = (second, first) if self.stream_first else (first, second)
         if self.pre is not None:
             if residual is None:
                 hidden_states = self.pre(hidden_states)
             else:
                 residual = self.pre(residual, hidden_states)
-        hidden_states, residual = self.layer(positions, hidden_states, residual, **kwargs)
+        args = (hidden_states, positions) if self.stream_first else (positions, hidden_states)
+        hidden_states, residual = self.layer(*args, residual, **kwargs)
         if self.post is not None:
             residual = self.post(residual, hidden_states)
         return hidden_states, residual
 
 
-class SteeredStreamLayer(nn.Module):
-    """A single-stream decoder layer with optional ``pre_attn`` / ``post_block`` sites."""
-
-    def __init__(self, layer: nn.Module, pre: nn.Module | None, post: nn.Module | None) -> None:
-        super().__init__()
-        self.layer = layer
-        self.pre = pre
-        self.post = post
+class SteeredStreamLayer(_LayerWrapper):
+    """A single-stream layer: ``(positions, hidden_states)`` in, the stream out."""
 
     def forward(self, positions, hidden_states, **kwargs):
         if self.pre is not None:
