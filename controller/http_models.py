@@ -7,7 +7,7 @@ Vectors travel as JSON float lists or as base64 little-endian float32 (``*_b64``
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -131,15 +131,22 @@ class ProbeUpload(_Body):
     """A probe as :meth:`dynsteer.probes.Probe.to_json_dict` writes it (weights as a list or
     base64 float32); checked against the served model (hidden size, site, fingerprint)."""
 
-    version: int = 1
+    version: Literal[1] = 1
+    """The probe JSON format version (only 1 exists)."""
     name: Name
-    weights: list[FiniteFloat] | None = None
+    weights: list[FiniteFloat] | None = Field(default=None, min_length=1)
     weights_b64: str | None = None
     threshold: FiniteFloat = 0.0
     sharpness: Annotated[FiniteFloat, Field(gt=0)] = 1.0
     site: ProbeSite
     fingerprint: ModelFingerprint | None = None
     metadata: dict[str, str | bool | int | FiniteFloat] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ProbeUpload:
+        if (self.weights is None) == (self.weights_b64 is None):
+            raise ValueError("give exactly one of weights (float list) or weights_b64")
+        return self
 
     def to_probe(self) -> Probe:
         """The :class:`Probe` (ValueError naming the problem, e.g. both or no weights)."""

@@ -242,7 +242,8 @@ def validation_message(errors: Sequence[Any], prefix: str = "") -> str:
     loc = [p for p in first["loc"]
            if not (isinstance(p, str) and ("[" in p or p in ("str", "float", "body")))]
     message = float_error_message(first).removeprefix("Value error, ")
-    return f"{_field_path(loc, prefix).lstrip('.')}: {message}"
+    # An error of the whole body (not an object, a model-level check) names the body.
+    return f"{_field_path(loc, prefix).lstrip('.') or 'body'}: {message}"
 
 
 def _from_validation_error(err: ValidationError, prefix: str) -> SpecError:
@@ -291,6 +292,8 @@ def _from_json_text(raw: Any, prefix: str) -> Any:
         return json.loads(raw)
     except json.JSONDecodeError as e:
         raise SpecError(f"{prefix}: malformed JSON ({e.msg} at position {e.pos})") from e
+    except ValueError as e:  # not UTF-8, or an integer beyond Python's digit limit
+        raise SpecError(f"{prefix}: malformed JSON ({e})") from e
 
 
 def parse_spec(raw: Any, prefix: str = SPEC_KEY) -> SteeringSpec:

@@ -34,11 +34,14 @@ from .spec import GateSpec, SteerEntry, SteeringSpec, check_controller
 
 WIRE_KEY = "dynsteer_wire"
 """Key of the resolved spec in ``SamplingParams.extra_args`` (set by the frontend only)."""
+GLOBAL_KEY = "dynsteer_global"
+"""Key of the fingerprint of the global steering a request was admitted under, in
+``SamplingParams.extra_args`` (set by the frontend only; absent: none). A request keeps that
+global steering for its whole life, preemptions included; a change steers later requests."""
 
-__all__ = ["F32", "HOOK", "LAYERS", "OP", "PHASE", "SCALE", "VALUE", "VECTOR", "WIRE_KEY",
-           "WireEntry",
-           "WireProbe", "entry_to_wire", "fingerprint", "gate_to_wire", "probe_to_wire",
-           "spec_to_wire"]
+__all__ = ["F32", "GLOBAL_KEY", "HOOK", "LAYERS", "OP", "PHASE", "SCALE", "VALUE", "VECTOR",
+           "WIRE_KEY", "WireEntry", "WireProbe", "entry_to_wire", "fingerprint", "gate_to_wire",
+           "probe_to_wire", "spec_to_wire"]
 
 WireEntry = list[Any]
 HOOK, LAYERS, PHASE, SCALE, VECTOR, OP, VALUE = range(7)

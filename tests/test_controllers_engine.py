@@ -13,7 +13,15 @@ import math
 
 import numpy as np
 import pytest
-from engine_utils import LOGPROB_ATOL, logprobs_of, params, run, start_llm, stop_llm
+from engine_utils import (
+    LOGPROB_ATOL,
+    assert_same_output,
+    logprobs_of,
+    params,
+    run,
+    start_llm,
+    stop_llm,
+)
 from hf_reference import assert_logprobs_match_hf, load_hf, run_reference
 from test_controllers import reference_fold
 from tiny_models import vec
@@ -129,10 +137,25 @@ def controlled_run(tiny_model_dir, controller_plugins):
         sps.append(params(MAX_TOKENS, spec={"steer": [{"vector": "alt", "layers": [2]}]}))
         outs = dict(zip(names, run(llm, [PROMPT] * len(names), sps), strict=True))
         telemetry = {n: steering.telemetry(o) for n, o in outs.items()}
+        outs["latch+idle"] = with_idle_batches(llm, params(MAX_TOKENS, spec={
+            "gate": gate, "controller": specs["latch"]}))
         info = steering.info()
     finally:
         stop_llm(llm)
     return hf, gate, specs, outs, telemetry, info
+
+
+def with_idle_batches(llm, sp):
+    """One request run step by step with an idle batch (what a data-parallel rank without
+    requests runs, vLLM's ``execute_dummy_batch``) before every step."""
+    engine = llm.llm_engine
+    engine.add_request("idle-batches", {"prompt_token_ids": PROMPT}, sp)
+    finished = []
+    while engine.has_unfinished_requests():
+        engine.engine_core.execute_dummy_batch()
+        finished += [o for o in engine.step() if o.finished]
+    (out,) = finished
+    return out
 
 
 CASES = ["latch", "latch-threshold", "hysteresis", "proportional", "budget", "pylatch", "half"]
@@ -164,6 +187,14 @@ def test_controller_decisions_match_the_reference(controlled_run, case):
     assert events and events[0]["position"] >= len(PROMPT)
     plain = run_reference(hf, tokens, len(PROMPT), gate=gate)[0]
     assert np.abs(want - plain).max() > 10 * LOGPROB_ATOL, "decisions too weak to be checked"
+
+
+def test_idle_batches_between_steps_change_nothing(controlled_run):
+    """Forwards no request is in (a data-parallel rank's idle batches) between the steps of
+    a latched request: its output and logprobs are those of the run without them (the index
+    is cleared before them, after the last step was folded into the controller)."""
+    _, _, _, outs, _, _ = controlled_run
+    assert_same_output(outs["latch+idle"], outs["latch"])
 
 
 def test_latch_fires_at_the_step_after_the_kth_token(controlled_run):
@@ -221,7 +252,7 @@ def test_controller_metrics_and_checksum(controlled_run):
     assert int(rank["controller_checksum"], 16) != 0
     for name in ("pylatch", "half", "budget", "hysteresis"):
         assert rank["controllers"][name]["requests"] == 1
-    assert rank["controllers"]["latch"]["requests"] == 2
+    assert rank["controllers"]["latch"]["requests"] == 3  # latch, latch-threshold, +idle
     assert rank["controllers"]["pylatch"]["calls"] >= MAX_TOKENS - PYTHON_LAG
     assert math.isfinite(rank["controllers"]["pylatch"]["seconds"])
 

@@ -17,7 +17,7 @@ from vllm.model_executor.models.utils import PPMissingLayer
 
 from dynsteer.controller.contract import resolve_sites
 from dynsteer.controller.spec import parse_entries
-from dynsteer.controller.wire import entry_to_wire
+from dynsteer.controller.wire import GLOBAL_KEY, entry_to_wire
 from dynsteer.engine_ext.compat.model import (
     SUPPORTED_ARCHITECTURES,
     SteeredLayer,
@@ -240,8 +240,8 @@ def test_install_sites_steers_each_site_from_its_own_buffers():
                           device=torch.device("cpu"), monitor_sites=monitors)
     entries = [{"vector": v.tolist(), "layers": [layer], "hook": hook}
                for (hook, layer), v in vectors.items()]
-    state.set_global([entry_to_wire(e) for e in parse_entries(entries)])
-    state.add_request("r", 1, None, prompt_len=TOKENS)
+    state.set_global([entry_to_wire(e) for e in parse_entries(entries)], "g")
+    state.add_request("r", 1, {GLOBAL_KEY: "g"}, prompt_len=TOKENS)
     state.fill(np.array([1]), np.array([0]), np.array([TOKENS]))
 
     steered = fake_model()

@@ -113,6 +113,36 @@ def test_global_steering_forks_the_cache(llm, hf_llama):
     assert one(llm, p).num_cached_tokens > 0
 
 
+def test_a_request_in_flight_keeps_the_global_steering_it_was_admitted_under(llm, hf_llama):
+    """Global steering changes while a request generates: the request keeps the global
+    steering it was admitted under to its end (logprobs equal HF steered by that alone), and
+    its blocks are keyed by it: a request admitted under the new global steering whose prompt
+    is the first one's prompt + output hits none of them, one under the old hits them all."""
+    p = prompt(9, n=BLOCK + 3)
+    old = [{"vector": vec(60), "layers": [3]}]
+    new = [{"vector": vec(61), "layers": [1, 3]}]
+    steering = Steering(llm)
+    steering.set_global(old)
+    try:
+        engine = llm.llm_engine
+        engine.add_request("in-flight", {"prompt_token_ids": p}, params(2 * BLOCK))
+        finished, steps = [], 0
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+            steps += 1
+            if steps == 4:
+                steering.set_global(new)
+        assert steps > 8, "the change must come while the request is generating"
+        (out,) = finished
+        assert_logprobs_match_hf(hf_llama, out, old)
+        follow = p + list(out.outputs[0].token_ids)
+        assert one(llm, follow).num_cached_tokens == 0
+        steering.set_global(old)
+        assert one(llm, follow).num_cached_tokens == (len(follow) - 1) // BLOCK * BLOCK
+    finally:
+        steering.clear_global()
+
+
 def test_phase_specific_steering_never_reuses_decode_kv_as_prompt(llm, hf_llama):
     """A follow-up whose prompt is a decode-steered request's prompt + output: positions that
     were generated (decode phase) are prompt positions now, so their KV must be recomputed;

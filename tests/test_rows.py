@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynsteer.controller.spec import parse_entries, parse_spec
-from dynsteer.controller.wire import WIRE_KEY, entry_to_wire, spec_to_wire
+from dynsteer.controller.wire import GLOBAL_KEY, WIRE_KEY, entry_to_wire, spec_to_wire
 from dynsteer.engine_ext.worker import ops
 from dynsteer.engine_ext.worker.rows import RowTable
-from dynsteer.engine_ext.worker.state import SteeringState
+from dynsteer.engine_ext.worker.state import GLOBAL_HISTORY, SteeringState
 from dynsteer.engine_ext.worker.token_rows import TokenRows
 
 SITES = (("pre_attn", 0), ("post_block", 0), ("post_block", 1))
@@ -32,6 +32,16 @@ def resolved(spec):
 
 def resolved_entries(entries):
     return [entry_to_wire(e) for e in parse_entries(entries)]
+
+
+def set_global(state, entries, key="g"):
+    """Global steering as the control plane sets it: resolved entries under their key."""
+    state.set_global(resolved_entries(entries), key)
+
+
+def under(key, extra=None):
+    """``extra_args`` of a request the frontend admitted under global steering ``key``."""
+    return {**(extra or {}), GLOBAL_KEY: key}
 
 
 def test_identical_contents_share_a_row():
@@ -117,19 +127,80 @@ def test_fill_captures_prompt_positions_only(reqs):
     assert not index.buffer.numpy()[:, len(want):].any(), "padding tokens must map to 0"
 
 
-def test_global_change_re_resolves_live_requests():
-    """Requests admitted before a global change get rows that include the new global entries."""
+def _post_block_1(state, slot):
+    """The ``post_block@1`` row contents of a request's first token (None: row 0)."""
+    state.fill(np.array([slot]), np.array([0]), np.array([1]))
+    row = int(state.token_rows.rows[0])
+    return site_rows(state.rows, ("post_block", 1))[row].tolist() if row else None
+
+
+def test_a_forward_without_requests_folds_the_last_step_then_clears_the_index():
+    """Before a forward no request is in (a data-parallel rank's idle batch), the previous
+    step's gates are folded into the built-in controllers against the index it ran with, and
+    only then is the index cleared: the idle batch's tokens read no request's rows, and the
+    controller saw its step once."""
     state = SteeringState(SITES, 4, max_rows=4, max_tokens=16, max_slots=4,
                           device=torch.device("cpu"))
-    state.add_request("a", 1, None, prompt_len=2)
-    assert not state.any_steered
-    state.set_global(resolved_entries([{"vector": [1, 0, 0, 0], "layers": [1]}]))
-    assert state.any_steered
-    state.fill(np.array([1]), np.array([0]), np.array([3]))
-    row = int(state.token_rows.rows[0])
-    assert row != 0 and site_rows(state.rows, ("post_block", 1))[row][0] == 1
-    state.set_global([])
+    spec = resolved({"gate": {"probe": {"weights": [1, 0, 0, 0], "threshold": 0.5},
+                              "layer": 0, "hook": "post_block",
+                              "steer": [{"vector": [0, 1, 0, 0], "layers": [1]}]},
+                     "controller": {"name": "latch", "k": 2}})
+    state.add_request("g", 2, spec, prompt_len=3)
+    state.fill(np.array([2]), np.array([0]), np.array([3]))
+    row = int(state.token_rows.buffer[ops.INDEX_CONTROL, 0])
+    assert row != 0
+    state.gate[:3] = torch.tensor([0.9, 0.2, 0.9])
+    state.score[:3] = torch.tensor([1.0, -1.0, 1.0])
+    state.skip_step()  # what the runner's _dummy_run hook calls
+    assert not state.token_rows.buffer.any()
+    assert float(state.control.table[row, ops.CTL_FLOOR]) == 1.0  # latched: two above
+    state.fill(np.array([2]), np.array([3]), np.array([1]))
+    state.gate[:1] = 0.0
+    state.skip_step()
+    assert float(state.control.table[row, ops.CTL_FLOOR]) == 1.0
+
+
+def test_a_request_keeps_the_global_steering_it_was_admitted_under():
+    """A global change steers requests admitted after it; live ones keep theirs (their
+    prefix-cache key names it), also when re-added after a preemption."""
+    state = SteeringState(SITES, 4, max_rows=4, max_tokens=16, max_slots=4,
+                          device=torch.device("cpu"))
+    state.add_request("plain", 1, None, prompt_len=2)
+    set_global(state, [{"vector": [1, 0, 0, 0], "layers": [1]}], "one")
+    assert not state.any_steered and _post_block_1(state, 1) is None
+    state.add_request("a", 2, under("one"), prompt_len=2)
+    assert _post_block_1(state, 2) == [1, 0, 0, 0]
+    set_global(state, [{"vector": [0, 2, 0, 0], "layers": [1]}], "two")
+    state.add_request("b", 3, under("two"), prompt_len=2)
+    assert _post_block_1(state, 2) == [1, 0, 0, 0]
+    assert _post_block_1(state, 3) == [0, 2, 0, 0]
+    state.add_request("a", 2, under("one"), prompt_len=2)  # preempted and resumed
+    assert _post_block_1(state, 2) == [1, 0, 0, 0]
+    state.set_global([], "-")
+    state.add_request("c", 0, None, prompt_len=2)
+    assert _post_block_1(state, 0) is None and _post_block_1(state, 3) == [0, 2, 0, 0]
+    for req_id in ("a", "b"):
+        state.remove_request(req_id)
     assert not state.any_steered and state.rows.in_use == 0
+
+
+def test_replaced_global_steerings_are_forgotten_once_unused():
+    """A worker holds the global steerings live requests were admitted under and a short
+    history (a request admitted just before a change may arrive after it); older ones go."""
+    state = SteeringState(SITES, 4, max_rows=4, max_tokens=16, max_slots=4,
+                          device=torch.device("cpu"))
+    set_global(state, [{"vector": [1, 0, 0, 0], "layers": [1]}], "held")
+    state.add_request("a", 1, under("held"), prompt_len=2)
+    set_global(state, [{"vector": [3, 0, 0, 0], "layers": [1]}], "late")
+    for i in range(GLOBAL_HISTORY + 3):
+        set_global(state, [{"vector": [0, 0, i + 1, 0], "layers": [1]}], f"g{i}")
+    assert state.info()["global_steerings_held"] == GLOBAL_HISTORY + 3  # none, held, current
+    assert _post_block_1(state, 1) == [1, 0, 0, 0]
+    state.add_request("b", 2, under("late"), prompt_len=2)  # beyond the history: current
+    assert _post_block_1(state, 2) == [0, 0, GLOBAL_HISTORY + 3, 0]
+    state.remove_request("a")
+    state.add_request("c", 3, under("held"), prompt_len=2)  # still within the history
+    assert _post_block_1(state, 3) == [1, 0, 0, 0]
 
 
 def test_bad_request_runs_unsteered_instead_of_failing():
@@ -230,14 +301,13 @@ def test_projections_fill_their_slots_in_order():
     its gated ones; unit directions (from huge and tiny vectors alike), coefficients, target,
     the Gram matrix, and the flag; other sites and unused slots stay zero."""
     state = projecting_state(3)
-    state.set_global(resolved_entries([{"vector": [0, 3e30, 0, 0], "layers": [1],
-                                        "op": "ablate"}]))
+    set_global(state, [{"vector": [0, 3e30, 0, 0], "layers": [1], "op": "ablate"}])
     spec = resolved({
         "steer": [{"vector": [4e-30, 3e-30, 0, 0], "layers": [1], "op": "clamp", "value": 2.0,
                    "scale": 0.5}],
         "gate": {"probe": {"weights": [1, 0, 0, 0]}, "layer": 1,
                  "steer": [{"vector": [0, 0, 0, -2], "layers": [1], "op": "ablate"}]}})
-    state.add_request("a", 1, spec, prompt_len=2)
+    state.add_request("a", 1, under("g", spec), prompt_len=2)
     state.fill(np.array([1]), np.array([0]), np.array([2]))
     row = int(state.token_rows.rows[0])
     i = state.rows.site_index(("post_block", 1))
@@ -259,10 +329,10 @@ def test_projections_past_the_slots_leave_the_request_unsteered():
     """Global + own projections beyond ``max_projections`` at a site: the request runs
     unsteered (logged), never with some of them dropped."""
     state = projecting_state(1)
-    state.set_global(resolved_entries([{"vector": [0, 1, 0, 0], "layers": [1],
-                                        "op": "ablate"}]))
-    state.add_request("a", 1, resolved({"steer": [{"vector": [1, 0, 0, 0], "layers": [1],
-                                                   "op": "ablate"}]}), prompt_len=2)
+    set_global(state, [{"vector": [0, 1, 0, 0], "layers": [1], "op": "ablate"}])
+    state.add_request("a", 1, under("g", resolved({"steer": [{"vector": [1, 0, 0, 0],
+                                                              "layers": [1], "op": "ablate"}]})),
+                      prompt_len=2)
     state.fill(np.array([1]), np.array([0]), np.array([2]))
     assert int(state.token_rows.rows[0]) == 0
 

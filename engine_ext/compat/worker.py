@@ -125,25 +125,34 @@ def is_v2_runner(runner: Any) -> bool:
 
 
 def install_step_hooks(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str], None],
-                       on_step: Callable[..., None],
-                       on_output: Callable[[], dict[str, Any]]) -> None:
+                       on_step: Callable[..., None], on_output: Callable[[], dict[str, Any]],
+                       on_idle: Callable[[], None]) -> None:
     """Hook the runner instance so the state sees admissions, removals and each step.
 
     ``on_add(req_id, slot_or_None, extra_args, prompt_len)`` (V1 passes None: the caller
     picks a slot), ``on_remove(req_id)``, ``on_step(req_ids, slots_or_None, num_computed,
     num_scheduled)``; ``on_output()`` returns the prefix-guard report that rides on the step's
-    ``ModelRunnerOutput`` to the scheduler.
+    ``ModelRunnerOutput`` to the scheduler. ``on_idle()`` runs before every forward the
+    scheduler did not schedule (``_dummy_run``: a data-parallel rank's idle batch, which the
+    other ranks' MoE collectives need, warm-up, graph capture): no real request's tokens are
+    in it, so nothing may be read for them.
     """
     if is_v2_runner(runner):
         _install_v2(runner, on_add, on_remove, on_step)
     else:
         _install_v1(runner, on_add, on_remove, on_step)
     sample_tokens = runner.sample_tokens
+    dummy_run = runner._dummy_run
 
     def _sample_tokens(*args: Any, **kwargs: Any) -> Any:
         return _attach_report(sample_tokens(*args, **kwargs), on_output())
 
+    def _dummy_run(*args: Any, **kwargs: Any) -> Any:
+        on_idle()
+        return dummy_run(*args, **kwargs)
+
     runner.sample_tokens = _sample_tokens
+    runner._dummy_run = _dummy_run
 
 
 def _attach_report(result: Any, report: dict[str, Any]) -> Any:

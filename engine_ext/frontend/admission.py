@@ -26,7 +26,13 @@ from dynsteer.controller.spec import (
     check_against_model,
     parse_spec,
 )
-from dynsteer.controller.wire import WIRE_KEY, WireEntry, fingerprint, spec_to_wire
+from dynsteer.controller.wire import (
+    GLOBAL_KEY,
+    WIRE_KEY,
+    WireEntry,
+    fingerprint,
+    spec_to_wire,
+)
 from dynsteer.probes import ModelFingerprint, Probe
 
 from ..compat.frontend import EngineFacts, prompt_request_ids
@@ -126,11 +132,12 @@ class FrontendState:
         merged["session"] = wire["session"]
         return merged
 
-    def set_global(self, entries: list[dict[str, Any]], wire: list[WireEntry]) -> None:
-        """Record new global steering (after every worker applied it)."""
+    def set_global(self, entries: list[dict[str, Any]], wire: list[WireEntry],
+                   key: str | None) -> None:
+        """Record new global steering (after every worker holds it under ``key``)."""
         self.global_entries = entries
         self.global_wire = wire
-        self.global_key = fingerprint(wire).hex() if wire else None
+        self.global_key = key
 
     def admit_spec(self, raw: Any) -> tuple[SteeringSpec, dict[str, Any]]:
         """A client's spec parsed, checked against the served model and resolved for the
@@ -261,9 +268,11 @@ def admitted(state: FrontendState, request_id: str,
     state.record_request(request_id, parsed)
     guard = state.cache_guard(wire, prompt_len)
     extra = {k: v for k, v in (extra_args or {}).items()
-             if k not in (GUARD_KEY, SPEC_KEY, WIRE_KEY)}
+             if k not in (GUARD_KEY, SPEC_KEY, WIRE_KEY, GLOBAL_KEY)}
     if wire is not None:
         extra[WIRE_KEY] = wire
+    if state.global_key is not None:
+        extra[GLOBAL_KEY] = state.global_key
     if guard is not None:
         extra[GUARD_KEY] = guard.model_dump()
     return extra or None

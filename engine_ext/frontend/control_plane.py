@@ -33,7 +33,7 @@ from dynsteer.controller.spec import (
     check_projection_slots,
     parse_entries,
 )
-from dynsteer.controller.wire import entry_to_wire, gate_to_wire, probe_to_wire
+from dynsteer.controller.wire import entry_to_wire, fingerprint, gate_to_wire, probe_to_wire
 from dynsteer.probes import Probe
 
 from .admission import FrontendState
@@ -164,18 +164,20 @@ class ControlPlane:
         return Change(f"dynsteer_unregister_{kind}", (name,), commit)
 
     def set_global(self, entries: Sequence[SteerEntry | dict[str, Any]]) -> Change:
-        """Steer every request with ``entries`` (added to each request's own steering)."""
+        """Steer every request admitted from now on with ``entries`` (added to its own
+        steering); requests in flight keep the global steering they were admitted under."""
         parsed = parse_entries(list(entries), prefix="steer")
         shape = self.frontend.shape()
         check_entries(parsed, shape, prefix="steer")
         check_projection_slots(parsed, (), shape, prefix="steer")
         shown = [e.model_dump(exclude_none=True) for e in parsed]
         wire = [entry_to_wire(e) for e in parsed]
+        key = fingerprint(wire).hex() if wire else None
 
         def commit() -> None:
-            self.frontend.set_global(shown, wire)
+            self.frontend.set_global(shown, wire, key)
 
-        return Change("dynsteer_set_global", (wire,), commit)
+        return Change("dynsteer_set_global", (wire, key or "-"), commit)
 
     def clear_global(self) -> Change:
         """Remove global steering."""

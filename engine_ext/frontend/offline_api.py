@@ -114,7 +114,8 @@ class Steering:
         return capture_sync(self._llm, prompts, sites, reduce)
 
     def set_global(self, entries: Sequence[SteerEntry | dict[str, Any]]) -> None:
-        """Steer every request with ``entries`` (added to each request's own steering)."""
+        """Steer every request admitted from now on with ``entries`` (added to its own
+        steering); requests in flight keep the global steering they were admitted under."""
         self._apply(self._plane.set_global(entries))
 
     def clear_global(self) -> None:

@@ -33,8 +33,9 @@ class DynsteerWorkerExtension:
     def dynsteer_unregister_vector(self, name: str) -> None:
         self._dynsteer().unregister_vector(name)
 
-    def dynsteer_set_global(self, entries: list[WireEntry]) -> None:
-        self._dynsteer().set_global(entries)
+    def dynsteer_set_global(self, entries: list[WireEntry], key: str) -> None:
+        """``key``: the fingerprint requests admitted under these entries carry."""
+        self._dynsteer().set_global(entries, key)
 
     def dynsteer_register_probe(self, name: str, probe: WireProbe) -> None:
         """``probe``: ``[weights float32 bytes, threshold, sharpness]``."""

@@ -22,6 +22,7 @@ from dynsteer.controller.contract import Site, site_name
 from dynsteer.controller.controllers import Action
 from dynsteer.controller.wire import (
     F32,
+    GLOBAL_KEY,
     HOOK,
     LAYERS,
     OP,
@@ -61,6 +62,22 @@ PHASES: tuple[Literal["prefill"], Literal["decode"]] = ("prefill", "decode")
 _NONE = np.zeros(0, dtype=np.int64)
 
 
+NO_GLOBAL = "-"
+"""Key of "no global steering"."""
+GLOBAL_HISTORY = 16
+"""Global steerings a worker keeps after they were replaced, beyond those live requests
+hold: a request admitted just before a change may reach the workers after it."""
+
+
+@dataclass(frozen=True)
+class _Global:
+    """One global steering, resolved: what a row adds to a request's own steering."""
+
+    entries: list[WireEntry]
+    adds: dict[str, Contents]
+    projections: dict[str, Projections]
+
+
 @dataclass
 class _Request:
     slot: int
@@ -79,6 +96,8 @@ class _Request:
     """What determines the request's rows besides global steering and the registry: the
     resolved spec's content hash ("-": no spec; "-nogate" suffix when the gate could not get a
     probe row)."""
+    global_key: str = NO_GLOBAL
+    """The global steering the request was admitted under (it keeps it to the end)."""
 
 
 @dataclass(frozen=True)
@@ -151,9 +170,13 @@ class SteeringState:
         self.vectors: dict[str, np.ndarray] = {}
         self.probes: dict[str, WireProbe] = {}
         """Registered probes in their resolved form (the site comes from each request's gate)."""
-        self._global_entries: list[WireEntry] = []
-        self._global: dict[str, Contents] = {p: {} for p in PHASES}
-        self._global_projections: dict[str, Projections] = {p: {} for p in PHASES}
+        self._globals: OrderedDict[str, _Global] = OrderedDict(
+            {NO_GLOBAL: _Global([], {p: {} for p in PHASES}, {p: {} for p in PHASES})})
+        """Global steerings by key, least recently set or released first: the current one,
+        those live requests were admitted under (refcounted in ``_global_users``) and the
+        :data:`GLOBAL_HISTORY` last others."""
+        self._global_users: dict[str, int] = {}
+        self._current_global = NO_GLOBAL
         self._requests: dict[str, _Request] = {}
         self._prefill_row = np.zeros(max_slots, dtype=np.int32)
         self._decode_row = np.zeros(max_slots, dtype=np.int32)
@@ -163,8 +186,8 @@ class SteeringState:
         self._num_steered = 0
         self.requests_steered = 0
         """Requests admitted with a nonzero row (counter)."""
-        self._versions = [0, 0]
-        """(registry, global steering) versions: part of every row key, bumped on a change."""
+        self._registry_version = 0
+        """Part of every row key, bumped on a change of the registry."""
         self._resolved: OrderedDict[tuple[str, int], _Resolved] = OrderedDict()
 
     # ---- control plane -------------------------------------------------------------------
@@ -172,41 +195,59 @@ class SteeringState:
         """Add or replace a named vector, given as the little-endian float32 bytes the frontend
         checked (requests already admitted keep the old values)."""
         self.vectors[name] = np.frombuffer(data, dtype=F32)
-        self._versions[0] += 1
+        self._registry_version += 1
 
     def unregister_vector(self, name: str) -> None:
         """Remove a named vector; unknown names raise ``KeyError``."""
         del self.vectors[name]
-        self._versions[0] += 1
+        self._registry_version += 1
 
     def register_probe(self, name: str, probe: WireProbe) -> None:
         """Add or replace a named probe, given in the resolved form the frontend checked
         (``[weights bytes, threshold, sharpness]``); requests already admitted keep the old
         one."""
         self.probes[name] = probe
-        self._versions[0] += 1
+        self._registry_version += 1
 
     def update_probe(self, name: str, threshold: float, sharpness: float | None) -> None:
         """A registered probe's new threshold (and sharpness); unknown names raise KeyError."""
         weights, _, old_sharpness = self.probes[name]
         self.probes[name] = [weights, threshold,
                              old_sharpness if sharpness is None else sharpness]
-        self._versions[0] += 1
+        self._registry_version += 1
 
     def unregister_probe(self, name: str) -> None:
         """Remove a named probe; unknown names raise ``KeyError``."""
         del self.probes[name]
-        self._versions[0] += 1
+        self._registry_version += 1
 
-    def set_global(self, entries: list[WireEntry]) -> None:
-        """Replace global steering (resolved entries, see :mod:`dynsteer.controller.wire`);
-        every live request is re-resolved against it."""
-        self._global, self._global_projections = self._contents(entries)
-        self._global_entries = entries
-        self._versions[1] += 1
-        for req in self._requests.values():
-            self._release(req)
-            self._assign(req)
+    def set_global(self, entries: list[WireEntry], key: str) -> None:
+        """Replace global steering (resolved entries, see :mod:`dynsteer.controller.wire`)
+        for requests admitted from now on, which carry ``key``; live requests keep the one
+        they were admitted under (their prefix-cache key names it)."""
+        key = key if entries else NO_GLOBAL
+        self._globals[key] = _Global(entries, *self._contents(entries))
+        self._globals.move_to_end(key)
+        self._current_global = key
+        self._forget_globals()
+
+    def _forget_globals(self) -> None:
+        """Drop replaced global steerings no live request holds, beyond the history."""
+        spare = [k for k in self._globals if k not in (NO_GLOBAL, self._current_global)
+                 and k not in self._global_users]
+        for key in spare[:max(0, len(spare) - GLOBAL_HISTORY)]:
+            del self._globals[key]
+
+    def _global_of(self, req_id: str, extra_args: Any) -> str:
+        """The global steering a request was admitted under (the frontend wrote its key)."""
+        key = extra_args.get(GLOBAL_KEY, NO_GLOBAL) if isinstance(extra_args, dict) else NO_GLOBAL
+        if key not in self._globals:
+            logger.warning("dynsteer: request %s was admitted under a global steering replaced "
+                           "more than %d times since; it runs under the current one",
+                           req_id, GLOBAL_HISTORY)
+            key = self._current_global
+        self._global_users[key] = self._global_users.get(key, 0) + 1
+        return key
 
     def set_events(self, events: EngineEvents) -> None:
         """Publish request and monitor events (see :mod:`.events`)."""
@@ -233,7 +274,8 @@ class SteeringState:
         probe = resolved.probe
         req = _Request(slot=slot, own=resolved.own, gated=resolved.gated,
                        projections=resolved.projections, probe=probe, key=key,
-                       wire=wire if resolved is not _UNSTEERED else None)
+                       wire=wire if resolved is not _UNSTEERED else None,
+                       global_key=self._global_of(req_id, extra_args))
         self._ensure_slot(slot)
         self._requests[req_id] = req
         self._prompt_len[slot] = prompt_len
@@ -262,6 +304,13 @@ class SteeringState:
         req = self._requests.pop(req_id, None)
         if req is not None:
             self._release(req)
+            users = self._global_users[req.global_key] - 1
+            if users:
+                self._global_users[req.global_key] = users
+            else:
+                del self._global_users[req.global_key]
+                self._globals.move_to_end(req.global_key)
+                self._forget_globals()
             if req.control_row:
                 self.controllers.finish(req_id, self.telemetry.record_of_slot(req.slot),
                                         req.control_row)
@@ -334,16 +383,19 @@ class SteeringState:
         return self.telemetry.cache_report()
 
     def skip_step(self) -> None:
-        """A step with nothing steered: keep the index clear, fold pending telemetry."""
-        self.token_rows.clear()
+        """A step with nothing steered, or a forward no request is in (a data-parallel idle
+        batch): fold the previous step (telemetry, controllers: against the index it ran
+        with), then clear the index, so no token of this forward reads a request's rows,
+        capture slots or controller rows."""
         self.telemetry.before_step(_NONE, _NONE, _NONE, 0)
         self.controllers.before_step(self.telemetry.steps)
         self.control.before_step(0)
+        self.token_rows.clear()
 
     # ---- internals -----------------------------------------------------------------------
     def _resolve(self, wire: dict[str, Any]) -> _Resolved:
         """What a resolved spec builds; identical specs (same key, same registry) reuse it."""
-        cache_key = (wire["key"], self._versions[0])
+        cache_key = (wire["key"], self._registry_version)
         hit = self._resolved.get(cache_key)
         if hit is not None:
             self._resolved.move_to_end(cache_key)
@@ -432,7 +484,7 @@ class SteeringState:
         phase, registry and global versions), so a request whose rows exist already takes
         them without building or hashing anything; all ranks derive the same keys."""
         gated, projections = req.gated, req.projections
-        key = f"{req.key}|r{self._versions[0]}"
+        key = f"{req.key}|r{self._registry_version}"
         if req.probe is not None:
             probe_row = self.probe_table.acquire(req.probe, key=key.encode())
             if probe_row is None:
@@ -443,13 +495,14 @@ class SteeringState:
                 gated, key = _UNSTEERED.gated, key + "-nogate"
                 projections = {p: _static_only(projections[p]) for p in PHASES}
             self._probe_row[req.slot] = probe_row or 0
+        glob = self._globals[req.global_key]
         for phase, target in zip(PHASES, (self._prefill_row, self._decode_row), strict=True):
             try:
                 row = self.rows.acquire_keyed(
-                    f"{key}|{phase}|g{self._versions[1]}".encode(),
+                    f"{key}|{phase}|g{req.global_key}".encode(),
                     lambda p=phase, g=gated, j=projections: (
-                        add_contents(self._global[p], req.own[p]), g[p],
-                        add_projections(self._global_projections[p], j[p])))
+                        add_contents(glob.adds[p], req.own[p]), g[p],
+                        add_projections(glob.projections[p], j[p])))
             except ValueError as e:  # global + own projections past max_projections
                 logger.warning("dynsteer: a request runs unsteered in %s: %s (raise "
                                "dynsteer.max_projections)", phase, e)
@@ -537,7 +590,8 @@ class SteeringState:
             "probe_rows_in_use": self.probe_table.in_use,
             "vectors": sorted(self.vectors),
             "probes": sorted(self.probes),
-            "global_entries": len(self._global_entries),
+            "global_entries": len(self._globals[self._current_global].entries),
+            "global_steerings_held": len(self._globals),
             "capture_rows_in_use": self.capture.rows_in_use,
             "tokens_monitored": dict(self.telemetry.tokens_monitored),
             "tokens_gated": dict(self.telemetry.tokens_gated),
