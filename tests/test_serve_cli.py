@@ -22,10 +22,21 @@ def test_model_and_vllm_flags_pass_through(monkeypatch):
     argv = prepare(["/m", "--port", "9000", "--dynsteer-api-key=k", "--max-model-len", "64"],
                    env)
     assert argv[:2] == ["--model", "/m"]
-    assert argv[2:6] == ["--port", "9000", "--max-model-len", "64"]
+    assert argv[2:8] == ["--port", "9000", "--max-model-len", "64", "--api-server-count", "1"]
     assert _additional(argv) == {"dynsteer": {}}
     assert env["DYNSTEER_API_KEY"] == "k"
     assert "dynsteer" in env["VLLM_PLUGINS"].split(",")
+
+
+@pytest.mark.parametrize("given", [["--api-server-count", "2"], ["-asc=3"], ["--headless"]])
+def test_one_api_server_unless_told_otherwise(given):
+    """vLLM would start one API server per data-parallel rank; dynsteer's registry lives in
+    the API server, so ``dynsteer serve`` asks for one, but passes a given count (refused at
+    startup when above 1) and headless nodes (no API server) through untouched."""
+    argv = prepare(["/m", "--data-parallel-size", "2"], {})
+    assert argv[argv.index("--api-server-count") + 1] == "1"
+    argv = prepare(["/m", *given], {})
+    assert argv.count("--api-server-count") == given.count("--api-server-count")
 
 
 def test_no_model_serves_the_embedded_default(monkeypatch, tmp_path):

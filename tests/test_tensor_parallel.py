@@ -1,5 +1,8 @@
-"""Steering runs on every TP rank: TP=2 logprobs equal TP=1 (CPU build, one core per rank),
-and controllers (built-in and Python) apply the same actions on both ranks."""
+"""Steering runs on every rank: TP=2 and PP=2 logprobs equal TP=1 (CPU build, one core per
+rank), controllers (built-in and Python) apply the same actions on both ranks, global steering
+sets and clears, and activation capture equals TP=1's. Under PP=2 the probe reads layer 1 on
+the first stage and gated sites at layer 3 on the second read its gates (they travel with the
+stream between stages)."""
 
 from __future__ import annotations
 
@@ -37,56 +40,101 @@ SPECS = [
 ]
 
 
-def _outputs(path, tp: int):
-    llm = start_llm(path, dynsteer={"sites": ALL_SITES}, tensor_parallel_size=tp)
+GLOBAL = [{"vector": vec(41), "layers": [0, 3]}]
+CAPTURE_SITES = "post_block@1,post_block@3"  # default monitor sites, one per PP stage
+
+
+def _outputs(path, **parallel: int):
+    """(outputs of SPECS, outputs under global steering then after clearing it, capture, info)
+    of one engine."""
+    llm = start_llm(path, dynsteer={"sites": ALL_SITES}, **parallel)
     try:
         outs = run(llm, PROMPTS, [params(spec=s) for s in SPECS])
-        return outs, Steering(llm).info()
+        steering = Steering(llm)
+        steering.set_global(GLOBAL)
+        under_global = run(llm, PROMPTS[:1], [params()])
+        steering.clear_global()
+        cleared = run(llm, PROMPTS[:1], [params()])
+        capture = steering.capture(PROMPTS[2:4], CAPTURE_SITES, reduce="all")
+        return outs, [*under_global, *cleared], capture, steering.info()
     finally:
         stop_llm(llm)
 
 
 @pytest.fixture(scope="module")
 def tp_outputs(tiny_model_dir, controller_plugins):
+    """The same requests at TP=1, TP=2 and PP=2."""
     path = tiny_model_dir("llama")
-    single = _outputs(path, 1)
+    single = _outputs(path)
     old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank on a 2-core machine
     try:
-        double = _outputs(path, 2)
+        double = _outputs(path, tensor_parallel_size=2)
+        staged = _outputs(path, pipeline_parallel_size=2)
     finally:
         if old is None:
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
         else:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = old
-    return single, double
+    return single, {"tp2": double, "pp2": staged}
 
 
+PARALLEL = ["tp2", "pp2"]
+
+
+@pytest.mark.parametrize("layout", PARALLEL)
 @pytest.mark.parametrize("i", range(len(SPECS)))
-def test_tp2_equals_tp1(tp_outputs, i):
-    """Steered (and unsteered) logprobs under TP=2 equal the TP=1 result."""
-    (single, _), (double, _) = tp_outputs
-    assert_same_output(double[i], single[i], atol=LOGPROB_ATOL)
+def test_parallel_equals_tp1(tp_outputs, layout, i):
+    """Steered (static, gated, controlled) and unsteered logprobs under TP=2 and PP=2 equal
+    the TP=1 result."""
+    single, parallel = tp_outputs
+    assert_same_output(parallel[layout][0][i], single[0][i], atol=LOGPROB_ATOL)
 
 
-def test_tp2_steering_changes_output(tp_outputs):
-    """The steered TP=2 request differs from the unsteered one of the same prompt."""
-    _, (double, _) = tp_outputs
-    base = logprobs_of(double[0])[1][:3]
-    steered = logprobs_of(double[1])[1][:3]
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_parallel_steering_changes_output(tp_outputs, layout):
+    """The steered request differs from the unsteered one of the same prompt."""
+    outs = tp_outputs[1][layout][0]
+    base = logprobs_of(outs[0])[1][:3]
+    steered = logprobs_of(outs[1])[1][:3]
     assert np.abs(base - steered).max() > 1e-2
 
 
-def test_tp2_controller_checksums_agree(tp_outputs):
-    """Both ranks folded the same steps and applied the same controller actions (built-in
-    and Python). (TP=1 folds the same steps; its scores differ from TP=2's in the last bits,
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_parallel_global_steering_sets_and_clears(tp_outputs, layout):
+    """Global steering (layers on both stages under PP=2) steers as at TP=1; clearing it gives
+    the unsteered output back."""
+    single, parallel = tp_outputs
+    (under, cleared), (want_under, _) = parallel[layout][1], single[1]
+    assert_same_output(under, want_under, atol=LOGPROB_ATOL)
+    assert_same_output(cleared, single[0][0], atol=LOGPROB_ATOL)
+    assert np.abs(logprobs_of(under)[1] - logprobs_of(cleared)[1]).max() > 1e-2
+
+
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_parallel_capture_equals_tp1(tp_outputs, layout):
+    """Activations captured at sites of both PP stages equal TP=1's."""
+    single, parallel = tp_outputs
+    want, got = single[2], parallel[layout][2]
+    assert set(got) == set(want) == set(CAPTURE_SITES.split(","))
+    for site in want:
+        for a, b in zip(got[site], want[site], strict=True):
+            np.testing.assert_allclose(a, b, atol=2e-4)
+
+
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_parallel_controller_checksums_agree(tp_outputs, layout):
+    """Every rank folded the same steps and applied the same controller actions (built-in
+    and Python): the two TP ranks, and the two PP stages (the second from the gates the first
+    computed). (TP=1 folds the same steps; its scores differ from TP=2's in the last bits,
     so its checksum of the proportional controller's scales does too.)"""
-    (_, single), (_, double) = tp_outputs
-    assert len(double) == 2
-    sums = {rank["controller_checksum"] for rank in double}
-    assert len(sums) == 1 and double[0]["controller_checked_steps"] > 0
-    assert double[0]["controller_checked_steps"] == double[1]["controller_checked_steps"]
-    for rank in double:
+    single, parallel = tp_outputs
+    ranks = parallel[layout][3]
+    assert len(ranks) == 2
+    sums = {rank["controller_checksum"] for rank in ranks}
+    assert len(sums) == 1 and ranks[0]["controller_checked_steps"] > 0
+    assert ranks[0]["controller_checked_steps"] == ranks[1]["controller_checked_steps"]
+    for rank in ranks:
         assert rank["controllers"]["pylatch"]["calls"] > 0
         assert rank["controllers"]["pylatch"]["errors"] == 0
-    assert single[0]["controller_checked_steps"] == double[0]["controller_checked_steps"]
+    assert single[3][0]["controller_checked_steps"] == ranks[0]["controller_checked_steps"]

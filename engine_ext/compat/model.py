@@ -36,6 +36,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 
@@ -205,3 +206,47 @@ def wrap_sites(model: nn.Module, ops: dict[tuple[str, int], nn.Module]) -> list[
             layers[index] = wrapper(layer, at.get("pre_attn"), at.get("post_block"))
         installed.extend((hook, index) for hook in at)
     return installed
+
+
+STAGE_GATE_KEY = "dynsteer_gate_score"
+"""Key of the tokens' gates and scores in the tensors one pipeline stage hands the next."""
+
+
+def relay_between_stages(model: nn.Module, gate_score: torch.Tensor) -> None:
+    """Pipeline parallelism: a token's gate is computed at its monitor site, on one stage, and
+    read by gated sites and controllers on later stages too, so it travels with the stream.
+
+    Every stage but the last adds its ``gate_score`` (``float32 [2, max_tokens]``) to the
+    ``IntermediateTensors`` it returns, as ``[tokens, 2]``, and every stage but the first
+    receives it straight into its own ``gate_score``: the runner copies incoming tensors into
+    the persistent buffers ``make_empty_intermediate_tensors`` made, and the one made for this
+    key is a view of ``gate_score``. A later stage's monitor sites overwrite their tokens'
+    gates, as on one GPU.
+    """
+    from vllm.distributed import get_pp_group
+
+    stages = get_pp_group()
+    if stages.world_size == 1:
+        return
+    columns = gate_score.t()
+    if not stages.is_first_rank:
+        make_empty = model.make_empty_intermediate_tensors
+
+        def make_empty_with_gates(batch_size: int, dtype: torch.dtype, device: torch.device):
+            tensors = make_empty(batch_size=batch_size, dtype=dtype, device=device)
+            tensors.tensors[STAGE_GATE_KEY] = columns[:batch_size]
+            return tensors
+
+        model.make_empty_intermediate_tensors = make_empty_with_gates
+    if not stages.is_last_rank:
+        outgoing = torch.zeros_like(columns, memory_format=torch.contiguous_format)
+        forward = model.forward
+
+        def forward_with_gates(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            tokens = out["hidden_states"].shape[0]
+            outgoing[:tokens].copy_(columns[:tokens])
+            out.tensors[STAGE_GATE_KEY] = outgoing[:tokens]
+            return out
+
+        model.forward = forward_with_gates

@@ -226,6 +226,12 @@ def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
             flag = next((f for f, o in _ENGINE_FLAGS.items() if o == first["loc"][0]),
                         _CONFIG_FLAG)
             raise ServeError(f"{flag}: {first['msg']}") from e
+    if not any(a.partition("=")[0] in ("-asc", "--api-server-count", "--headless")
+               for a in rest):
+        # vLLM starts one API server per local data-parallel rank unless told otherwise; the
+        # registry and prefix-cache fingerprints live in the API server, so there is one
+        # (a headless node runs engines only).
+        rest = [*rest, "--api-server-count", "1"]
     environ["VLLM_PLUGINS"] = plugin_allowlist(environ.get("VLLM_PLUGINS"))
     # EngineCore and workers exit when this process dies, even by kill -9 (parent_watch).
     environ.setdefault(EXIT_WITH_PARENT_ENV, "1")

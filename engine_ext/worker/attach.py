@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ..compat import model as vllm_model
 from ..compat import worker as vllm_worker
 from ..options import EngineOptions, options_from_additional_config
 from .events import EngineEvents, EventPublisher
@@ -76,6 +77,7 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
                                                      options.events_queue),
                                       options.events_every))
     installed = install_sites(facts.model, state.site_buffers())
+    vllm_model.relay_between_stages(facts.model, state.gate_score)
     state.capture.installed = frozenset(installed)
     vllm_worker.set_runner_state(runner, state)
 
