@@ -186,7 +186,7 @@ def poison_kernel_check() -> list[dict[str, Any]]:
 def poison_engine_check(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
     """Overflowing rows written with the raw worker RPC: outputs stay the baseline's."""
     import numpy as np
-    from engine_utils import logprobs_of, params, run
+    from engine_utils import logprobs_of, params, raw_set_global, run
 
     from dynsteer.controller.spec import parse_entries
     from dynsteer.controller.wire import entry_to_wire
@@ -203,11 +203,11 @@ def poison_engine_check(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
     try:
         for name, entries in poisons.items():
             wire = [entry_to_wire(e) for e in parse_entries(entries)]
-            llm.collective_rpc("dynsteer_set_global", args=(wire,))
+            raw_set_global(llm, wire)
             report[f"{name}_outputs_equal_baseline"] = same(
                 run(llm, prompts, [params(max_tokens=12) for _ in prompts]), base)
     finally:
-        llm.collective_rpc("dynsteer_set_global", args=([],))
+        raw_set_global(llm, [])
     report["later_outputs_equal_baseline"] = same(
         run(llm, prompts, [params(max_tokens=12) for _ in prompts]), base)
     try:

@@ -91,3 +91,15 @@ def assert_same_output(out: Any, ref: Any, atol: float = 1e-5) -> None:
     assert list(out.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
     read = generated_logprobs if out.prompt_logprobs is None else logprobs_of
     np.testing.assert_allclose(read(out)[1], read(ref)[1], atol=atol)
+
+
+def raw_set_global(llm: Any, wire: list[Any]) -> None:
+    """Global steering written unchecked: the workers' RPC with resolved entries, then the
+    frontend's record of it (so requests are admitted under it), bypassing the control plane's
+    checks (for defence-in-depth tests of the workers)."""
+    from dynsteer.controller.wire import fingerprint
+    from dynsteer.engine_ext import Steering
+
+    key = fingerprint(wire).hex() if wire else None
+    llm.collective_rpc("dynsteer_set_global", args=(wire, key or "-"))
+    Steering(llm)._plane.frontend.set_global([], wire, key)

@@ -11,7 +11,15 @@ import math
 
 import numpy as np
 import pytest
-from engine_utils import assert_same_output, logprobs_of, params, run, start_llm, stop_llm
+from engine_utils import (
+    assert_same_output,
+    logprobs_of,
+    params,
+    raw_set_global,
+    run,
+    start_llm,
+    stop_llm,
+)
 from hf_reference import assert_logprobs_match_hf
 from tiny_models import vec
 
@@ -233,15 +241,18 @@ def test_data_plane_drops_overflowing_steering(llm, plain_outputs):
         [{"vector": [1e30] * 128, "layers": [1, 2], "scale": 1e30}],  # inf in the fp32 row
         [{"vector": [1e30] * 128, "layers": [1]}],  # finite, but overflows the next norm
     ]
+    steered_before = Steering(llm).info()[0]["requests_steered_total"]
     try:
         for entries in poisons:
             wire = [entry_to_wire(e) for e in parse_entries(entries)]
-            llm.collective_rpc("dynsteer_set_global", args=(wire,))
+            raw_set_global(llm, wire)
             for out, ref in zip(run(llm, PROMPTS, [params() for _ in PROMPTS]), plain_outputs,
                                 strict=True):
                 assert_same_output(out, ref)
     finally:
-        llm.collective_rpc("dynsteer_set_global", args=([],))
+        raw_set_global(llm, [])
+    steered = Steering(llm).info()[0]["requests_steered_total"] - steered_before
+    assert steered == len(poisons) * len(PROMPTS), "the poisoned rows never reached a request"
     for out, ref in zip(run(llm, PROMPTS, [params() for _ in PROMPTS]), plain_outputs,
                         strict=True):
         assert_same_output(out, ref)
