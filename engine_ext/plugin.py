@@ -52,7 +52,8 @@ def register() -> None:
     compile_cache.install()
     frontend.install(frontend.FrontendHooks(
         configure=_configure, engine_state=_engine_state, admit=_admit, admitted=_admitted))
-    scheduler.install(scheduler.SchedulerHooks(guard_of=_guard_of, stats=_guard_stats))
+    scheduler.install(scheduler.SchedulerHooks(guard_of=_guard_of, stats=_engine_core_stats,
+                                               claims_of=_claims_of, budget_for=_budget_for))
     worker.install(_on_model_loaded)
     _registered = True
 
@@ -98,10 +99,31 @@ def _guard_of(extra_args: dict[str, Any] | None) -> Any:
     return scheduler.guard_of(extra_args)
 
 
-def _guard_stats() -> dict[str, int]:
+def _engine_core_stats() -> dict[str, int]:
+    from . import row_budget
     from .prefix_guard import scheduler
 
-    return scheduler.stats()
+    return {**scheduler.stats(), **row_budget.stats()}
+
+
+def _claims_of(extra_args: dict[str, Any] | None) -> Any:
+    if not extra_args:
+        return None
+    from . import row_budget
+
+    return row_budget.claims_of(extra_args)
+
+
+def _budget_for(additional_config: dict[str, Any]) -> Any:
+    if not requested(additional_config):
+        return None
+    from . import row_budget
+    from .options import options_from_additional_config
+
+    options = options_from_additional_config(additional_config)
+    if options is None:
+        return None
+    return row_budget.RowBudget(options.max_rows, options.max_gates or options.max_rows)
 
 
 # ---- workers -----------------------------------------------------------------------------

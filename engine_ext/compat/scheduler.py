@@ -9,6 +9,9 @@ at vLLM's decision points:
 * ``KVCacheManager.free``: a request's blocks leave (count what was withheld);
 * ``Scheduler.update_from_output``: the workers' report (:data:`REPORT_ATTR` on the step's
   ``ModelRunnerOutput``) advances requests' cacheable frontiers;
+* ``Scheduler.schedule`` / ``_free_request``: waiting requests whose steering rows would not
+  fit stay queued this step (:mod:`dynsteer.engine_ext.row_budget` decides), scheduled ones
+  hold their rows until freed;
 * ``EngineCore.dynsteer_cache_stats``: a utility call returning the guard's counters.
 """
 
@@ -43,14 +46,28 @@ class RequestGuard(Protocol):
                  num_computed: int) -> int | None: ...
 
 
+class RowBudget(Protocol):
+    """The steering rows of one engine core, as the scheduler calls it."""
+
+    def plan(self, waiting: Any, slots: int) -> set[str]: ...
+
+    def take(self, req_id: str, claims: Any) -> None: ...
+
+    def release(self, req_id: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class SchedulerHooks:
-    """How the adapter calls dynsteer's prefix-cache guard."""
+    """How the adapter calls dynsteer's prefix-cache guard and row budget."""
 
     guard_of: Callable[[dict[str, Any] | None], RequestGuard | None]
     """The guard of a request from its ``SamplingParams.extra_args`` (None: unguarded)."""
     stats: Callable[[], dict[str, int]]
-    """The guard's counters in this engine core."""
+    """The guard's and the budget's counters in this engine core."""
+    claims_of: Callable[[dict[str, Any] | None], Any]
+    """The rows a request takes, from its ``extra_args`` (None: none)."""
+    budget_for: Callable[[dict[str, Any]], RowBudget | None]
+    """A scheduler's row budget from the engine's ``additional_config`` (None: not enabled)."""
 
 
 def install(hooks: SchedulerHooks) -> None:
@@ -69,13 +86,84 @@ def install(hooks: SchedulerHooks) -> None:
         m.KVCacheCoordinator, "cache_blocks", lambda original: _cache_blocks(guard, original)))
     when_imported("vllm.v1.core.kv_cache_manager", lambda m: patch(
         m.KVCacheManager, "free", lambda original: _free(guard, original)))
-    when_imported("vllm.v1.core.sched.scheduler", lambda m: patch(
-        m.Scheduler, "update_from_output", lambda original: _update_from_output(guard, original)))
+    def claims(request: Any) -> Any:
+        """Parsed once and kept on vLLM's ``Request``."""
+        found = getattr(request, _CLAIMS_ATTR, _UNSET)
+        if found is _UNSET:
+            params = getattr(request, "sampling_params", None)
+            found = hooks.claims_of(params.extra_args if params is not None else None)
+            setattr(request, _CLAIMS_ATTR, found)
+        return found
+
+    def budget(scheduler: Any) -> RowBudget | None:
+        found = getattr(scheduler, _BUDGET_ATTR, _UNSET)
+        if found is _UNSET:
+            found = hooks.budget_for(dict(scheduler.vllm_config.additional_config or {}))
+            setattr(scheduler, _BUDGET_ATTR, found)
+        return found
+
+    def patch_scheduler(m: Any) -> None:
+        patch(m.Scheduler, "update_from_output",
+              lambda original: _update_from_output(guard, original))
+        patch(m.Scheduler, "schedule", lambda original: _schedule(budget, claims, original))
+        patch(m.Scheduler, "_free_request", lambda original: _free_request(budget, original))
+
+    when_imported("vllm.v1.core.sched.scheduler", patch_scheduler)
     when_imported("vllm.v1.engine.core", lambda m: setattr(
         m.EngineCore, STATS_UTILITY, lambda self: hooks.stats()))
 
 
 Guard = Callable[[Any], RequestGuard | None]
+_CLAIMS_ATTR = "_dynsteer_claims"
+_BUDGET_ATTR = "_dynsteer_row_budget"
+_UNSET = object()
+
+
+def _waiting_queues(scheduler: Any) -> list[Any]:
+    """The queues a request waits in to be scheduled (vLLM 0.26 keeps a second one for
+    requests it skipped)."""
+    skipped = getattr(scheduler, "skipped_waiting", None)
+    return [scheduler.waiting] if skipped is None else [scheduler.waiting, skipped]
+
+
+def _schedule(budget: Callable[[Any], RowBudget | None], claims: Callable[[Any], Any],
+              original: Callable[..., Any]) -> Callable[..., Any]:
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rows = budget(self)
+        queues = _waiting_queues(self) if rows is not None else []
+        held: list[tuple[Any, list[Any]]] = []
+        if any(queues):
+            slots = self.max_num_running_reqs - len(self.running)
+            ids = rows.plan(((r.request_id, claims(r)) for q in queues for r in q), slots)
+            for queue in queues if ids else ():
+                mine = [r for r in queue if r.request_id in ids]
+                if mine:
+                    queue.remove_requests(mine)
+                    held.append((queue, mine))
+        try:
+            output = original(self, *args, **kwargs)
+        finally:
+            for queue, mine in held:  # back in front, in their order
+                for request in reversed(mine):
+                    queue.prepend_request(request)
+        if rows is not None:
+            for new in output.scheduled_new_reqs:
+                request = self.requests.get(new.req_id)
+                rows.take(new.req_id, claims(request) if request is not None else None)
+        return output
+
+    return schedule
+
+
+def _free_request(budget: Callable[[Any], RowBudget | None],
+                  original: Callable[..., Any]) -> Callable[..., Any]:
+    def free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        rows = budget(self)
+        if rows is not None:
+            rows.release(request.request_id)
+        return original(self, request, *args, **kwargs)
+
+    return free_request
 
 
 def _extra_keys(guard: Guard, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -40,6 +40,7 @@ from ..options import CONFIG_KEY, EngineOptions, options_from_additional_config
 from ..prefix_guard import GUARD_KEY
 from ..prefix_guard.guard import CacheGuard
 from ..prefix_guard.key import guard_for
+from ..row_budget import CLAIMS_KEY, Claims, check_claims, claims_for
 
 MAX_SESSIONS = 65536
 """Sessions with steering set by a controller that the frontend remembers (least recently
@@ -208,6 +209,17 @@ class FrontendState:
                 return key, self.recent[key]
         return None
 
+    def claims(self, wire: dict[str, Any] | None) -> Claims | None:
+        """The steering and probe rows a request takes on the workers (see
+        :mod:`..row_budget`)."""
+        return claims_for(wire, self.global_wire, self.global_key, self.registry_generation)
+
+    def check_claims(self, wire: dict[str, Any]) -> None:
+        """Refuse a request that alone needs more rows than the engine has (it would wait
+        for them forever)."""
+        check_claims(self.claims(wire), self.options.max_rows,
+                     self.options.max_gates or self.options.max_rows)
+
     def cache_guard(self, wire: dict[str, Any] | None, prompt_len: int) -> CacheGuard | None:
         """How a request's blocks may be shared (see :func:`..prefix_guard.key.guard_for`)."""
         return guard_for(wire, self.global_wire, self.global_key, self.registry_generation,
@@ -252,10 +264,12 @@ def admit(state: FrontendState | None,
         )
     try:
         spec, wire = state.admit_spec(extra_args[SPEC_KEY])
+        wire = state.with_session(wire)
+        state.check_claims(wire)
     except ValueError:
         state.counters.requests_rejected += 1
         raise
-    return spec, state.with_session(wire)
+    return spec, wire
 
 
 def admitted(state: FrontendState, request_id: str,
@@ -267,10 +281,13 @@ def admitted(state: FrontendState, request_id: str,
     parsed, wire = spec if spec is not None else (None, None)
     state.record_request(request_id, parsed)
     guard = state.cache_guard(wire, prompt_len)
+    claims = state.claims(wire)
     extra = {k: v for k, v in (extra_args or {}).items()
-             if k not in (GUARD_KEY, SPEC_KEY, WIRE_KEY, GLOBAL_KEY)}
+             if k not in (GUARD_KEY, SPEC_KEY, WIRE_KEY, GLOBAL_KEY, CLAIMS_KEY)}
     if wire is not None:
         extra[WIRE_KEY] = wire
+    if claims is not None:
+        extra[CLAIMS_KEY] = claims.to_extra()
     if state.global_key is not None:
         extra[GLOBAL_KEY] = state.global_key
     if guard is not None:

@@ -66,6 +66,13 @@ class DynsteerCollector(Collector):
             "because they hold dynamically steered (or unconfirmed) KV",
             value=guard.get("blocks_withheld", 0))
         yield CounterMetricFamily(
+            "dynsteer_requests_waited_for_rows", "Requests the scheduler kept waiting because "
+            "their steering or probe rows would not fit (max_rows, max_gates)",
+            value=guard.get("requests_waited_for_rows", 0))
+        yield GaugeMetricFamily(
+            "dynsteer_requests_waiting_for_rows", "Requests kept waiting for a row at the last "
+            "step", value=guard.get("waiting_for_rows", 0))
+        yield CounterMetricFamily(
             "dynsteer_prefix_guarded_requests", "Gated requests whose blocks were cached only "
             "once reported free of dynamic steering", value=guard.get("guarded_requests", 0))
         yield from _controller_metrics(stats, self.server.commands)
