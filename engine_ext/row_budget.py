@@ -111,8 +111,9 @@ class RowBudget:
     def plan(self, waiting: Iterable[tuple[str, Claims | None]], slots: int) -> set[str]:
         """The waiting requests (in queue order) to hold back this step: those whose new rows
         would exceed the budget once the ones before them that fit took theirs. Stops after
-        ``slots`` requests that may run (the most the scheduler can admit in one step), so the
-        work is per admitted request, not per waiting one."""
+        ``slots`` requests that may run (the most the scheduler can admit in one step), so
+        while rows are free the work is per admitted request; only while requests are held
+        back (rows exhausted) does it read further down the queue, a set difference each."""
         rows, gates = set(self._rows), set(self._gates)
         held: set[str] = set()
         for req_id, claims in waiting:

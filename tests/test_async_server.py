@@ -16,6 +16,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,22 +63,27 @@ def stack(chat_model, tmp_path_factory):
                     "--dynsteer-zmq-server-key", str(server_secret),
                     "--dynsteer-zmq-client-keys", str(clients))
     log = (folder / "controller.log").open("w")
-    controller = None
-    try:
-        server.wait_ready()
+    controllers: list[subprocess.Popen] = []
+
+    def start_controller() -> subprocess.Popen:
         config = json.dumps({"steer": GUARD_STEER, "api_key": KEY})
-        controller = subprocess.Popen(
+        controllers.append(subprocess.Popen(
             [str(Path(sys.executable).parent / "dynsteer"), "controller", "run",
              "dynsteer.controller.examples:SessionGuard", "--events", events, "--commands",
              commands, "--config", config, "--server-key", str(server_public),
-             "--client-key", str(client_secret)], stdout=log, stderr=subprocess.STDOUT)
+             "--client-key", str(client_secret)], stdout=log, stderr=subprocess.STDOUT))
+        return controllers[-1]
+
+    try:
+        server.wait_ready()
+        controller = start_controller()
         server_key = zmq.auth.load_certificate(server_public)[0]
         keys = (server_key, *zmq.auth.load_certificate(client_secret))
-        yield server, controller, commands, keys
+        yield server, controller, commands, keys, start_controller
     finally:
-        if controller is not None:
-            controller.kill()
-            controller.wait()
+        for process in controllers:
+            process.kill()
+            process.wait()
         log.close()
         server.stop()
 
@@ -147,7 +153,7 @@ def dealer_for(commands: str, keys: tuple[bytes, bytes, bytes] | None) -> zmq.So
 
 
 def test_unkeyed_and_unknown_clients_get_nothing(stack):
-    _, _, commands, keys = stack
+    _, _, commands, keys, _ = stack
     stranger = (keys[0], *zmq.curve_keypair())
     for client_keys in (None, stranger):
         dealer = dealer_for(commands, client_keys)
@@ -159,7 +165,7 @@ def test_unkeyed_and_unknown_clients_get_nothing(stack):
 
 
 def test_bad_command_frames_are_answered_and_counted(stack):
-    server, _, commands, keys = stack
+    server, _, commands, keys, _ = stack
     dealer = dealer_for(commands, keys)
     frames = [b"\x00not msgpack", b"x" * (MAX_COMMAND_BYTES + 1),
               msgspec.msgpack.encode({"v": 9, "type": "ping"}), encode(Ping(id="nokey")),
@@ -181,11 +187,31 @@ def test_bad_command_frames_are_answered_and_counted(stack):
 
 
 def test_killing_the_controller_leaves_the_engine_serving(stack):
-    server, controller, *_ = stack
+    """Killed mid-traffic: every request in flight and after it is served, nothing is
+    commanded any more; a restarted controller steers sessions again."""
+    server, controller, *_, start_controller = stack
+    results: list[int] = []
+
+    def traffic() -> None:
+        for i in range(8):
+            results.append(len(complete(server, f"during-{i}", TRIP)))
+
+    background = threading.Thread(target=traffic)
+    background.start()
     controller.kill()
     controller.wait()
+    background.join(timeout=300)
+    assert results == [6] * 8
+    time.sleep(1.0)  # commands the controller sent before dying are handled by now
     before = session_commands(server)
     for session in ("after-1", "after-2"):
         assert len(complete(server, session, TRIP)) == 6
     assert session_commands(server) == before
     assert http("GET", server.url + "/v1/dynsteer/health")[0] == 200
+
+    restarted = start_controller()
+    wait_until(lambda: session_commands(server) > before,
+               action=lambda: complete(server, "after-restart", TRIP))
+    wait_until(lambda: np.abs(complete(server, "after-restart")
+                              - complete(server, None, {"steer": GUARD_STEER})).max() < 1e-4)
+    assert restarted.poll() is None

@@ -3,8 +3,13 @@ name, bad uploads, and a restart that keeps the uploaded probes (probe store on 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -172,16 +177,45 @@ def test_duplicate_upload_is_409_unless_replacing(server, trained):
         assert status == 400 and "name" in json.dumps(answer), (name, answer)
 
 
-def test_restart_serves_the_same_probes_and_vectors(server, trained, chat_model, store,
-                                                    tmp_path_factory):
-    upload(trained.replace(name="storm2", threshold=trained.threshold + 1.0),
-           server["server"].url, api_key=KEY)
+def test_restart_after_kill_9_mid_upload_serves_whole_probes_and_vectors(
+        server, trained, chat_model, store, tmp_path_factory):
+    """``kill -9`` of the server while probes are being replaced and vectors registered:
+    the restarted server (same store) serves every probe and vector registered before, each
+    whole (a probe is the old or a new version, never a torn file), removes leftovers of
+    interrupted writes, and gates with them."""
+    url = server["server"].url
+    upload(trained.replace(name="storm2", threshold=trained.threshold + 1.0), url, api_key=KEY)
     _client(server).delete_probe("storm2")
     vector = np.random.default_rng(5).standard_normal(128).astype(np.float32)
     _client(server).register_vector("calm", vector)
     _client(server).register_vector("gone", vector)
     _client(server).delete_vector("gone")
+    thresholds = {trained.threshold, *(trained.threshold + k for k in (0.25, 0.5, 0.75))}
+    replaced: list[float] = []
+    stop = threading.Event()
+
+    def churn() -> None:
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            threshold = trained.threshold + 0.25 * (1 + i % 3)
+            try:
+                upload(trained.replace(threshold=threshold), url, api_key=KEY, replace=True)
+                _client(server).register_vector(f"churn{i % 4}", vector, replace=True)
+            except (OSError, DynsteerHTTPError):
+                return
+            replaced.append(threshold)
+
+    writer = threading.Thread(target=churn)
+    writer.start()
+    deadline = time.monotonic() + 60
+    while len(replaced) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(server["server"].proc.pid, signal.SIGKILL)
+    stop.set()
+    writer.join(timeout=60)
     server["server"].stop()
+    assert len(replaced) >= 3, "the uploads never ran"
     (store / ".storm.safetensors.deadbeef.tmp").write_bytes(b"interrupted write")
     restarted = Server(chat_model, tmp_path_factory.mktemp("logs") / "serve2.log",
                        "--dynsteer-api-key", KEY, "--dynsteer-probe-store", str(store))
@@ -189,9 +223,12 @@ def test_restart_serves_the_same_probes_and_vectors(server, trained, chat_model,
     restarted.wait_ready()
     client = _client(server)
     assert [p.name for p in client.probes()] == ["storm"]
-    np.testing.assert_array_equal(client.get_probe("storm").weights, trained.weights)
-    assert client.vectors() == ["calm"]
+    served = client.get_probe("storm")
+    np.testing.assert_array_equal(served.weights, trained.weights)
+    assert min(abs(served.threshold - t) for t in thresholds) < 1e-5, served.threshold
+    assert set(client.vectors()) - {"calm"} <= {f"churn{i}" for i in range(4)}
+    assert "calm" in client.vectors()
     np.testing.assert_array_equal(np.float32(client.get_vector("calm")), vector)
-    assert not (store / ".storm.safetensors.deadbeef.tmp").exists()
+    assert not list(store.rglob("*.tmp")), "leftovers of interrupted writes"
     report = client.request(_gated_completion(server, POSITIVE[1]))
     assert report.gated and report.telemetry.tokens_monitored > 0
