@@ -175,8 +175,10 @@ def decode_command(frame: bytes) -> Any:
                                          f"{MAX_COMMAND_BYTES}")
     try:
         raw = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # a str that is not UTF-8
         raise ProtocolError("malformed", f"not msgpack: {e}") from None
+    except RecursionError:  # msgspec's nesting limit: ~1 KB of nested arrays reach it
+        raise ProtocolError("malformed", "not msgpack: nested too deeply") from None
     if not isinstance(raw, dict):
         raise ProtocolError("malformed", "a command is a msgpack map")
     if raw.get("v") != SCHEMA_VERSION:

@@ -17,7 +17,7 @@ from dynsteer.engine_ext.server.middleware import (
     move_spec_to_xargs,
     namespace_session,
 )
-from dynsteer.engine_ext.server.sessions import namespaced
+from dynsteer.engine_ext.server.sessions import anonymous, namespaced
 
 DYNSTEER_CAP = 4096
 REQUEST_CAP = 64 * 1024
@@ -217,3 +217,13 @@ def test_sessions_move_into_the_callers_namespace():
         assert got["session"] == namespaced("s1", "k") != "s1"
     plain = json.dumps({"model": "m", "vllm_xargs": {"dynsteer": json.dumps(SPEC)}}).encode()
     assert namespace_session(plain, "k") is plain
+
+
+def test_callers_without_a_key_cannot_join_a_tenants_session():
+    """A request without a configured key that sends a tenant's namespaced session name gets
+    the anonymous namespace of that name, never the tenant's session."""
+    tenants = namespaced("s1", "k")
+    body = json.dumps({"model": "m", "vllm_xargs": {"dynsteer": {"session": tenants}}}).encode()
+    got = json.loads(json.loads(namespace_session(body, None))["vllm_xargs"]["dynsteer"])
+    assert got["session"] == anonymous(tenants) != tenants
+    assert namespaced(got["session"], "k") != tenants

@@ -60,6 +60,23 @@ def check_name(name: str, field: str = "name") -> str:
     return name
 
 
+def _number(field: str, value: Any) -> float:
+    """A real number given to the Python API, as a float (ControlError naming the field)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ControlError(f"{field}: expected a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ControlError(f"{field}: {value!r} is out of range") from None
+
+
+def _entry_list(field: str, entries: Any) -> list[Any]:
+    """A list of steering entries given to the Python API (ControlError naming the field)."""
+    if not isinstance(entries, (list, tuple)):
+        raise ControlError(f"{field}: expected a list of entries, got {type(entries).__name__}")
+    return list(entries)
+
+
 def _check_room(kind: str, name: str, registry: dict[str, Any], limit: int, option: str,
                 replace: bool) -> None:
     """A new name fits in a registry of at most ``limit``; a taken one needs ``replace``."""
@@ -122,10 +139,8 @@ class ControlPlane:
         f = self.frontend
         check_name(name)
         array = as_float32_vector("weights", weights, f.hidden_size)
-        for field, value in (("threshold", threshold), ("sharpness", sharpness)):
-            if isinstance(value, bool) or not isinstance(value, Real):
-                raise ControlError(f"{field}: expected a number, got {type(value).__name__}")
-        check_probe_numbers("", float(threshold), float(sharpness), array)
+        threshold, sharpness = _number("threshold", threshold), _number("sharpness", sharpness)
+        check_probe_numbers("", threshold, sharpness, array)
         _check_room("probe", name, f.probes, f.options.max_probes, "max_probes", replace)
 
         def commit() -> None:
@@ -153,6 +168,7 @@ class ControlPlane:
 
     def _forget(self, kind: str, name: str, *registries: dict[str, Any]) -> Change:
         """Remove ``name`` from ``registries`` (the first one lists the registered names)."""
+        check_name(name)
         if name not in registries[0]:
             raise UnknownNameError(f"name: unknown {kind} {name!r}")
 
@@ -166,7 +182,7 @@ class ControlPlane:
     def set_global(self, entries: Sequence[SteerEntry | dict[str, Any]]) -> Change:
         """Steer every request admitted from now on with ``entries`` (added to its own
         steering); requests in flight keep the global steering they were admitted under."""
-        parsed = parse_entries(list(entries), prefix="steer")
+        parsed = parse_entries(_entry_list("steer", entries), prefix="steer")
         shape = self.frontend.shape()
         check_entries(parsed, shape, prefix="steer")
         check_projection_slots(parsed, (), shape, prefix="steer")
@@ -188,9 +204,12 @@ class ControlPlane:
         """Change a registered probe's threshold (and sharpness) for requests admitted from
         now on (admitted ones keep theirs)."""
         f = self.frontend
+        check_name(name)
         if name not in f.probes:
             raise UnknownNameError(f"name: unknown probe {name!r}")
-        check_probe_numbers("", float(threshold), 1.0 if sharpness is None else float(sharpness))
+        threshold = _number("threshold", threshold)
+        sharpness = None if sharpness is None else _number("sharpness", sharpness)
+        check_probe_numbers("", threshold, 1.0 if sharpness is None else sharpness)
 
         def commit() -> None:
             probe = f.probes[name]
@@ -201,16 +220,14 @@ class ControlPlane:
                 f.probes[name] = probe.replace(**changes)
             f.registry_generation += 1
 
-        return Change("dynsteer_update_probe",
-                      (name, float(threshold), None if sharpness is None else float(sharpness)),
-                      commit)
+        return Change("dynsteer_update_probe", (name, threshold, sharpness), commit)
 
     def session_steering(self, steer: Sequence[SteerEntry | dict[str, Any]],
                          gate: GateSpec | None) -> dict[str, Any]:
         """Steering for a session's later requests, checked against the served model like a
         request's own, in the form :meth:`.admission.FrontendState.set_session` keeps."""
         shape = self.frontend.shape()
-        entries = parse_entries(list(steer), prefix="steer")
+        entries = parse_entries(_entry_list("steer", steer), prefix="steer")
         check_entries(entries, shape, prefix="steer")
         if gate is not None:
             check_gate(gate, shape, "gate")

@@ -63,7 +63,12 @@ class CommandServer:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.RCVHWM, RCVHWM)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._auth = bind(self._socket, address, "dynsteer.commands_address")
+        try:
+            self._auth = bind(self._socket, address, "dynsteer.commands_address")
+        except BaseException:  # an unclosed socket would make the context's term() hang
+            self._socket.close()
+            self._context.term()
+            raise
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -96,6 +101,10 @@ class CommandServer:
         except ProtocolError as e:
             self.rejected[e.reason] += 1
             return Reply(ok=False, error=str(e))
+        except Exception:  # a decoder bug must not end the command loop either
+            logger.exception("dynsteer: a command frame could not be decoded")
+            self.rejected["malformed"] += 1
+            return Reply(ok=False, error="not msgpack: could not be decoded")
         try:
             result = await self._apply(command)
         except PermissionError as e:
@@ -105,6 +114,11 @@ class CommandServer:
             self.rejected["failed"] += 1
             message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
             return Reply(id=command.id, ok=False, error=str(message))
+        except Exception:  # a bug of ours must not end the command loop
+            logger.exception("dynsteer: command %s failed", command.type)
+            self.rejected["failed"] += 1
+            return Reply(id=command.id, ok=False, error=f"{command.type}: failed; see the "
+                                                        "server log")
         self.handled[command.type] += 1
         return Reply(id=command.id, ok=True, result=result)
 

@@ -12,7 +12,7 @@
   every other POST, PUT and PATCH (vLLM's routes, completions included).
 * With API keys configured, a spec's ``session`` becomes the caller's namespace of it
   (:func:`.sessions.namespaced` of the bearer token), the same one its controller commands
-  reach.
+  reach; without a configured key, the anonymous namespace (:func:`.sessions.anonymous`).
 * ``GET /metrics`` first refreshes the workers' counters, so a scrape sees current values.
 
 Error bodies carry our message only, in vLLM's ``{"error": {...}}`` shape.
@@ -31,7 +31,7 @@ from dynsteer.controller.contract import SPEC_KEY, SpecError
 from dynsteer.controller.spec import MAX_JSON_DEPTH, check_json_depth
 
 from .routes import PREFIX
-from .sessions import namespaced
+from .sessions import anonymous, namespaced
 from .settings import (
     DEFAULT_MAX_REQUEST_BYTES,
     MAX_BODY_ENV,
@@ -140,16 +140,18 @@ def rewrite_body(path: str, body: bytes) -> bytes:
                     f"{' or '.join(COMPLETION_PATHS)} (top-level \"{SPEC_KEY}\" or vllm_xargs)")
 
 
-def namespace_session(body: bytes, api_key: str) -> bytes:
+def namespace_session(body: bytes, api_key: str | None) -> bytes:
     """``body`` (a completion body whose spec is in ``vllm_xargs``) with the spec's session
-    in ``api_key``'s namespace; unchanged when there is no session."""
+    in ``api_key``'s namespace (None: a caller without a configured key, the anonymous one);
+    unchanged when there is no session."""
     data = json.loads(body)
     xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
     raw = xargs.get(SPEC_KEY) if isinstance(xargs, dict) else None
     spec = json.loads(raw) if isinstance(raw, str) else raw
     if not isinstance(spec, dict) or not isinstance(spec.get("session"), str):
         return body
-    spec["session"] = namespaced(spec["session"], api_key)
+    session = spec["session"]
+    spec["session"] = anonymous(session) if api_key is None else namespaced(session, api_key)
     xargs[SPEC_KEY] = json.dumps(spec)
     return json.dumps(data).encode()
 
@@ -210,10 +212,11 @@ class DynsteerMiddleware:
                 return
             server = getattr(getattr(scope.get("app"), "state", None), "dynsteer", None)
             key = _bearer(scope)
-            if (server is not None and server.api_keys and key in server.api_keys
-                    and _MARKER in new_body and path.rstrip("/") in COMPLETION_PATHS):
+            if (server is not None and server.api_keys and _MARKER in new_body
+                    and path.rstrip("/") in COMPLETION_PATHS):
                 with contextlib.suppress(ValueError):  # not JSON: vLLM reports it
-                    new_body = namespace_session(new_body, key)
+                    new_body = namespace_session(
+                        new_body, key if key in server.api_keys else None)
             if new_body is not body:
                 scope, body = _with_length(scope, len(new_body)), new_body
         await self.app(scope, _replay(body, receive), send)
