@@ -1,0 +1,183 @@
+"""Steering under tensor and pipeline parallelism equals one rank (issue 18), on any build.
+
+One tiny random Llama (fp32), the same requests on each layout, every layout in its own
+process (a second engine in one process does not start reliably on GPUs): static steering at
+every hook and phase, gated steering (probe on the first PP stage, gated sites on both), the
+built-in ``latch`` and ``proportional`` controllers, global steering set then cleared, and
+activation capture at a site of each stage. Compared with the one-rank run: greedy tokens
+equal, logprobs within ``--atol``, capture within 2e-4, the cleared run equal to the
+unsteered one, and every rank's controller checksum and folded step count equal.
+
+On GPUs each layout starts with the TP settings of the README's GPU section (the host keeps
+NVLink multicast off: no IPC / symmetric-memory all-reduce, no all-reduce fusions); on the CPU
+build one core per rank.
+
+Usage: python -u experiments/parallel_check.py OUT [--layouts tp2,pp2] [--atol 2e-3]
+       (writes parallel_<layout>.json per layout and parallel_check.json; exits 1 on a failure)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+LAYOUTS: dict[str, dict[str, int]] = {
+    "tp1": {},
+    "tp2": {"tensor_parallel_size": 2},
+    "pp2": {"pipeline_parallel_size": 2},
+}
+GPU_ENV = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+           "VLLM_USE_NCCL_SYMM_MEM": "0"}
+GPU_KWARGS: dict[str, Any] = {
+    "gpu_memory_utilization": 0.3, "disable_custom_all_reduce": True,
+    "compilation_config": {"pass_config": {"fuse_allreduce_rms": False, "enable_sp": False,
+                                           "fuse_gemm_comms": False}},
+}
+CAPTURE_SITES = "post_block@1,post_block@3"
+"""Default monitor sites of the 4-layer model, one on each PP stage."""
+
+
+def requests() -> tuple[list[list[int]], list[Any]]:
+    """The prompts and specs every layout runs (tiny_models' shapes and vectors)."""
+    from tiny_models import STATIC_CASES, vec
+
+    gate = {"probe": {"weights": vec(1, norm=1.0), "threshold": 0.0, "sharpness": 50.0},
+            "layer": 1, "steer": [{"vector": vec(31), "layers": [1, 3]}]}
+    specs = [None, *({"steer": e} for e in STATIC_CASES.values()), {"gate": gate},
+             {"gate": gate, "controller": {"name": "latch", "k": 2}},
+             {"gate": gate, "controller": {"name": "proportional", "gain": 3.0}}]
+    prompts = [[1, 17, 42, 99, 7, 250, 3, 64], [1, 9, 8, 7]]
+    return [prompts[i % 2] for i in range(len(specs))], specs
+
+
+def run_layout(layout: str, model: str, out: Path) -> None:
+    """One layout's outputs, written as JSON (the child process)."""
+    import torch
+    from engine_utils import ALL_SITES, logprobs_of, params, run, start_llm, stop_llm
+    from tiny_models import vec
+
+    from dynsteer.engine_ext import Steering
+
+    extra: dict[str, Any] = dict(LAYOUTS[layout])
+    if torch.cuda.is_available():
+        extra.update(GPU_KWARGS)
+    prompts, specs = requests()
+    started = time.monotonic()
+    llm = start_llm(model, dynsteer={"sites": ALL_SITES}, **extra)
+    ready = time.monotonic() - started
+    try:
+        outs = run(llm, prompts, [params(8, spec=s) for s in specs])
+        steering = Steering(llm)
+        steering.set_global([{"vector": vec(41), "layers": [0, 3]}])
+        (under_global,) = run(llm, prompts[:1], [params(8)])
+        steering.clear_global()
+        (cleared,) = run(llm, prompts[:1], [params(8)])
+        capture = steering.capture(prompts[1:3], CAPTURE_SITES, reduce="all")
+        info = steering.info()
+    finally:
+        stop_llm(llm)
+
+    def tokens_and_logprobs(o: Any) -> dict[str, Any]:
+        tokens, lps = logprobs_of(o)
+        return {"tokens": tokens, "logprobs": lps.tolist()}
+
+    out.write_text(json.dumps({
+        "layout": layout, "ready_s": ready,
+        "outputs": [tokens_and_logprobs(o) for o in outs],
+        "global": tokens_and_logprobs(under_global), "cleared": tokens_and_logprobs(cleared),
+        "capture": {site: [a.tolist() for a in arrays] for site, arrays in capture.items()},
+        "ranks": [{k: rank[k] for k in ("controller_checksum", "controller_checked_steps",
+                                        "rows_rejected")} for rank in info],
+    }))
+
+
+def compare(one: dict[str, Any], other: dict[str, Any], atol: float) -> dict[str, Any]:
+    """The checks of one layout against the one-rank run."""
+    import numpy as np
+
+    def same(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, float]:
+        err = float(np.abs(np.array(a["logprobs"]) - np.array(b["logprobs"])).max())
+        return a["tokens"] == b["tokens"] and err <= atol, err
+
+    checks: dict[str, Any] = {}
+    for i, (a, b) in enumerate(zip(other["outputs"], one["outputs"], strict=True)):
+        checks[f"request {i} equals one rank"], checks[f"request {i} max err"] = same(a, b)
+    checks["global equals one rank"], _ = same(other["global"], one["global"])
+    checks["cleared equals unsteered"], _ = same(other["cleared"], one["outputs"][0])
+    checks["global changed the output"] = bool(
+        np.abs(np.array(other["global"]["logprobs"])
+               - np.array(other["cleared"]["logprobs"])).max() > 1e-2)
+    checks["capture equals one rank"] = all(
+        np.allclose(np.array(x), np.array(y), atol=2e-4)
+        for site in one["capture"]
+        for x, y in zip(other["capture"][site], one["capture"][site], strict=True))
+    ranks = other["ranks"]
+    checks["controller checksums equal on every rank"] = (
+        len(ranks) >= 2 and len({r["controller_checksum"] for r in ranks}) == 1
+        and len({r["controller_checked_steps"] for r in ranks}) == 1
+        and ranks[0]["controller_checked_steps"] > 0)
+    checks["no rank ran out of rows"] = all(r["rows_rejected"] == 0 for r in ranks)
+    return checks
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--layouts", default="tp2,pp2")
+    parser.add_argument("--atol", type=float, default=2e-3)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        run_layout(args.child, args.model, args.out / f"parallel_{args.child}.json")
+        return 0
+
+    import torch
+    from tiny_models import make_tiny_model
+
+    model = args.out / "tiny_llama"
+    if not (model / "config.json").exists():
+        make_tiny_model("llama", model)
+    env = {**os.environ, **(GPU_ENV if torch.cuda.is_available() else
+                            {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})}
+    layouts = ["tp1", *(x for x in args.layouts.split(",") if x)]
+    results: dict[str, Any] = {}
+    for layout in layouts:
+        child_env = env if layout != "tp1" else {**env, "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-u", __file__, str(args.out), "--child", layout,
+                               "--model", str(model)], env=child_env)
+        results[layout] = {"rc": done.returncode, "seconds": time.monotonic() - started}
+        print(f"{layout}: rc {done.returncode} in {results[layout]['seconds']:.0f} s",
+              flush=True)
+    one = json.loads((args.out / "parallel_tp1.json").read_text())
+    failed = []
+    for layout in layouts[1:]:
+        path = args.out / f"parallel_{layout}.json"
+        if results[layout]["rc"] != 0 or not path.exists():
+            failed.append(f"{layout}: did not run")
+            continue
+        checks = compare(one, json.loads(path.read_text()), args.atol)
+        results[layout]["checks"] = checks
+        failed += [f"{layout}: {k}" for k, v in checks.items() if v is False]
+        passed = sum(v is True for v in checks.values())
+        print(f"{layout}: {passed}/{sum(isinstance(v, bool) for v in checks.values())} checks "
+              "passed", flush=True)
+    results["failed"] = failed
+    (args.out / "parallel_check.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(failed) if failed else "all checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
