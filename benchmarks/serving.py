@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,21 +133,32 @@ def serve_args(model: Path, mem: float) -> list[str]:
             "--seed", "0"]
 
 
-def run_plain(model: Path, log: Path, bodies: list[dict[str, Any]], rate: float,
-              mem: float) -> dict[str, Any]:
+@contextlib.contextmanager
+def plain_vllm(args: list[str], log: Path, env: dict[str, str] | None = None,
+               timeout: float = 480.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Plain vLLM's OpenAI server (``--model ARGS``) on a free loopback port, its log in
+    ``log``: yields (its URL, the process) once ``/health`` answers; stopped on exit. ``env``
+    is added to this process's environment (e.g. ``VLLM_PLUGINS=""``: no plugin at all)."""
     port = free_port()
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                                 "--model", *serve_args(model, mem), "--port", str(port),
+                                 "--model", *args, "--port", str(port),
                                  "--host", "127.0.0.1"], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,
+                                env=None if env is None else {**os.environ, **env})
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_health(url, proc)
-            return asyncio.run(drive(url, bodies, rate))
+            wait_health(url, proc, timeout)
+            yield url, proc
         finally:
             proc.terminate()
             proc.wait(timeout=120)
+
+
+def run_plain(model: Path, log: Path, bodies: list[dict[str, Any]], rate: float,
+              mem: float) -> dict[str, Any]:
+    with plain_vllm(serve_args(model, mem), log) as (url, _):
+        return asyncio.run(drive(url, bodies, rate))
 
 
 def run_dynsteer(model: Path, log: Path, bodies: list[dict[str, Any]], rate: float,
