@@ -406,8 +406,12 @@ async def drive(base: str, items: Sequence[Item], concurrency: int,
     import httpx
 
     semaphore = asyncio.Semaphore(concurrency)
+    # Idle connections are dropped after 1 s: the server closes them after 5 s
+    # (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), httpx's default expiry is also 5 s, and a request sent on
+    # a connection the server is closing at that instant fails with a ReadError (seen once in
+    # 20,000 requests, nothing in the server's log): a client race, not a server fault.
     limits = httpx.Limits(max_connections=concurrency + 8,
-                          max_keepalive_connections=concurrency + 8)
+                          max_keepalive_connections=concurrency + 8, keepalive_expiry=1.0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits,
                                  headers={"Authorization": f"Bearer {KEY}"}) as client:
 
