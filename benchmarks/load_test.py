@@ -54,7 +54,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import sys
 import threading
 import time
@@ -607,40 +606,19 @@ def idle_state(metrics: dict[str, float]) -> dict[str, float]:
     return {k: metrics.get(k, 0.0) for k in IDLE_KEYS}
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (from /proc: no psutil needed)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
 def memory(pid: int) -> dict[str, int]:
-    """Resident KiB of ``pid`` and its descendants, by ``comm`` (``VLLM::Worker``, ...)."""
+    """Resident KiB of ``pid`` and its descendants, by process name (``VLLM::Worker``, ...)."""
+    import psutil  # vLLM's own dependency
+
+    root = psutil.Process(pid)
     out: dict[str, int] = {}
-    for p in descendants(pid):
+    for process in (root, *root.children(recursive=True)):
         try:
-            name = Path(f"/proc/{p}/comm").read_text().strip()
-            status = Path(f"/proc/{p}/status").read_text()
-        except OSError:
+            name, rss = process.name(), process.memory_info().rss // 1024
+        except psutil.Error:
             continue
-        rss = next((int(line.split()[1]) for line in status.splitlines()
-                    if line.startswith("VmRSS:")), 0)
-        if rss:
-            key = "api_server" if p == pid else name
-            out[key] = out.get(key, 0) + rss
+        key = "api_server" if process.pid == pid else name
+        out[key] = out.get(key, 0) + rss
     return out
 
 

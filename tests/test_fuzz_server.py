@@ -37,6 +37,7 @@ import httpx
 import hypothesis_jsonschema._from_schema as jsonschema_strategies
 import numpy as np
 import pytest
+from fuzz_report import report_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.internal.conjecture import utils as conjecture_utils
@@ -188,18 +189,12 @@ def baseline(client, model) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def report_cases(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[None]:
-    """Writes the number of fuzz cases run (the issue asks for it)."""
+def cases_report(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[None]:
     yield
-    total = sum(CASES.values())
-    path = tmp_path_factory.getbasetemp() / "fuzz_server_cases.json"
-    path.write_text(json.dumps({"total": total, "by_test": dict(CASES),
-                                "statuses": {str(k): v for k, v in sorted(STATUSES.items())}}))
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        print(f"\ntest_fuzz_server: {total} fuzz requests "
-              + ", ".join(f"{k}={v}" for k, v in sorted(CASES.items()))
-              + f"; statuses {dict(sorted(STATUSES.items()))} ({path})")
+    statuses = dict(sorted(STATUSES.items()))
+    report_cases(request, tmp_path_factory, "test_fuzz_server", "fuzz requests", CASES,
+                 {"statuses": {str(k): v for k, v in statuses.items()}},
+                 f"; statuses {statuses}")
 
 
 def send(client: httpx.Client, method: str, path: str, bucket: str, body: Any = None, *,

@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from fuzz_report import report_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -57,18 +58,10 @@ CASES: Counter[str] = Counter()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def report_cases(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+def cases_report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[None]:
-    """Writes how many fuzz cases each test ran: the issue asks for the number."""
     yield
-    total = sum(CASES.values())
-    path = tmp_path_factory.getbasetemp() / "fuzz_spec_cases.json"
-    path.write_text(json.dumps({"total": total, **CASES}))
-    line = (f"test_fuzz_spec: {total} fuzz cases "
-            + ", ".join(f"{k}={v}" for k, v in sorted(CASES.items())))
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        print(f"\n{line} ({path})")
+    report_cases(request, tmp_path_factory, "test_fuzz_spec", "fuzz cases", CASES)
 
 
 # ---- a frontend like a served model's, with one of everything registered ----------------------

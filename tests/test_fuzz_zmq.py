@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from fuzz_report import report_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -67,18 +68,10 @@ CASES: Counter[str] = Counter()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def report_cases(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+def cases_report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[None]:
-    """Writes how many fuzz frames each test sent (the issue asks for the number)."""
     yield
-    total = sum(CASES.values())
-    line = f"test_fuzz_zmq: {total} fuzz frames " + ", ".join(
-        f"{k}={v}" for k, v in sorted(CASES.items()))
-    path = tmp_path_factory.getbasetemp() / "fuzz_zmq_cases.json"
-    path.write_text(json.dumps({"total": total, **CASES}))
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        print(f"\n{line} ({path})")
+    report_cases(request, tmp_path_factory, "test_fuzz_zmq", "fuzz frames", CASES)
 
 
 # ---- one command server on its own event loop --------------------------------------------------

@@ -46,7 +46,8 @@ class FrontendHooks:
     field to reject it; returns what :attr:`admitted` gets."""
     admitted: Callable[[Any, str, Any, int, dict[str, Any] | None], dict[str, Any] | None]
     """``(state, request id, admit's result, prompt length, extra_args)`` once the request
-    exists (enabled engines only): the request's new ``extra_args``."""
+    exists (enabled engines only): the request's new ``extra_args``; may still reject it with
+    a ValueError naming the field."""
 
 
 _hooks: FrontendHooks | None = None
@@ -92,9 +93,12 @@ def _process_inputs(hooks: FrontendHooks, original: Callable[..., Any]) -> Calla
         if state is not None:
             request_params = getattr(request, "sampling_params", None)
             tokens = getattr(request, "prompt_token_ids", None)
-            extra = hooks.admitted(state, str(request_id), admitted,
-                                   len(tokens) if tokens is not None else 0,
-                                   request_params.extra_args if request_params else None)
+            try:
+                extra = hooks.admitted(state, str(request_id), admitted,
+                                       len(tokens) if tokens is not None else 0,
+                                       request_params.extra_args if request_params else None)
+            except ValueError as e:
+                raise _client_error(e) from e
             if request_params is not None:
                 # A fresh dict: the params may be a shallow copy of the caller's.
                 request_params.extra_args = extra

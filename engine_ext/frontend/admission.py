@@ -214,12 +214,6 @@ class FrontendState:
         :mod:`..row_budget`)."""
         return claims_for(wire, self.global_wire, self.global_key, self.registry_generation)
 
-    def check_claims(self, wire: dict[str, Any]) -> None:
-        """Refuse a request that alone needs more rows than the engine has (it would wait
-        for them forever)."""
-        check_claims(self.claims(wire), self.options.max_rows,
-                     self.options.max_gates or self.options.max_rows)
-
     def cache_guard(self, wire: dict[str, Any] | None, prompt_len: int) -> CacheGuard | None:
         """How a request's blocks may be shared (see :func:`..prefix_guard.key.guard_for`)."""
         return guard_for(wire, self.global_wire, self.global_key, self.registry_generation,
@@ -265,7 +259,6 @@ def admit(state: FrontendState | None,
     try:
         spec, wire = state.admit_spec(extra_args[SPEC_KEY])
         wire = state.with_session(wire)
-        state.check_claims(wire)
     except ValueError:
         state.counters.requests_rejected += 1
         raise
@@ -277,11 +270,19 @@ def admitted(state: FrontendState, request_id: str,
              extra_args: dict[str, Any] | None) -> dict[str, Any] | None:
     """Record the request and replace the client's spec with its resolved form (what the
     workers read, :mod:`dynsteer.controller.wire`) and its prefix-cache guard (what the
-    scheduler reads, :mod:`..prefix_guard`). Keys only the frontend may set are overwritten."""
+    scheduler reads, :mod:`..prefix_guard`) and row claims (:mod:`..row_budget`). Keys only the
+    frontend may set are overwritten. A request that alone needs more rows than the engine has
+    (it would wait for them forever) is refused here, naming the option."""
     parsed, wire = spec if spec is not None else (None, None)
+    claims = state.claims(wire)
+    try:
+        check_claims(claims, state.options.max_rows,
+                     state.options.max_gates or state.options.max_rows)
+    except ValueError:
+        state.counters.requests_rejected += 1
+        raise
     state.record_request(request_id, parsed)
     guard = state.cache_guard(wire, prompt_len)
-    claims = state.claims(wire)
     extra = {k: v for k, v in (extra_args or {}).items()
              if k not in (GUARD_KEY, SPEC_KEY, WIRE_KEY, GLOBAL_KEY, CLAIMS_KEY)}
     if wire is not None:
