@@ -38,10 +38,15 @@ GLOBAL_KEY = "dynsteer_global"
 """Key of the fingerprint of the global steering a request was admitted under, in
 ``SamplingParams.extra_args`` (set by the frontend only; absent: none). A request keeps that
 global steering for its whole life, preemptions included; a change steers later requests."""
+REGISTRY_KEY = "dynsteer_registry"
+"""Key of the registry generation a request was admitted under, in
+``SamplingParams.extra_args`` (set by the frontend only): the names in its spec resolve to the
+vectors and probes registered then, even when one is replaced or deleted before the request is
+scheduled or while it is preempted."""
 
-__all__ = ["F32", "GLOBAL_KEY", "HOOK", "LAYERS", "OP", "PHASE", "SCALE", "VALUE", "VECTOR",
-           "WIRE_KEY", "WireEntry", "WireProbe", "entry_to_wire", "fingerprint", "gate_to_wire",
-           "probe_to_wire", "spec_to_wire"]
+__all__ = ["F32", "GLOBAL_KEY", "HOOK", "LAYERS", "OP", "PHASE", "REGISTRY_KEY", "SCALE",
+           "VALUE", "VECTOR", "WIRE_KEY", "WireEntry", "WireProbe", "entry_to_wire",
+           "fingerprint", "gate_to_wire", "probe_to_wire", "spec_to_wire"]
 
 WireEntry = list[Any]
 HOOK, LAYERS, PHASE, SCALE, VECTOR, OP, VALUE = range(7)

@@ -49,7 +49,7 @@ from dynsteer.controller.zmq_protocol import (
 from dynsteer.engine_ext.frontend.admission import FrontendState
 from dynsteer.engine_ext.frontend.control_plane import ControlPlane
 from dynsteer.engine_ext.options import EngineOptions
-from dynsteer.engine_ext.server.commands import CommandServer
+from dynsteer.engine_ext.server.commands import RECEIVE_LIMIT, CommandServer
 from dynsteer.engine_ext.server.runtime import DynsteerServer
 from dynsteer.engine_ext.server.settings import ServerSettings
 from dynsteer.engine_ext.zmq_security import SERVER_KEY_ENV, is_loopback
@@ -396,6 +396,23 @@ def test_oversized_frames_are_refused_before_decoding(live):
     reply = live.send(at_limit)
     assert not reply.ok and reply.error.startswith("vector"), reply
     assert live.server.rejected["oversized"] == before + 2
+    assert_alive(live)
+
+
+def test_frames_past_the_receive_limit_drop_the_sender(live):
+    """Past :data:`RECEIVE_LIMIT` ZeroMQ drops the sender's connection instead of buffering
+    the frame: no reply, nothing counted, and other controllers are still served."""
+    CASES["oversized"] += 1
+    dealer = live.context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(live.address)
+    before = live.total()
+    try:
+        dealer.send(b"\x00" * (RECEIVE_LIMIT + 1))
+        assert not dealer.poll(1000), "a frame past the receive limit was answered"
+    finally:
+        dealer.close()
+    assert live.total() == before
     assert_alive(live)
 
 

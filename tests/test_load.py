@@ -8,9 +8,9 @@ replaces and deletes vectors and probes and sets and clears session steering ove
 socket. Then plain requests are sent again alone and compared with themselves under load, and
 a 500-request soak drops a quarter of its requests part way (closed streams, cancelled
 requests). Everything the stream sends and judges is ``load_test``'s, so the benchmark and
-this test check the same things. The last test pins a bug the load found (xfail, not strict:
-it shows only when the request is still queued at the deletion): a
-request admitted naming a vector deleted while it waits in the queue runs unsteered.
+this test check the same things. The last test pins a bug the load found: a request admitted
+naming a vector deleted while it waited in the queue ran unsteered (requests now carry the
+registry generation they were admitted under; ``test_row_budget`` checks it deterministically).
 """
 
 from __future__ import annotations
@@ -156,16 +156,9 @@ def test_soak_with_aborts_and_preemptions_returns_rows_to_baseline(served, load_
     assert result["idle_after"] == result["idle_before"] == result["idle_fresh"]
 
 
-@pytest.mark.xfail(strict=False, reason="bug (timing-dependent: it shows only when the request "
-                   "still waits in the queue when the vector is deleted): a request admitted "
-                   "naming a registered vector "
-                   "that is deleted while it waits in the scheduler queue runs unsteered with "
-                   "HTTP 200 (engine_ext/worker/state.py add_request resolves names on the "
-                   "worker, after admission); see the issue 16 report")
 def test_a_queued_request_keeps_the_vector_it_was_admitted_with(served, load_run):
     """Steering is fixed at admission: deleting a named vector after the frontend accepted a
-    request naming it must not leave that request unsteered (it should run with the vector it
-    was admitted with, as it does with global steering, or be refused)."""
+    request naming it leaves that request steered with the vector it was admitted with."""
     server, _, shape = served
     client = DynsteerClient(server.url, api_key=lt.KEY)
     vector = lt.unit(np.random.default_rng(23), shape.hidden, lt.VECTOR_NORM)

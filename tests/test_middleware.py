@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -12,10 +13,12 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from dynsteer.controller.spec import MAX_JSON_DEPTH
+from dynsteer.engine_ext.frontend.admission import FrontendState
+from dynsteer.engine_ext.options import EngineOptions
 from dynsteer.engine_ext.server.middleware import (
     DynsteerMiddleware,
+    check_completion,
     move_spec_to_xargs,
-    namespace_session,
 )
 from dynsteer.engine_ext.server.sessions import anonymous, namespaced
 
@@ -208,22 +211,82 @@ def test_request_cap_setting_env_flag_and_default():
     assert "--dynsteer-max-request-bytes" in help_text()
 
 
+HIDDEN = 8
+
+
+def frontend() -> FrontendState:
+    """A frontend of a 2-layer model (hidden 8) with vector ``calm`` registered."""
+    state = FrontendState(options=EngineOptions(max_rows=4), hidden_size=HIDDEN, num_layers=2,
+                          sites=(("post_block", 0), ("post_block", 1)), dtype_max=65504.0)
+    state.vectors["calm"] = np.ones(HIDDEN, dtype=np.float32)
+    state.vector_norms["calm"] = float(np.sqrt(HIDDEN))
+    return state
+
+
+def completion(spec=None, **xargs) -> bytes:
+    if spec is not None:
+        xargs["dynsteer"] = spec
+    return json.dumps({"model": "m", "stream": True, "vllm_xargs": xargs}).encode()
+
+
 def test_sessions_move_into_the_callers_namespace():
     """With API keys, a spec's session becomes the bearer's namespace of it (top-level spec
-    already moved into vllm_xargs, or given there); a body without a session is unchanged."""
+    already moved into vllm_xargs, or given there); a body without a session is unchanged,
+    and so is one when no keys are configured (``False``)."""
     for spec in ({"session": "s1"}, json.dumps({"session": "s1", **SPEC})):
-        body = json.dumps({"model": "m", "vllm_xargs": {"dynsteer": spec}}).encode()
-        got = json.loads(json.loads(namespace_session(body, "k"))["vllm_xargs"]["dynsteer"])
+        got = json.loads(json.loads(check_completion(completion(spec), frontend(), "k"))
+                         ["vllm_xargs"]["dynsteer"])
         assert got["session"] == namespaced("s1", "k") != "s1"
-    plain = json.dumps({"model": "m", "vllm_xargs": {"dynsteer": json.dumps(SPEC)}}).encode()
-    assert namespace_session(plain, "k") is plain
+    plain = completion(json.dumps(SPEC))
+    assert check_completion(plain, frontend(), "k") is plain
+    open_server = completion(json.dumps({"session": "s1", **SPEC}))
+    assert check_completion(open_server, frontend(), False) is open_server
 
 
 def test_callers_without_a_key_cannot_join_a_tenants_session():
     """A request without a configured key that sends a tenant's namespaced session name gets
     the anonymous namespace of that name, never the tenant's session."""
     tenants = namespaced("s1", "k")
-    body = json.dumps({"model": "m", "vllm_xargs": {"dynsteer": {"session": tenants}}}).encode()
-    got = json.loads(json.loads(namespace_session(body, None))["vllm_xargs"]["dynsteer"])
+    got = json.loads(json.loads(check_completion(completion({"session": tenants}), frontend(),
+                                                 None))["vllm_xargs"]["dynsteer"])
     assert got["session"] == anonymous(tenants) != tenants
     assert namespaced(got["session"], "k") != tenants
+
+
+@pytest.mark.parametrize("spec,fragment", [
+    ({"steer": [{"vector": [1.0], "layers": [1]}]}, "dynsteer.steer[0].vector"),
+    ({"steer": [{"vector": "unknown", "layers": [1]}]}, "unknown"),
+    ({"steer": [{"vector": "calm", "layers": [7]}]}, "layers"),
+    ("{broken", "malformed JSON"),
+])
+def test_bad_specs_are_refused_before_the_route_answers(spec, fragment):
+    """What admission would refuse is refused here (the server turns it into a 400 before a
+    stream starts), with admission's message; a good spec passes and is parsed once."""
+    state = frontend()
+    with pytest.raises(ValueError) as info:
+        check_completion(completion(spec), state, False)
+    assert fragment in str(info.value)
+    assert state.counters.requests_rejected == 1
+    good = completion(json.dumps(SPEC))
+    assert check_completion(good, state, False) is good
+    assert len(state.parsed) == 1
+
+
+def test_a_spec_needing_more_rows_than_the_engine_has_is_refused():
+    """Prefill and decode steered differently take two rows; the engine has one."""
+    many = {"steer": [{"vector": [float(i)] * HIDDEN, "layers": [1], "phase": phase}
+                      for i, phase in ((1, "prefill"), (2, "decode"))]}
+    state = frontend()
+    state.options = EngineOptions(max_rows=1)
+    with pytest.raises(ValueError, match="max_rows"):
+        check_completion(completion(many), state, False)
+
+
+@pytest.mark.parametrize("key", ["dynsteer_capture", "dynsteer_wire", "dynsteer_cache",
+                                 "dynsteer_rows", "dynsteer_global", "dynsteer_registry"])
+def test_reserved_xargs_keys_are_refused(key):
+    """Only the frontend sets dynsteer's internal keys: a client's is refused, naming it."""
+    with pytest.raises(ValueError, match=f"vllm_xargs.{key}: reserved"):
+        check_completion(completion(**{key: "x"}), frontend(), False)
+    with pytest.raises(ValueError, match=f"vllm_xargs.{key}: reserved"):
+        check_completion(completion(json.dumps(SPEC), **{key: "x"}), frontend(), False)

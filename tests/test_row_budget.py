@@ -3,7 +3,8 @@
 Unit tests of the budget (what the scheduler holds back, what frees a row) and of the claims
 the frontend writes; then a real engine with ``max_rows=1`` given six distinct static
 configurations and a gated one at once: every request is steered exactly as HF steers it
-alone (none ran without its row), some waited, the workers never ran out of rows.
+alone (none ran without its row), some waited, the workers never ran out of rows; and the
+registry changing while requests wait does not change their steering.
 """
 
 from __future__ import annotations
@@ -86,24 +87,27 @@ GATED = {"probe": {"weights": vec(70, norm=1.0), "threshold": -1e6}, "layer": 1,
 
 
 @pytest.fixture(scope="module")
-def crowded(tiny_model_dir):
+def llm(tiny_model_dir):
+    llm = start_llm(tiny_model_dir("llama"), dynsteer={"max_rows": MAX_ROWS})
+    yield llm
+    stop_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def crowded(llm):
     """Six distinct static configurations, a gated one and two plain requests at once on an
     engine with one steering row; then a spec whose phases steer differently (two rows)."""
-    llm = start_llm(tiny_model_dir("llama"), dynsteer={"max_rows": MAX_ROWS})
-    try:
-        steering = Steering(llm)
-        before = steering.cache_stats()["requests_waited_for_rows"]
-        specs = [*({"steer": s} for s in STATIC), {"gate": GATED}, None, None]
-        outs = run(llm, [PROMPT] * len(specs), [params(8, spec=s) for s in specs])
-        stats = steering.cache_stats()
-        info = steering.info()
-        with pytest.raises(ValueError) as refused:
-            run(llm, [PROMPT], [params(spec={"steer": [
-                {"vector": vec(80), "layers": [1], "phase": "prefill"},
-                {"vector": vec(81), "layers": [2], "phase": "decode"},
-                {"vector": vec(82), "layers": [3]}]})])
-    finally:
-        stop_llm(llm)
+    steering = Steering(llm)
+    before = steering.cache_stats()["requests_waited_for_rows"]
+    specs = [*({"steer": s} for s in STATIC), {"gate": GATED}, None, None]
+    outs = run(llm, [PROMPT] * len(specs), [params(8, spec=s) for s in specs])
+    stats = steering.cache_stats()
+    info = steering.info()
+    with pytest.raises(ValueError) as refused:
+        run(llm, [PROMPT], [params(spec={"steer": [
+            {"vector": vec(80), "layers": [1], "phase": "prefill"},
+            {"vector": vec(81), "layers": [2], "phase": "decode"},
+            {"vector": vec(82), "layers": [3]}]})])
     return specs, outs, stats["requests_waited_for_rows"] - before, info, refused
 
 
@@ -122,3 +126,46 @@ def test_a_request_needing_more_rows_than_the_engine_has_is_refused(crowded):
     message = str(crowded[-1].value)
     assert message.startswith("dynsteer.max_rows: this request needs 2 steering rows"), message
     assert f"the engine has {MAX_ROWS}" in message
+
+
+def test_waiting_requests_keep_the_named_vectors_and_probes_they_were_admitted_with(
+        llm, hf_llama):
+    """The registry changes while requests wait in the scheduler's queue (deterministically:
+    a long request holds the only row): a vector replaced, a vector deleted and a probe
+    deleted after admission still steer those requests as they were when admitted, and a
+    request admitted after the replacement gets the new vector."""
+    steering = Steering(llm)
+    probe = {"weights": vec(92, norm=1.0), "threshold": 0.0, "sharpness": 2.0}
+    steering.register_vector("kept", vec(90))
+    steering.register_vector("gone", vec(91))
+    steering.register_probe("qp", weights=probe["weights"], threshold=probe["threshold"],
+                            sharpness=probe["sharpness"])
+    specs = {
+        "replaced": {"steer": [{"vector": "kept", "layers": [2]}]},
+        "deleted": {"steer": [{"vector": "gone", "layers": [1, 3]}]},
+        "probe-deleted": {"gate": {"probe": "qp", "layer": 1,
+                                   "steer": [{"vector": vec(93), "layers": [2]}]}},
+    }
+    engine = llm.llm_engine
+    before = steering.cache_stats()["requests_waited_for_rows"]
+    engine.add_request("holder", {"prompt_token_ids": PROMPT},
+                       params(128, spec={"steer": STATIC[0]}))
+    for request_id, spec in specs.items():
+        engine.add_request(request_id, {"prompt_token_ids": PROMPT}, params(6, spec=spec))
+    steering.register_vector("kept", vec(94), replace=True)
+    engine.add_request("after", {"prompt_token_ids": PROMPT}, params(6, spec=specs["replaced"]))
+    steering.unregister_vector("gone")
+    steering.unregister_probe("qp")
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert steering.cache_stats()["requests_waited_for_rows"] - before >= 4
+    assert_logprobs_match_hf(hf_llama, outs["replaced"], specs["replaced"]["steer"],
+                             vectors={"kept": vec(90)})
+    assert_logprobs_match_hf(hf_llama, outs["deleted"], specs["deleted"]["steer"],
+                             vectors={"gone": vec(91)})
+    assert_logprobs_match_hf(hf_llama, outs["probe-deleted"],
+                             gate=specs["probe-deleted"]["gate"], probes={"qp": probe})
+    assert_logprobs_match_hf(hf_llama, outs["after"], specs["replaced"]["steer"],
+                             vectors={"kept": vec(94)})
+    steering.unregister_vector("kept")

@@ -60,11 +60,15 @@ def client(server, offline):
     return DynsteerClient(server.url, api_key=KEY)
 
 
-def chat(openai_client, **extra):
+def chat(openai_client, stream: bool = False, **extra):
     model = openai_client.models.list().data[0].id
     response = openai_client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0, seed=0,
-        **({"extra_body": extra} if extra else {}))
+        stream=stream, **({"extra_body": extra} if extra else {}))
+    if stream:
+        chunks = list(response)
+        return chunks[0].id, "".join(c.choices[0].delta.content or "" for c in chunks
+                                     if c.choices)
     return response.id, response.choices[0].message.content
 
 
@@ -186,6 +190,11 @@ def test_metrics_move(openai_client, server):
         assert _metric(after, name, labels) > _metric(before, name, labels), (name, labels)
     assert "dynsteer_rows_capacity 64.0" in after
     assert "dynsteer_prefix_guarded_requests_total" in after
+    # Gauges of what the workers hold: back at rest once the requests finished.
+    for name in ("dynsteer_live_requests", "dynsteer_probe_rows_in_use",
+                 "dynsteer_capture_rows_in_use", "dynsteer_steered_requests_live"):
+        assert re.search(rf"^{name} 0\.0$", after, re.MULTILINE), name
+    assert re.search(r"^dynsteer_global_steerings_held [1-9]", after, re.MULTILINE)
 
 
 BAD_ROUTE_CALLS = [
@@ -247,12 +256,27 @@ def test_route_errors_are_4xx_with_a_message(server, offline, method, path, body
      "dynsteer.gate.probe"),
     ("{broken", "malformed JSON"),
 ])
-def test_bad_specs_are_400_naming_the_field(openai_client, spec, fragment):
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_specs_are_400_naming_the_field(openai_client, spec, fragment, stream):
+    """Streaming too: the 400 comes before a stream starts, not as an event in a 200 one."""
     import openai
 
     with pytest.raises(openai.BadRequestError) as info:
-        chat(openai_client, dynsteer=spec)
+        chat(openai_client, stream=stream, dynsteer=spec)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["dynsteer_capture", "dynsteer_wire", "dynsteer_registry"])
+def test_internal_xargs_keys_from_a_client_are_400(openai_client, key):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match=f"vllm_xargs.{key}: reserved"):
+        chat(openai_client, stream=True, vllm_xargs={key: "x"})
+
+
+def test_a_streamed_steered_chat_equals_the_unstreamed_one(openai_client):
+    assert chat(openai_client, stream=True, dynsteer=STATIC)[1] == \
+        chat(openai_client, dynsteer=STATIC)[1]
 
 
 def test_spec_given_twice_is_rejected(openai_client):

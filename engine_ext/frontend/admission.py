@@ -28,6 +28,7 @@ from dynsteer.controller.spec import (
 )
 from dynsteer.controller.wire import (
     GLOBAL_KEY,
+    REGISTRY_KEY,
     WIRE_KEY,
     WireEntry,
     fingerprint,
@@ -265,15 +266,20 @@ def admit(state: FrontendState | None,
     return spec, wire
 
 
-def admitted(state: FrontendState, request_id: str,
-             spec: tuple[SteeringSpec, dict[str, Any]] | None, prompt_len: int,
-             extra_args: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Record the request and replace the client's spec with its resolved form (what the
-    workers read, :mod:`dynsteer.controller.wire`) and its prefix-cache guard (what the
-    scheduler reads, :mod:`..prefix_guard`) and row claims (:mod:`..row_budget`). Keys only the
-    frontend may set are overwritten. A request that alone needs more rows than the engine has
-    (it would wait for them forever) is refused here, naming the option."""
-    parsed, wire = spec if spec is not None else (None, None)
+def precheck(state: FrontendState, extra_args: dict[str, Any] | None) -> None:
+    """Refuse now what :func:`admit` and :func:`admitted` would refuse (ValueError naming the
+    field). The API server calls it before a completion route answers: vLLM admits a
+    streaming request only after its 200 has started, so a bad spec would otherwise reach the
+    client as an error event in a 200 stream. The parse is cached, so admission does not
+    repeat it."""
+    spec = admit(state, extra_args)
+    if spec is not None:
+        _checked_claims(state, spec[1])
+
+
+def _checked_claims(state: FrontendState, wire: dict[str, Any] | None) -> Claims | None:
+    """The request's row claims, refused when it alone needs more rows than the engine has
+    (it would wait for them forever)."""
     claims = state.claims(wire)
     try:
         check_claims(claims, state.options.max_rows,
@@ -281,12 +287,27 @@ def admitted(state: FrontendState, request_id: str,
     except ValueError:
         state.counters.requests_rejected += 1
         raise
+    return claims
+
+
+def admitted(state: FrontendState, request_id: str,
+             spec: tuple[SteeringSpec, dict[str, Any]] | None, prompt_len: int,
+             extra_args: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Record the request and replace the client's spec with its resolved form (what the
+    workers read, :mod:`dynsteer.controller.wire`, with the registry generation its names
+    resolve in) and its prefix-cache guard (what the
+    scheduler reads, :mod:`..prefix_guard`) and row claims (:mod:`..row_budget`). Keys only the
+    frontend may set are overwritten. A request that alone needs more rows than the engine has
+    (it would wait for them forever) is refused here, naming the option."""
+    parsed, wire = spec if spec is not None else (None, None)
+    claims = _checked_claims(state, wire)
     state.record_request(request_id, parsed)
     guard = state.cache_guard(wire, prompt_len)
     extra = {k: v for k, v in (extra_args or {}).items()
-             if k not in (GUARD_KEY, SPEC_KEY, WIRE_KEY, GLOBAL_KEY, CLAIMS_KEY)}
+             if k not in (GUARD_KEY, SPEC_KEY, WIRE_KEY, GLOBAL_KEY, CLAIMS_KEY, REGISTRY_KEY)}
     if wire is not None:
         extra[WIRE_KEY] = wire
+        extra[REGISTRY_KEY] = state.registry_generation
     if claims is not None:
         extra[CLAIMS_KEY] = claims.to_extra()
     if state.global_key is not None:

@@ -96,6 +96,16 @@ class Change:
     method: str
     args: tuple[Any, ...]
     commit: Callable[[], None]
+    registry: bool = False
+    """It changes the registry of named vectors and probes: the RPC also carries the
+    registry generation it creates (see :meth:`rpc_args`)."""
+
+    def rpc_args(self, frontend: FrontendState) -> tuple[Any, ...]:
+        """The worker RPC's arguments. A registry change ends with the generation it creates,
+        the one ``commit`` moves the frontend to: call both under the lock that orders changes,
+        so requests admitted before the commit (under the old generation, the workers keep it)
+        and after it (the new one) resolve their names as they were checked."""
+        return (*self.args, frontend.registry_generation + 1) if self.registry else self.args
 
 
 class ControlPlane:
@@ -121,7 +131,8 @@ class ControlPlane:
             f.vector_norms[name] = norm
             f.registry_generation += 1
 
-        return Change("dynsteer_register_vector", (name, f32_bytes(array)), commit)
+        return Change("dynsteer_register_vector", (name, f32_bytes(array)), commit,
+                      registry=True)
 
     def unregister_vector(self, name: str) -> Change:
         """Forget a named vector; requests already admitted keep their steering."""
@@ -148,7 +159,7 @@ class ControlPlane:
             f.registry_generation += 1
 
         return Change("dynsteer_register_probe",
-                      (name, probe_to_wire(array, threshold, sharpness)), commit)
+                      (name, probe_to_wire(array, threshold, sharpness)), commit, registry=True)
 
     def register_probe_object(self, probe: Probe, replace: bool = False) -> Change:
         """Register a :class:`~dynsteer.probes.Probe` under its name, after checking that it
@@ -177,7 +188,7 @@ class ControlPlane:
                 registry.pop(name, None)
             self.frontend.registry_generation += 1
 
-        return Change(f"dynsteer_unregister_{kind}", (name,), commit)
+        return Change(f"dynsteer_unregister_{kind}", (name,), commit, registry=True)
 
     def set_global(self, entries: Sequence[SteerEntry | dict[str, Any]]) -> Change:
         """Steer every request admitted from now on with ``entries`` (added to its own
@@ -220,7 +231,8 @@ class ControlPlane:
                 f.probes[name] = probe.replace(**changes)
             f.registry_generation += 1
 
-        return Change("dynsteer_update_probe", (name, threshold, sharpness), commit)
+        return Change("dynsteer_update_probe", (name, threshold, sharpness), commit,
+                      registry=True)
 
     def session_steering(self, steer: Sequence[SteerEntry | dict[str, Any]],
                          gate: GateSpec | None) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 Each command (:data:`dynsteer.controller.zmq_protocol.Command`) is validated, applied through
 the same control plane and lock as the HTTP routes (so every TP rank applies it in the same
 order) and answered with a :class:`~dynsteer.controller.zmq_protocol.Reply`. Commands are
-handled one at a time; ZeroMQ's high-water mark bounds what waits. A malformed, oversized or
-wrong-version frame is counted (``rejected`` by reason) and answered with an error when its
+handled one at a time; ZeroMQ's high-water mark bounds what waits, and its message size limit
+(:data:`RECEIVE_LIMIT`) what one frame may hold. A malformed, oversized or wrong-version frame
+is counted (``rejected`` by reason) and answered with an error when its
 sender can be addressed; nothing is ever unpickled.
 
 With API keys configured, every command must carry one of them (``api_key``), and the session
@@ -25,6 +26,7 @@ import zmq.asyncio
 
 from dynsteer.controller.contract import decode_f32
 from dynsteer.controller.zmq_protocol import (
+    MAX_COMMAND_BYTES,
     ClearGlobal,
     ClearSession,
     Ping,
@@ -46,6 +48,10 @@ logger = logging.getLogger("vllm.dynsteer.server")
 
 RCVHWM = 1024
 """Commands ZeroMQ queues per controller before it stops taking more."""
+RECEIVE_LIMIT = 2 * MAX_COMMAND_BYTES
+"""Largest frame ZeroMQ takes in (``ZMQ_MAXMSGSIZE``): one up to it is received, counted and
+answered as ``oversized``; a larger one makes ZeroMQ drop the sender's connection while the
+frame arrives, so a hostile peer cannot make the server buffer a frame of any size."""
 
 
 class CommandServer:
@@ -63,6 +69,7 @@ class CommandServer:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.RCVHWM, RCVHWM)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, RECEIVE_LIMIT)
         try:
             self._auth = bind(self._socket, address, "dynsteer.commands_address")
         except BaseException:  # an unclosed socket would make the context's term() hang

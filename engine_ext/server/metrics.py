@@ -57,9 +57,15 @@ class DynsteerCollector(Collector):
         yield CounterMetricFamily("dynsteer_rows_rejected",
                                   "Steering configs that found no free row (ran unsteered)",
                                   value=stats.get("rows_rejected", 0))
-        yield GaugeMetricFamily("dynsteer_steered_requests_live",
-                                "Live requests with steering on the workers",
-                                value=stats.get("steered_requests_live", 0))
+        for key, help_text in (
+            ("live_requests", "Requests the workers hold (steered or not; TP rank 0)"),
+            ("steered_requests_live", "Live requests with steering on the workers"),
+            ("probe_rows_in_use", "Probe rows in use (capacity: max_gates)"),
+            ("capture_rows_in_use", "Capture rows held by a capture pass"),
+            ("global_steerings_held", "Global steerings the workers keep (the current one, "
+                                      "those live requests were admitted under, history)"),
+        ):
+            yield GaugeMetricFamily(f"dynsteer_{key}", help_text, value=stats.get(key, 0))
         guard = self.server.guard_stats
         yield CounterMetricFamily(
             "dynsteer_prefix_blocks_withheld", "Full KV blocks never put in the prefix cache "

@@ -10,6 +10,9 @@
 * Request bodies are capped before anything parses them (HTTP 413, from Content-Length, then
   while reading): ``max_body_bytes`` on ``/v1/dynsteer/`` routes, ``max_request_bytes`` on
   every other POST, PUT and PATCH (vLLM's routes, completions included).
+* Completion bodies with a spec are checked as admission will check them (HTTP 400 naming the
+  field), before vLLM answers: a streaming request gets its 400, not an error event in a 200
+  stream. ``vllm_xargs`` keys reserved for dynsteer's internals (``dynsteer_*``) are refused.
 * With API keys configured, a spec's ``session`` becomes the caller's namespace of it
   (:func:`.sessions.namespaced` of the bearer token), the same one its controller commands
   reach; without a configured key, the anonymous namespace (:func:`.sessions.anonymous`).
@@ -20,7 +23,6 @@ Error bodies carry our message only, in vLLM's ``{"error": {...}}`` shape.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import Any
 
@@ -30,6 +32,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from dynsteer.controller.contract import SPEC_KEY, SpecError
 from dynsteer.controller.spec import MAX_JSON_DEPTH, check_json_depth
 
+from ..frontend import admission
+from ..frontend.admission import FrontendState
 from .routes import PREFIX
 from .sessions import anonymous, namespaced
 from .settings import (
@@ -42,6 +46,8 @@ COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 """The routes that take a spec (top-level ``dynsteer`` or ``vllm_xargs["dynsteer"]``)."""
 BODY_METHODS = ("POST", "PUT", "PATCH")
 _MARKER = f'"{SPEC_KEY}"'.encode()
+_RESERVED_MARKER = f'"{SPEC_KEY}'.encode()
+"""In every body with a spec or a reserved ``vllm_xargs`` key (others pass unparsed)."""
 _ERROR_TYPES = {400: "BadRequestError", 413: "RequestTooLargeError"}
 
 
@@ -140,20 +146,53 @@ def rewrite_body(path: str, body: bytes) -> bytes:
                     f"{' or '.join(COMPLETION_PATHS)} (top-level \"{SPEC_KEY}\" or vllm_xargs)")
 
 
-def namespace_session(body: bytes, api_key: str | None) -> bytes:
-    """``body`` (a completion body whose spec is in ``vllm_xargs``) with the spec's session
-    in ``api_key``'s namespace (None: a caller without a configured key, the anonymous one);
-    unchanged when there is no session."""
-    data = json.loads(body)
+RESERVED_PREFIX = f"{SPEC_KEY}_"
+"""``vllm_xargs`` keys starting with it are dynsteer's own (resolved spec, prefix-cache guard,
+row claims, capture, ...): only the frontend sets them, never a client."""
+
+
+def check_completion(body: bytes, frontend: FrontendState,
+                     api_key: str | bool | None = False) -> bytes:
+    """A completion body (spec already in ``vllm_xargs``) as admission will see it, refused
+    (ValueError naming the field) where admission would refuse it: before vLLM starts a 200
+    stream, so a streaming request with a bad spec gets its 400 too.
+
+    ``vllm_xargs`` keys reserved for dynsteer are refused (the frontend would overwrite most;
+    ``dynsteer_capture`` would join an open capture pass). ``api_key``: the caller's configured
+    key, or None for a caller without one, puts the spec's ``session`` in that namespace
+    (:func:`.sessions.namespaced`, :func:`.sessions.anonymous`); False (no keys configured)
+    leaves it as given."""
+    check_json_depth(body, SPEC_KEY)
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body  # not JSON: vLLM reports it
     xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
-    raw = xargs.get(SPEC_KEY) if isinstance(xargs, dict) else None
-    spec = json.loads(raw) if isinstance(raw, str) else raw
-    if not isinstance(spec, dict) or not isinstance(spec.get("session"), str):
+    if not isinstance(xargs, dict):
         return body
-    session = spec["session"]
-    spec["session"] = anonymous(session) if api_key is None else namespaced(session, api_key)
-    xargs[SPEC_KEY] = json.dumps(spec)
-    return json.dumps(data).encode()
+    reserved = sorted(k for k in xargs if isinstance(k, str) and k.startswith(RESERVED_PREFIX))
+    if reserved:
+        raise SpecError(f"vllm_xargs.{reserved[0]}: reserved for dynsteer's own use; a "
+                        f"steering spec goes in vllm_xargs.{SPEC_KEY} or a top-level "
+                        f"{SPEC_KEY!r} object")
+    if SPEC_KEY not in xargs:
+        return body
+    raw = xargs[SPEC_KEY]
+    spec = _json_or_none(raw) if isinstance(raw, str) else raw
+    if api_key is not False and isinstance(spec, dict) and isinstance(spec.get("session"), str):
+        session = spec["session"]
+        spec["session"] = anonymous(session) if api_key is None else namespaced(session, api_key)
+        xargs[SPEC_KEY] = json.dumps(spec)
+        body = json.dumps(data).encode()
+    admission.precheck(frontend, xargs)
+    return body
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None  # admission names the field
 
 
 def _bearer(scope: Scope) -> str | None:
@@ -205,18 +244,18 @@ class DynsteerMiddleware:
             await too_large(scope, receive, send)
             return
         if not ours and method == "POST":
+            server = getattr(getattr(scope.get("app"), "state", None), "dynsteer", None)
             try:
                 new_body = rewrite_body(path, body)
+                if (server is not None and _RESERVED_MARKER in new_body
+                        and path.rstrip("/") in COMPLETION_PATHS):
+                    key = _bearer(scope)
+                    new_body = check_completion(
+                        new_body, server.frontend,
+                        (key if key in server.api_keys else None) if server.api_keys else False)
             except ValueError as e:
                 await _error(400, str(e))(scope, receive, send)
                 return
-            server = getattr(getattr(scope.get("app"), "state", None), "dynsteer", None)
-            key = _bearer(scope)
-            if (server is not None and server.api_keys and _MARKER in new_body
-                    and path.rstrip("/") in COMPLETION_PATHS):
-                with contextlib.suppress(ValueError):  # not JSON: vLLM reports it
-                    new_body = namespace_session(
-                        new_body, key if key in server.api_keys else None)
             if new_body is not body:
                 scope, body = _with_length(scope, len(new_body)), new_body
         await self.app(scope, _replay(body, receive), send)

@@ -26,28 +26,30 @@ class DynsteerWorkerExtension:
             raise RuntimeError("dynsteer is not active on this worker (model not loaded?)")
         return state
 
-    def dynsteer_register_vector(self, name: str, data: bytes) -> None:
+    # Registry changes carry the registry generation they create (numbered by the frontend,
+    # which writes it into every request it admits from then on).
+    def dynsteer_register_vector(self, name: str, data: bytes, generation: int) -> None:
         """``data``: the vector's little-endian float32 bytes."""
-        self._dynsteer().register_vector(name, data)
+        self._dynsteer().register_vector(name, data, generation)
 
-    def dynsteer_unregister_vector(self, name: str) -> None:
-        self._dynsteer().unregister_vector(name)
+    def dynsteer_unregister_vector(self, name: str, generation: int) -> None:
+        self._dynsteer().unregister_vector(name, generation)
 
     def dynsteer_set_global(self, entries: list[WireEntry], key: str) -> None:
         """``key``: the fingerprint requests admitted under these entries carry."""
         self._dynsteer().set_global(entries, key)
 
-    def dynsteer_register_probe(self, name: str, probe: WireProbe) -> None:
+    def dynsteer_register_probe(self, name: str, probe: WireProbe, generation: int) -> None:
         """``probe``: ``[weights float32 bytes, threshold, sharpness]``."""
-        self._dynsteer().register_probe(name, probe)
+        self._dynsteer().register_probe(name, probe, generation)
 
-    def dynsteer_update_probe(self, name: str, threshold: float,
-                              sharpness: float | None) -> None:
+    def dynsteer_update_probe(self, name: str, threshold: float, sharpness: float | None,
+                              generation: int) -> None:
         """New threshold (and sharpness) of a registered probe, for requests admitted later."""
-        self._dynsteer().update_probe(name, threshold, sharpness)
+        self._dynsteer().update_probe(name, threshold, sharpness, generation)
 
-    def dynsteer_unregister_probe(self, name: str) -> None:
-        self._dynsteer().unregister_probe(name)
+    def dynsteer_unregister_probe(self, name: str, generation: int) -> None:
+        self._dynsteer().unregister_probe(name, generation)
 
     def dynsteer_telemetry(self, request_id: str) -> dict[str, Any] | None:
         return self._dynsteer().telemetry.report(request_id)

@@ -27,6 +27,7 @@ from dynsteer.controller.wire import (
     LAYERS,
     OP,
     PHASE,
+    REGISTRY_KEY,
     SCALE,
     VALUE,
     VECTOR,
@@ -69,6 +70,22 @@ GLOBAL_HISTORY = 16
 hold: a request admitted just before a change may reach the workers after it."""
 
 
+REGISTRY_HISTORY = 64
+"""Registry generations a worker keeps after later changes replaced them: a request the
+frontend admitted under one (its extra args name it) may be scheduled after a vector or probe
+it names was replaced or deleted, and must still be steered with what it was admitted with."""
+
+
+@dataclass(frozen=True)
+class _Registry:
+    """The named vectors and probes of one registry generation (never changed in place: a
+    change makes a new generation, so older ones stay what they were)."""
+
+    vectors: dict[str, np.ndarray]
+    probes: dict[str, WireProbe]
+    """Probes in their resolved form (the site comes from each request's gate)."""
+
+
 @dataclass(frozen=True)
 class _Global:
     """One global steering, resolved: what a row adds to a request's own steering."""
@@ -98,6 +115,9 @@ class _Request:
     probe row)."""
     global_key: str = NO_GLOBAL
     """The global steering the request was admitted under (it keeps it to the end)."""
+    generation: int = 0
+    """The registry generation its named vectors and probes resolve in (part of its row
+    keys)."""
 
 
 @dataclass(frozen=True)
@@ -167,9 +187,10 @@ class SteeringState:
         self.capture = CaptureBuffers(sites, capture_lanes, capture_tokens, hidden_size,
                                       max_slots, device, self.monitor_sites)
         """Activation capture for probe training (off, and no memory, with 0 lanes)."""
-        self.vectors: dict[str, np.ndarray] = {}
-        self.probes: dict[str, WireProbe] = {}
-        """Registered probes in their resolved form (the site comes from each request's gate)."""
+        self._registries: OrderedDict[int, _Registry] = OrderedDict({0: _Registry({}, {})})
+        """Registry generations, oldest first: the current one (last) and the
+        :data:`REGISTRY_HISTORY` before it."""
+        self._generation = 0
         self._globals: OrderedDict[str, _Global] = OrderedDict(
             {NO_GLOBAL: _Global([], {p: {} for p in PHASES}, {p: {} for p in PHASES})})
         """Global steerings by key, least recently set or released first: the current one,
@@ -186,47 +207,76 @@ class SteeringState:
         self._num_steered = 0
         self.requests_steered = 0
         """Requests admitted with a nonzero row (counter)."""
-        self._registry_version = 0
-        """Part of every row key, bumped on a change of the registry."""
         self._resolved: OrderedDict[tuple[str, int], _Resolved] = OrderedDict()
 
     # ---- control plane -------------------------------------------------------------------
-    def register_vector(self, name: str, data: bytes) -> None:
+    # ``generation``: the registry generation the change creates, numbered by the frontend;
+    # requests it admits from then on carry it (``REGISTRY_KEY``).
+    @property
+    def vectors(self) -> dict[str, np.ndarray]:
+        """Registered vectors (current generation)."""
+        return self._registries[self._generation].vectors
+
+    @property
+    def probes(self) -> dict[str, WireProbe]:
+        """Registered probes (current generation)."""
+        return self._registries[self._generation].probes
+
+    def register_vector(self, name: str, data: bytes, generation: int) -> None:
         """Add or replace a named vector, given as the little-endian float32 bytes the frontend
-        checked (requests already admitted keep the old values)."""
-        self.vectors[name] = np.frombuffer(data, dtype=F32)
-        self._registry_version += 1
+        checked (requests admitted earlier keep the old values)."""
+        self._change(generation, vectors={**self.vectors, name: np.frombuffer(data, dtype=F32)})
 
-    def unregister_vector(self, name: str) -> None:
+    def unregister_vector(self, name: str, generation: int) -> None:
         """Remove a named vector; unknown names raise ``KeyError``."""
-        del self.vectors[name]
-        self._registry_version += 1
+        self._change(generation, vectors=_without(self.vectors, name))
 
-    def register_probe(self, name: str, probe: WireProbe) -> None:
+    def register_probe(self, name: str, probe: WireProbe, generation: int) -> None:
         """Add or replace a named probe, given in the resolved form the frontend checked
-        (``[weights bytes, threshold, sharpness]``); requests already admitted keep the old
+        (``[weights bytes, threshold, sharpness]``); requests admitted earlier keep the old
         one."""
-        self.probes[name] = probe
-        self._registry_version += 1
+        self._change(generation, probes={**self.probes, name: probe})
 
-    def update_probe(self, name: str, threshold: float, sharpness: float | None) -> None:
+    def update_probe(self, name: str, threshold: float, sharpness: float | None,
+                     generation: int) -> None:
         """A registered probe's new threshold (and sharpness); unknown names raise KeyError."""
         weights, _, old_sharpness = self.probes[name]
-        self.probes[name] = [weights, threshold,
-                             old_sharpness if sharpness is None else sharpness]
-        self._registry_version += 1
+        self._change(generation, probes={**self.probes, name: [
+            weights, threshold, old_sharpness if sharpness is None else sharpness]})
 
-    def unregister_probe(self, name: str) -> None:
+    def unregister_probe(self, name: str, generation: int) -> None:
         """Remove a named probe; unknown names raise ``KeyError``."""
-        del self.probes[name]
-        self._registry_version += 1
+        self._change(generation, probes=_without(self.probes, name))
+
+    def _change(self, generation: int, vectors: dict[str, np.ndarray] | None = None,
+                probes: dict[str, WireProbe] | None = None) -> None:
+        """Make ``generation`` the current registry, keeping the older ones (bounded)."""
+        current = self._registries[self._generation]
+        self._registries[generation] = _Registry(
+            current.vectors if vectors is None else vectors,
+            current.probes if probes is None else probes)
+        self._registries.move_to_end(generation)
+        self._generation = generation
+        while len(self._registries) > REGISTRY_HISTORY + 1:
+            self._registries.popitem(last=False)
+
+    def _generation_of(self, req_id: str, extra_args: Any) -> int:
+        """The registry generation a request was admitted under (the frontend wrote it)."""
+        generation = (extra_args.get(REGISTRY_KEY, self._generation)
+                      if isinstance(extra_args, dict) else self._generation)
+        if generation not in self._registries:
+            logger.warning("dynsteer: request %s was admitted under a registry changed more "
+                           "than %d times since; its names resolve in the current one",
+                           req_id, REGISTRY_HISTORY)
+            generation = self._generation
+        return generation
 
     def set_global(self, entries: list[WireEntry], key: str) -> None:
         """Replace global steering (resolved entries, see :mod:`dynsteer.controller.wire`)
         for requests admitted from now on, which carry ``key``; live requests keep the one
         they were admitted under (their prefix-cache key names it)."""
         key = key if entries else NO_GLOBAL
-        self._globals[key] = _Global(entries, *self._contents(entries))
+        self._globals[key] = _Global(entries, *self._contents(entries, self.vectors))
         self._globals.move_to_end(key)
         self._current_global = key
         self._forget_globals()
@@ -265,17 +315,18 @@ class SteeringState:
         """
         self.remove_request(req_id)
         wire = extra_args.get(WIRE_KEY) if isinstance(extra_args, dict) else None
+        generation = self._generation_of(req_id, extra_args)
         resolved, key = _UNSTEERED, "-"
         if wire is not None:
             try:
-                resolved, key = self._resolve(wire), wire["key"]
+                resolved, key = self._resolve(wire, generation), wire["key"]
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 logger.warning("dynsteer: request %s runs unsteered: %s", req_id, e)
         probe = resolved.probe
         req = _Request(slot=slot, own=resolved.own, gated=resolved.gated,
                        projections=resolved.projections, probe=probe, key=key,
                        wire=wire if resolved is not _UNSTEERED else None,
-                       global_key=self._global_of(req_id, extra_args))
+                       global_key=self._global_of(req_id, extra_args), generation=generation)
         self._ensure_slot(slot)
         self._requests[req_id] = req
         self._prompt_len[slot] = prompt_len
@@ -393,22 +444,24 @@ class SteeringState:
         self.token_rows.clear()
 
     # ---- internals -----------------------------------------------------------------------
-    def _resolve(self, wire: dict[str, Any]) -> _Resolved:
-        """What a resolved spec builds; identical specs (same key, same registry) reuse it."""
-        cache_key = (wire["key"], self._registry_version)
+    def _resolve(self, wire: dict[str, Any], generation: int) -> _Resolved:
+        """What a resolved spec builds with the named vectors and probes of registry
+        ``generation``; identical specs (same key, same generation) reuse it."""
+        cache_key = (wire["key"], generation)
         hit = self._resolved.get(cache_key)
         if hit is not None:
             self._resolved.move_to_end(cache_key)
             return hit
-        gate = wire["gate"]
-        own, own_projections = self._contents(wire["steer"])
-        gated, gated_projections = (self._contents(gate["steer"], gated=True) if gate is not None
-                                    else (_UNSTEERED.gated, _UNSTEERED.projections))
+        gate, registry = wire["gate"], self._registries[generation]
+        own, own_projections = self._contents(wire["steer"], registry.vectors)
+        gated, gated_projections = (
+            self._contents(gate["steer"], registry.vectors, gated=True) if gate is not None
+            else (_UNSTEERED.gated, _UNSTEERED.projections))
         resolved = _Resolved(
             own=own, gated=gated,
             projections={p: add_projections(own_projections[p], gated_projections[p])
                          for p in PHASES},
-            probe=self._resolve_probe(gate) if gate is not None else None,
+            probe=self._resolve_probe(gate, registry.probes) if gate is not None else None,
             trace=bool(gate["trace"]) if gate is not None else False,
         )
         self._resolved[cache_key] = resolved
@@ -416,9 +469,9 @@ class SteeringState:
             self._resolved.popitem(last=False)
         return resolved
 
-    def _resolve_probe(self, gate: dict[str, Any]) -> ProbeRow:
+    def _resolve_probe(self, gate: dict[str, Any], probes: dict[str, WireProbe]) -> ProbeRow:
         probe = gate["probe"]
-        raw, threshold, sharpness = self.probes[probe] if isinstance(probe, str) else probe
+        raw, threshold, sharpness = probes[probe] if isinstance(probe, str) else probe
         weights = np.frombuffer(raw, dtype=F32)
         if weights.shape != (self.hidden_size,):
             raise ValueError(f"probe length {weights.shape[0]} != hidden {self.hidden_size}")
@@ -435,16 +488,17 @@ class SteeringState:
     def _steers(self, slot: int) -> bool:
         return bool(self._prefill_row[slot] or self._decode_row[slot] or self._probe_row[slot])
 
-    def _contents(self, entries: list[WireEntry], gated: bool = False
-                  ) -> tuple[dict[str, Contents], dict[str, Projections]]:
-        """The entries' adds and projections per phase (``gated``: scaled by the gate)."""
+    def _contents(self, entries: list[WireEntry], vectors: dict[str, np.ndarray],
+                  gated: bool = False) -> tuple[dict[str, Contents], dict[str, Projections]]:
+        """The entries' adds and projections per phase (``gated``: scaled by the gate), named
+        vectors taken from ``vectors``."""
         adds: dict[str, Contents] = {p: {} for p in PHASES}
         projections: dict[str, Projections] = {p: {} for p in PHASES}
         for entry in entries:
             if entry[SCALE] == 0:
                 continue
             vec = entry[VECTOR]
-            values = self.vectors[vec] if isinstance(vec, str) else np.frombuffer(vec, dtype=F32)
+            values = vectors[vec] if isinstance(vec, str) else np.frombuffer(vec, dtype=F32)
             if values.shape != (self.hidden_size,):
                 raise ValueError(f"vector length {values.shape[0]} != hidden {self.hidden_size}")
             if entry[OP] == "add":
@@ -484,7 +538,7 @@ class SteeringState:
         phase, registry and global versions), so a request whose rows exist already takes
         them without building or hashing anything; all ranks derive the same keys."""
         gated, projections = req.gated, req.projections
-        key = f"{req.key}|r{self._registry_version}"
+        key = f"{req.key}|r{req.generation}"
         if req.probe is not None:
             probe_row = self.probe_table.acquire(req.probe, key=key.encode())
             if probe_row is None:
@@ -547,11 +601,11 @@ class SteeringState:
             gate["steer"] = []
         wire["gate"] = gate
         wire["key"] = f"{req.key}|{action.name}:{name}"
-        resolved = self._resolve(wire)
+        resolved = self._resolve(wire, self._generation)
         self._release(req)
         req.own, req.gated, req.wire, req.key = resolved.own, resolved.gated, wire, wire["key"]
         req.projections = resolved.projections
-        req.probe = resolved.probe
+        req.probe, req.generation = resolved.probe, self._generation
         self._assign(req)
         record = self.telemetry.record_of_slot(req.slot)
         self.telemetry.mark_dynamic(record, self.telemetry.processed(record))
@@ -592,11 +646,19 @@ class SteeringState:
             "probes": sorted(self.probes),
             "global_entries": len(self._globals[self._current_global].entries),
             "global_steerings_held": len(self._globals),
+            "registry_generation": self._generation,
             "capture_rows_in_use": self.capture.rows_in_use,
             "tokens_monitored": dict(self.telemetry.tokens_monitored),
             "tokens_gated": dict(self.telemetry.tokens_gated),
             "host_time": self.host_time.summary(),
         }
+
+
+def _without(registry: dict[str, Any], name: str) -> dict[str, Any]:
+    """A copy of ``registry`` without ``name`` (KeyError when it is not there)."""
+    if name not in registry:
+        raise KeyError(name)
+    return {k: v for k, v in registry.items() if k != name}
 
 
 def _static_only(projections: Projections) -> Projections:
