@@ -16,8 +16,16 @@ on a third engine with one projection slot per site (``max_projections: 1``) ``a
 vector's direction ablated at layers 16-23, one of them a monitor site) and ``gated+slots``
 (``gated`` again, to tell what the slots cost from what ablating costs).
 
+``--engine NAME`` instead measures idle traffic (no request steered) on one engine of
+:data:`ENGINES` in this process and writes ``launches_NAME.json`` with the GPU time per decode
+step of every kernel name; ``--compare DIR`` then prints, per engine, the kernels whose time
+differs most from stock's: where an idle plugin's GPU time goes (the monitor kernels, the
+norms the fused sites join, or something else).
+
 Usage: python benchmarks/launches.py --out DIR [--shape small|8b] [--batch N]
        (writes launches.json)
+       python benchmarks/launches.py --out DIR --shape 8b --batch 32 --engine idle
+       python benchmarks/launches.py --compare DIR
 """
 
 from __future__ import annotations
@@ -40,6 +48,17 @@ SHAPE = {**LLAMA_8B, "hidden_size": 1024, "intermediate_size": 2048, "num_attent
 STATIC_LAYERS = [1, 3, 5, 7, 9, 11, 13, 15]
 GATED_LAYERS = list(range(16, 24))
 DECODE_STEPS = 32
+
+
+ENGINES: dict[str, dict[str, Any] | None] = {
+    "stock": None,
+    "idle": {},
+    "no-monitors": {"monitor_sites": ""},
+    "one-site": {"sites": "post_block@16", "monitor_sites": ""},
+    "monitors-only": {"sites": "post_block@25%+50%+75%"},
+}
+"""Engines ``--engine`` measures idle: stock; the default sites; every site fused, none a
+monitor site; one fused site; the three default monitor sites alone."""
 
 
 def specs() -> dict[str, dict[str, Any] | None]:
@@ -82,7 +101,7 @@ def count_kernels(llm: Any, spec: dict[str, Any] | None, max_tokens: int,
         for row in prof.key_averages(group_by_input_shape=True):
             if "copy" in row.key.lower() or "memcpy" in row.key.lower():
                 print(f"  {max_tokens} tokens: {row.count:5d} x {row.key} {row.input_shapes}")
-    counts = {"kernels": 0, "memcpy": 0, "memset": 0, "kernel_us": 0.0}
+    counts: dict[str, float] = {"kernels": 0, "memcpy": 0, "memset": 0, "kernel_us": 0.0}
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -90,7 +109,9 @@ def count_kernels(llm: Any, spec: dict[str, Any] | None, max_tokens: int,
         kind = "memcpy" if "memcpy" in name else "memset" if "memset" in name else "kernels"
         counts[kind] += 1
         if kind == "kernels":
-            counts["kernel_us"] += event.time_range.elapsed_us()
+            us = event.time_range.elapsed_us()
+            counts["kernel_us"] += us
+            counts[f"us:{event.name}"] = counts.get(f"us:{event.name}", 0.0) + us
     return counts
 
 
@@ -98,7 +119,7 @@ def per_step(llm: Any, spec: dict[str, Any] | None, batch: int,
              copies: bool = False) -> dict[str, float]:
     one = count_kernels(llm, spec, 1, batch, copies)
     many = count_kernels(llm, spec, 1 + DECODE_STEPS, batch, copies)
-    return {k: (many[k] - one[k]) / DECODE_STEPS for k in one}
+    return {k: (many[k] - one.get(k, 0.0)) / DECODE_STEPS for k in many}
 
 
 def start(path: Path, dynsteer: dict[str, Any] | None, mem: float) -> Any:
@@ -110,16 +131,58 @@ def start(path: Path, dynsteer: dict[str, Any] | None, mem: float) -> Any:
                compilation_config={"cudagraph_mode": "NONE"}, **extra)
 
 
+def one_engine(name: str, shape: dict[str, Any], batch: int, out: Path) -> None:
+    """Idle traffic on engine ``name`` of :data:`ENGINES` (alone in this process)."""
+    path = Path(tempfile.mkdtemp()) / "llama32"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(shape))
+    llm = start(path, ENGINES[name], 0.8)
+    result = per_step(llm, None, batch)
+    print(f"{name}: {result['kernels']:.1f} kernels, {result['kernel_us']:.1f} GPU us per step")
+    (out / f"launches_{name}.json").write_text(json.dumps(
+        {"engine": name, "options": ENGINES[name], "shape": shape, "batch": batch,
+         "decode_steps": DECODE_STEPS, "per_decode_step": result}, indent=2))
+
+
+def compare(folder: Path, top: int = 12) -> None:
+    """Per engine measured in ``folder``: totals against stock, then the kernel names whose
+    GPU time per step moved most."""
+    runs = {json.loads(f.read_text())["engine"]: json.loads(f.read_text())["per_decode_step"]
+            for f in sorted(folder.glob("launches_*.json"))}
+    stock = runs.pop("stock")
+    for name, run in runs.items():
+        print(f"\n{name}: {run['kernels'] - stock['kernels']:+.1f} kernels, "
+              f"{run['kernel_us'] - stock['kernel_us']:+.1f} us per step "
+              f"({run['kernel_us'] / stock['kernel_us']:.4f} of stock's "
+              f"{stock['kernel_us']:.1f})")
+        names = {k for k in (*run, *stock) if k.startswith("us:")}
+        moved = sorted(names, key=lambda k: -abs(run.get(k, 0.0) - stock.get(k, 0.0)))
+        for key in moved[:top]:
+            print(f"  {run.get(key, 0.0) - stock.get(key, 0.0):+9.2f} us  "
+                  f"({stock.get(key, 0.0):9.2f} -> {run.get(key, 0.0):9.2f})  {key[3:][:110]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--engine", choices=sorted(ENGINES),
+                        help="measure idle traffic on this engine only (in this process)")
+    parser.add_argument("--compare", type=Path, help="print a folder of --engine runs")
     parser.add_argument("--shape", choices=["small", "8b"], default="small")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--copies", action="store_true",
                         help="print the host ops that issued copies, per config")
     args = parser.parse_args()
+    if args.compare is not None:
+        compare(args.compare)
+        return
+    if args.out is None:
+        parser.error("--out is required")
     shape = LLAMA_8B if args.shape == "8b" else SHAPE
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.engine is not None:
+        one_engine(args.engine, shape, args.batch, args.out)
+        return
     import numpy as np
 
     path = Path(tempfile.mkdtemp()) / "llama32"
