@@ -309,17 +309,27 @@ def test_vllm_routes_are_open_with_only_the_dynsteer_key(client, openapi, model)
 # ---- a request can only affect its own output --------------------------------------------------
 def test_concurrent_requests_affect_only_their_own_output(client, model, baseline):
     """Plain, statically steered, gated and key-smuggling requests in one batch: each plain one
-    gets the unsteered output, each steered one its own steering, and internal keys sent in
-    ``vllm_xargs`` (the resolved spec, the prefix guard, the global fingerprint) are
-    dropped by the frontend."""
+    gets the unsteered output, each steered one its own steering, and one sending internal
+    keys in ``vllm_xargs`` (the resolved spec, the prefix guard, the global fingerprint) is
+    refused with a 400 naming the first of them."""
     smuggled = {"vllm_xargs": {"dynsteer_wire": json.dumps({"steer": [["post_block", [1]]]}),
                                "dynsteer_guard": "forged", "dynsteer_global": "00" * 16}}
     jobs = [{}, {"dynsteer": STATIC}, {"dynsteer": GATED}, smuggled, {}, {"dynsteer": STATIC}]
+
+    def send_job(extra: dict[str, Any]) -> str | httpx.Response:
+        if extra is smuggled:
+            return client.post("/v1/completions", json={
+                "model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, **extra})
+        return complete(client, model, **extra)
+
     with ThreadPoolExecutor(len(jobs)) as pool:
-        texts = list(pool.map(lambda extra: complete(client, model, **extra), jobs))
+        texts = list(pool.map(send_job, jobs))
     CASES["isolation"] += len(jobs)
-    assert texts[0] == texts[4] == texts[3] == baseline["plain"]
-    assert texts[1] == texts[5] == baseline["steered"]
+    refused = texts.pop(3)
+    assert refused.status_code == 400, refused.text
+    assert "vllm_xargs.dynsteer_global: reserved" in refused.text
+    assert texts[0] == texts[3] == baseline["plain"]
+    assert texts[1] == texts[4] == baseline["steered"]
 
 
 def test_pickled_bodies_are_never_unpickled(client, model, tmp_path):

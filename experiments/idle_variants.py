@@ -1,0 +1,94 @@
+"""Where an idle fused site's GPU time goes: ``steer_add`` written differently, one engine each.
+
+``benchmarks/launches.py --engine idle`` shows the whole idle cost of the default sites in the
+add + RMSNorm kernels the sites fuse into (+1.1% GPU time per decode step of an 8B shape at
+batch 32 on an H100; the three monitor kernels cost ~7 us of it). This runs the same
+measurement with :func:`dynsteer.engine_ext.worker.ops.steer_add` replaced by a variant, to
+tell the parts apart. Variants (none steers anything here: every token is on row 0):
+
+* ``current``: the shipped form;
+* ``no-guard``: without the ``where`` that keeps a steered element within the stream limit;
+* ``static``: the static tier only (no gate, no ``dyn`` row);
+* ``gather``: plain row gathers (row 0 read as zeros) instead of masked loads;
+* ``index``: the token's row index loaded and nothing steered, a floor for any design that
+  reads a per-token index inside the norm kernel.
+
+Experiment code, not the product: variants are exact only for unsteered traffic.
+
+Usage: python experiments/idle_variants.py --out DIR --variant NAME [--batch 32]
+       python benchmarks/launches.py --compare DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")  # variants share a config hash
+
+import launches
+from overhead import LLAMA_8B
+
+from dynsteer.engine_ext.worker import ops, sites
+
+
+def _no_guard(x, h, index, gate_score, table, dyn, *_):
+    rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
+    gate = gate_score[ops.GATE, :x.shape[0]]
+    y = x.to(torch.float32) + ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
+    return y.to(x.dtype)
+
+
+def _static(x, h, index, gate_score, table, *_):
+    rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
+    x32 = x.to(torch.float32)
+    y = x32 + ops._row_of(table, rows)
+    return torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32).to(x.dtype)
+
+
+def _gather(x, h, index, gate_score, table, dyn, *_):
+    rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
+    gate = gate_score[ops.GATE, :x.shape[0]]
+    x32 = x.to(torch.float32)
+    y = x32 + table[rows] + gate[:, None] * dyn[rows]
+    return torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32).to(x.dtype)
+
+
+def _index(x, h, index, *_):
+    rows = index[ops.INDEX_ROW, :x.shape[0]]
+    return (x.to(torch.float32) + (rows != 0).to(torch.float32)[:, None]).to(x.dtype)
+
+
+VARIANTS = {"current": ops.steer_add, "no-guard": _no_guard, "static": _static,
+            "gather": _gather, "index": _index}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), required=True)
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    sites.steer_add = VARIANTS[args.variant]
+    path = Path(tempfile.mkdtemp()) / "llama32"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(LLAMA_8B))
+    llm = launches.start(path, {}, 0.8)
+    result = launches.per_step(llm, None, args.batch)
+    name = f"idle-{args.variant}"
+    print(f"{name}: {result['kernels']:.1f} kernels, {result['kernel_us']:.1f} GPU us per step")
+    (args.out / f"launches_{name}.json").write_text(json.dumps(
+        {"engine": name, "batch": args.batch, "per_decode_step": result}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
