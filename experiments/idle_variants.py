@@ -7,6 +7,7 @@ measurement with :func:`dynsteer.engine_ext.worker.ops.steer_add` replaced by a 
 tell the parts apart. Variants (none steers anything here: every token is on row 0):
 
 * ``current``: the shipped form;
+* ``where-sum``: the form before (``where(|y| <= limit, y, x)`` on the steered sum ``y``);
 * ``no-guard``: without the ``where`` that keeps a steered element within the stream limit;
 * ``static``: the static tier only (no gate, no ``dyn`` row);
 * ``gather``: plain row gathers (row 0 read as zeros) instead of masked loads;
@@ -47,6 +48,14 @@ def _no_guard(x, h, index, gate_score, table, dyn, *_):
     return y.to(x.dtype)
 
 
+def _where_sum(x, h, index, gate_score, table, dyn, *_):
+    rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
+    gate = gate_score[ops.GATE, :x.shape[0]]
+    x32 = x.to(torch.float32)
+    y = x32 + ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
+    return torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32).to(x.dtype)
+
+
 def _static(x, h, index, gate_score, table, *_):
     rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
     x32 = x.to(torch.float32)
@@ -67,8 +76,8 @@ def _index(x, h, index, *_):
     return (x.to(torch.float32) + (rows != 0).to(torch.float32)[:, None]).to(x.dtype)
 
 
-VARIANTS = {"current": ops.steer_add, "no-guard": _no_guard, "static": _static,
-            "gather": _gather, "index": _index}
+VARIANTS = {"current": ops.steer_add, "where-sum": _where_sum, "no-guard": _no_guard,
+            "static": _static, "gather": _gather, "index": _index}
 
 
 def main() -> None:
