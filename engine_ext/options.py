@@ -112,6 +112,22 @@ class EngineOptions(BaseModel):
         return EngineSites(all=tuple(every), monitor=frozenset(monitor))
 
 
+RUNTIME_OPTIONS = frozenset({"max_steer_norm", "max_vectors", "max_probes", "events_address",
+                             "events_every", "events_queue", "commands_address"})
+"""Options that never reach the compiled graph (checks, registry caps, sockets): left out of
+vLLM's compile-cache key, so changing one does not recompile the model."""
+
+
+def compile_key_config(additional_config: dict[str, Any]) -> dict[str, Any]:
+    """``additional_config`` as vLLM's compile-cache key is to see it: the dynsteer options
+    without :data:`RUNTIME_OPTIONS` (the same object when it has none of them)."""
+    raw = additional_config.get(CONFIG_KEY)
+    if not isinstance(raw, dict) or not RUNTIME_OPTIONS & raw.keys():
+        return additional_config
+    return {**additional_config,
+            CONFIG_KEY: {k: v for k, v in raw.items() if k not in RUNTIME_OPTIONS}}
+
+
 def options_from_additional_config(additional_config: Any) -> EngineOptions | None:
     """The plugin's options for an engine, or None when the plugin is not enabled for it."""
     if not requested(additional_config):

@@ -49,13 +49,21 @@ def register() -> None:
         return
     from .compat import compile_cache, frontend, scheduler, worker
 
-    compile_cache.install()
+    compile_cache.install(_compile_key_config)
     frontend.install(frontend.FrontendHooks(
         configure=_configure, engine_state=_engine_state, admit=_admit, admitted=_admitted))
     scheduler.install(scheduler.SchedulerHooks(guard_of=_guard_of, stats=_engine_core_stats,
                                                claims_of=_claims_of, budget_for=_budget_for))
     worker.install(_on_model_loaded)
     _registered = True
+
+
+def _compile_key_config(additional_config: Any) -> Any:
+    if not requested(additional_config):
+        return additional_config
+    from .options import compile_key_config
+
+    return compile_key_config(additional_config)
 
 
 # ---- frontend ----------------------------------------------------------------------------

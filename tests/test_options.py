@@ -69,3 +69,28 @@ def test_monitor_sites_default_and_join_the_sites():
     assert EngineOptions(monitor_sites="").engine_sites(4).monitor == frozenset()
     with pytest.raises(ValueError, match=r"^dynsteer.monitor_sites: layer 7 .* does not exist"):
         EngineOptions(monitor_sites="post_block@7").engine_sites(4)
+
+
+def test_the_compile_cache_key_ignores_options_that_never_reach_the_graph():
+    """vLLM's config hash names its compile cache: a new socket address, registry cap or
+    norm limit keeps it (no recompile), a change of sites or rows does not."""
+    from vllm.config import VllmConfig
+
+    from dynsteer.engine_ext.plugin import register
+
+    register()
+
+    def key(**options) -> str:
+        return VllmConfig(additional_config={"dynsteer": EngineOptions(
+            **options).model_dump()}).compute_hash()
+
+    base = key()
+    assert key(commands_address="tcp://127.0.0.1:5601", events_address="tcp://127.0.0.1:5602",
+               events_every=1, events_queue=8, max_vectors=3, max_probes=2,
+               max_steer_norm=5.0) == base
+    assert key(sites="post_block@0") != base
+    assert key(max_rows=8) != base
+    assert key(monitor_sites="") != base
+    config = VllmConfig(additional_config={"dynsteer": {"commands_address": "tcp://x:1"}})
+    config.compute_hash()
+    assert config.additional_config == {"dynsteer": {"commands_address": "tcp://x:1"}}
