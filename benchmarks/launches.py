@@ -147,8 +147,8 @@ def one_engine(name: str, shape: dict[str, Any], batch: int, out: Path) -> None:
 def compare(folder: Path, top: int = 12) -> None:
     """Per engine measured in ``folder``: totals against stock, then the kernel names whose
     GPU time per step moved most."""
-    runs = {json.loads(f.read_text())["engine"]: json.loads(f.read_text())["per_decode_step"]
-            for f in sorted(folder.glob("launches_*.json"))}
+    loaded = [json.loads(f.read_text()) for f in sorted(folder.glob("launches_*.json"))]
+    runs = {run["engine"]: run["per_decode_step"] for run in loaded}
     stock = runs.pop("stock")
     for name, run in runs.items():
         print(f"\n{name}: {run['kernels'] - stock['kernels']:+.1f} kernels, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -223,6 +224,10 @@ def frontend() -> FrontendState:
     return state
 
 
+KEYED = functools.partial(namespaced, api_key="k")
+"""The namespace of a caller presenting configured key ``k``."""
+
+
 def completion(spec=None, **xargs) -> bytes:
     if spec is not None:
         xargs["dynsteer"] = spec
@@ -232,15 +237,15 @@ def completion(spec=None, **xargs) -> bytes:
 def test_sessions_move_into_the_callers_namespace():
     """With API keys, a spec's session becomes the bearer's namespace of it (top-level spec
     already moved into vllm_xargs, or given there); a body without a session is unchanged,
-    and so is one when no keys are configured (``False``)."""
+    and so is one when no keys are configured (no namespace)."""
     for spec in ({"session": "s1"}, json.dumps({"session": "s1", **SPEC})):
-        got = json.loads(json.loads(check_completion(completion(spec), frontend(), "k"))
+        got = json.loads(json.loads(check_completion(completion(spec), frontend(), KEYED))
                          ["vllm_xargs"]["dynsteer"])
         assert got["session"] == namespaced("s1", "k") != "s1"
     plain = completion(json.dumps(SPEC))
-    assert check_completion(plain, frontend(), "k") is plain
+    assert check_completion(plain, frontend(), KEYED) is plain
     open_server = completion(json.dumps({"session": "s1", **SPEC}))
-    assert check_completion(open_server, frontend(), False) is open_server
+    assert check_completion(open_server, frontend()) is open_server
 
 
 def test_callers_without_a_key_cannot_join_a_tenants_session():
@@ -248,7 +253,7 @@ def test_callers_without_a_key_cannot_join_a_tenants_session():
     the anonymous namespace of that name, never the tenant's session."""
     tenants = namespaced("s1", "k")
     got = json.loads(json.loads(check_completion(completion({"session": tenants}), frontend(),
-                                                 None))["vllm_xargs"]["dynsteer"])
+                                                 anonymous))["vllm_xargs"]["dynsteer"])
     assert got["session"] == anonymous(tenants) != tenants
     assert namespaced(got["session"], "k") != tenants
 
@@ -264,11 +269,11 @@ def test_bad_specs_are_refused_before_the_route_answers(spec, fragment):
     stream starts), with admission's message; a good spec passes and is parsed once."""
     state = frontend()
     with pytest.raises(ValueError) as info:
-        check_completion(completion(spec), state, False)
+        check_completion(completion(spec), state)
     assert fragment in str(info.value)
     assert state.counters.requests_rejected == 1
     good = completion(json.dumps(SPEC))
-    assert check_completion(good, state, False) is good
+    assert check_completion(good, state) is good
     assert len(state.parsed) == 1
 
 
@@ -279,7 +284,7 @@ def test_a_spec_needing_more_rows_than_the_engine_has_is_refused():
     state = frontend()
     state.options = EngineOptions(max_rows=1)
     with pytest.raises(ValueError, match="max_rows"):
-        check_completion(completion(many), state, False)
+        check_completion(completion(many), state)
 
 
 @pytest.mark.parametrize("key", ["dynsteer_capture", "dynsteer_wire", "dynsteer_cache",
@@ -287,6 +292,20 @@ def test_a_spec_needing_more_rows_than_the_engine_has_is_refused():
 def test_reserved_xargs_keys_are_refused(key):
     """Only the frontend sets dynsteer's internal keys: a client's is refused, naming it."""
     with pytest.raises(ValueError, match=f"vllm_xargs.{key}: reserved"):
-        check_completion(completion(**{key: "x"}), frontend(), False)
+        check_completion(completion(**{key: "x"}), frontend())
     with pytest.raises(ValueError, match=f"vllm_xargs.{key}: reserved"):
-        check_completion(completion(json.dumps(SPEC), **{key: "x"}), frontend(), False)
+        check_completion(completion(json.dumps(SPEC), **{key: "x"}), frontend())
+
+
+def test_a_top_level_spec_is_moved_checked_and_written_once():
+    """On a server the completion check also moves a top-level spec into ``vllm_xargs`` (one
+    parse); given both ways it is refused."""
+    state = frontend()
+    body = json.dumps({"model": "m", "dynsteer": SPEC}).encode()
+    moved = json.loads(check_completion(body, state))
+    assert "dynsteer" not in moved and json.loads(moved["vllm_xargs"]["dynsteer"]) == SPEC
+    assert len(state.parsed) == 1
+    twice = json.dumps({"model": "m", "dynsteer": SPEC,
+                        "vllm_xargs": {"dynsteer": json.dumps(SPEC)}}).encode()
+    with pytest.raises(ValueError, match="give it once"):
+        check_completion(twice, state)

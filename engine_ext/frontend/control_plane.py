@@ -91,21 +91,29 @@ def _check_room(kind: str, name: str, registry: dict[str, Any], limit: int, opti
 
 @dataclass(frozen=True)
 class Change:
-    """One validated change: the worker RPC to run, then the frontend update."""
+    """One validated change: the worker RPC to run, then the frontend update (``commit``)."""
 
     method: str
     args: tuple[Any, ...]
-    commit: Callable[[], None]
-    registry: bool = False
-    """It changes the registry of named vectors and probes: the RPC also carries the
-    registry generation it creates (see :meth:`rpc_args`)."""
+    update: Callable[[], None]
+    registry: FrontendState | None = None
+    """Set for a change of the named vectors and probes: it makes a new registry generation of
+    this frontend, which the RPC carries and ``commit`` moves the frontend to."""
 
-    def rpc_args(self, frontend: FrontendState) -> tuple[Any, ...]:
-        """The worker RPC's arguments. A registry change ends with the generation it creates,
-        the one ``commit`` moves the frontend to: call both under the lock that orders changes,
-        so requests admitted before the commit (under the old generation, the workers keep it)
-        and after it (the new one) resolve their names as they were checked."""
-        return (*self.args, frontend.registry_generation + 1) if self.registry else self.args
+    def rpc_args(self) -> tuple[Any, ...]:
+        """The worker RPC's arguments; a registry change's end with the generation it creates.
+        Call this, the RPC and :meth:`commit` under the lock that orders changes, so requests
+        admitted before the commit (under the old generation, which the workers keep) and
+        after it (the new one) resolve their names as they were checked."""
+        if self.registry is None:
+            return self.args
+        return (*self.args, self.registry.registry_generation + 1)
+
+    def commit(self) -> None:
+        """Update the frontend once every worker applied the RPC."""
+        self.update()
+        if self.registry is not None:
+            self.registry.registry_generation += 1
 
 
 class ControlPlane:
@@ -129,10 +137,8 @@ class ControlPlane:
         def commit() -> None:
             f.vectors[name] = array
             f.vector_norms[name] = norm
-            f.registry_generation += 1
 
-        return Change("dynsteer_register_vector", (name, f32_bytes(array)), commit,
-                      registry=True)
+        return Change("dynsteer_register_vector", (name, f32_bytes(array)), commit, registry=f)
 
     def unregister_vector(self, name: str) -> Change:
         """Forget a named vector; requests already admitted keep their steering."""
@@ -156,10 +162,9 @@ class ControlPlane:
 
         def commit() -> None:
             f.probes[name] = probe
-            f.registry_generation += 1
 
         return Change("dynsteer_register_probe",
-                      (name, probe_to_wire(array, threshold, sharpness)), commit, registry=True)
+                      (name, probe_to_wire(array, threshold, sharpness)), commit, registry=f)
 
     def register_probe_object(self, probe: Probe, replace: bool = False) -> Change:
         """Register a :class:`~dynsteer.probes.Probe` under its name, after checking that it
@@ -186,9 +191,8 @@ class ControlPlane:
         def commit() -> None:
             for registry in registries:
                 registry.pop(name, None)
-            self.frontend.registry_generation += 1
 
-        return Change(f"dynsteer_unregister_{kind}", (name,), commit, registry=True)
+        return Change(f"dynsteer_unregister_{kind}", (name,), commit, registry=self.frontend)
 
     def set_global(self, entries: Sequence[SteerEntry | dict[str, Any]]) -> Change:
         """Steer every request admitted from now on with ``entries`` (added to its own
@@ -229,10 +233,8 @@ class ControlPlane:
                 if sharpness is not None:
                     changes["sharpness"] = float(sharpness)
                 f.probes[name] = probe.replace(**changes)
-            f.registry_generation += 1
 
-        return Change("dynsteer_update_probe", (name, threshold, sharpness), commit,
-                      registry=True)
+        return Change("dynsteer_update_probe", (name, threshold, sharpness), commit, registry=f)
 
     def session_steering(self, steer: Sequence[SteerEntry | dict[str, Any]],
                          gate: GateSpec | None) -> dict[str, Any]:

@@ -32,7 +32,7 @@ class Steering:
         self._plane = ControlPlane(frontend)
 
     def _apply(self, change: Change) -> None:
-        vllm_frontend.rpc(self._llm, change.method, change.rpc_args(self._frontend))
+        vllm_frontend.rpc(self._llm, change.method, change.rpc_args())
         change.commit()
 
     @property

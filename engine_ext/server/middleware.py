@@ -23,7 +23,9 @@ Error bodies carry our message only, in vLLM's ``{"error": {...}}`` shape.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -108,17 +110,25 @@ def _with_spec(body: bytes) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and SPEC_KEY in data else None
 
 
-def _moved(body: bytes, data: dict[str, Any]) -> bytes:
-    spec = data.pop(SPEC_KEY)
+def _move_into_xargs(data: dict[str, Any]) -> bool:
+    """Move a top-level spec into ``vllm_xargs`` (in place); False when there is none to move
+    or ``vllm_xargs`` is not an object (vLLM reports that)."""
+    if SPEC_KEY not in data:
+        return False
     xargs = data.get("vllm_xargs") or {}
     if not isinstance(xargs, dict):
-        return body
+        return False
     if SPEC_KEY in xargs:
         raise ValueError(f"{SPEC_KEY}: given both as a top-level field and in vllm_xargs; "
                          "give it once")
+    spec = data.pop(SPEC_KEY)
     xargs[SPEC_KEY] = spec if isinstance(spec, str) else json.dumps(spec)
     data["vllm_xargs"] = xargs
-    return json.dumps(data).encode()
+    return True
+
+
+def _moved(body: bytes, data: dict[str, Any]) -> bytes:
+    return json.dumps(data).encode() if _move_into_xargs(data) else body
 
 
 def move_spec_to_xargs(body: bytes) -> bytes:
@@ -152,22 +162,27 @@ row claims, capture, ...): only the frontend sets them, never a client."""
 
 
 def check_completion(body: bytes, frontend: FrontendState,
-                     api_key: str | bool | None = False) -> bytes:
-    """A completion body (spec already in ``vllm_xargs``) as admission will see it, refused
-    (ValueError naming the field) where admission would refuse it: before vLLM starts a 200
-    stream, so a streaming request with a bad spec gets its 400 too.
+                     namespace: Callable[[str], str] | None = None) -> bytes:
+    """A completion body as admission will see it (a top-level spec moved into
+    ``vllm_xargs``), refused (ValueError naming the field) where admission would refuse it:
+    before vLLM starts a 200 stream, so a streaming request with a bad spec gets its 400 too.
+    The body is parsed once and written again only when something changed.
 
     ``vllm_xargs`` keys reserved for dynsteer are refused (the frontend would overwrite most;
-    ``dynsteer_capture`` would join an open capture pass). ``api_key``: the caller's configured
-    key, or None for a caller without one, puts the spec's ``session`` in that namespace
-    (:func:`.sessions.namespaced`, :func:`.sessions.anonymous`); False (no keys configured)
-    leaves it as given."""
+    ``dynsteer_capture`` would join an open capture pass). ``namespace`` puts the spec's
+    ``session`` in the caller's namespace (:func:`.sessions.namespaced` of its key,
+    :func:`.sessions.anonymous`); None (no keys configured) leaves it as given."""
     check_json_depth(body, SPEC_KEY)
     try:
         data = json.loads(body)
+    except RecursionError:
+        raise SpecError(f"{SPEC_KEY}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError:
         return body  # not JSON: vLLM reports it
-    xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return body
+    changed = _move_into_xargs(data)
+    xargs = data.get("vllm_xargs")
     if not isinstance(xargs, dict):
         return body
     reserved = sorted(k for k in xargs if isinstance(k, str) and k.startswith(RESERVED_PREFIX))
@@ -175,24 +190,33 @@ def check_completion(body: bytes, frontend: FrontendState,
         raise SpecError(f"vllm_xargs.{reserved[0]}: reserved for dynsteer's own use; a "
                         f"steering spec goes in vllm_xargs.{SPEC_KEY} or a top-level "
                         f"{SPEC_KEY!r} object")
-    if SPEC_KEY not in xargs:
-        return body
+    if SPEC_KEY in xargs:
+        if namespace is not None:
+            changed = _namespace_session(xargs, namespace) or changed
+        admission.precheck(frontend, xargs)
+    return json.dumps(data).encode() if changed else body
+
+
+def _namespace_session(xargs: dict[str, Any], namespace: Callable[[str], str]) -> bool:
+    """Put the spec's session (if any) in ``namespace``, in place; whether it had one."""
     raw = xargs[SPEC_KEY]
-    spec = _json_or_none(raw) if isinstance(raw, str) else raw
-    if api_key is not False and isinstance(spec, dict) and isinstance(spec.get("session"), str):
-        session = spec["session"]
-        spec["session"] = anonymous(session) if api_key is None else namespaced(session, api_key)
-        xargs[SPEC_KEY] = json.dumps(spec)
-        body = json.dumps(data).encode()
-    admission.precheck(frontend, xargs)
-    return body
-
-
-def _json_or_none(text: str) -> Any:
     try:
-        return json.loads(text)
+        spec = json.loads(raw) if isinstance(raw, str) else raw
     except ValueError:
-        return None  # admission names the field
+        return False  # admission names the field
+    if not isinstance(spec, dict) or not isinstance(spec.get("session"), str):
+        return False
+    spec["session"] = namespace(spec["session"])
+    xargs[SPEC_KEY] = json.dumps(spec)
+    return True
+
+
+def _namespace_of(server: Any, scope: Scope) -> Callable[[str], str] | None:
+    """The session namespace of the caller (None: no API keys configured)."""
+    if not server.api_keys:
+        return None
+    key = _bearer(scope)
+    return functools.partial(namespaced, api_key=key) if key in server.api_keys else anonymous
 
 
 def _bearer(scope: Scope) -> str | None:
@@ -246,13 +270,12 @@ class DynsteerMiddleware:
         if not ours and method == "POST":
             server = getattr(getattr(scope.get("app"), "state", None), "dynsteer", None)
             try:
-                new_body = rewrite_body(path, body)
-                if (server is not None and _RESERVED_MARKER in new_body
+                if (server is not None and _RESERVED_MARKER in body
                         and path.rstrip("/") in COMPLETION_PATHS):
-                    key = _bearer(scope)
-                    new_body = check_completion(
-                        new_body, server.frontend,
-                        (key if key in server.api_keys else None) if server.api_keys else False)
+                    new_body = check_completion(body, server.frontend,
+                                                _namespace_of(server, scope))
+                else:
+                    new_body = rewrite_body(path, body)
             except ValueError as e:
                 await _error(400, str(e))(scope, receive, send)
                 return

@@ -64,7 +64,7 @@ class DynsteerServer:
     async def apply(self, change: Change) -> None:
         """Apply a validated change on every worker, then in the frontend."""
         async with self._lock:
-            await self.rpc(change.method, *change.rpc_args(self.frontend))
+            await self.rpc(change.method, *change.rpc_args())
             change.commit()
 
     async def register_vector(self, name: str, values: Any, replace: bool = False) -> None:
