@@ -25,7 +25,9 @@ Scenarios, each request of a batch carrying its own spec:
 
 Shapes: decode-heavy (128 prompt + 128 generated tokens) at batches 1, 32, 256 and a
 prefill-heavy one (2048 prompt + 16 generated) at batch 32. Prints a table (tokens/s = generated
-tokens / wall time, median of the repetitions, ratio to stock in the same run, spread; for plugin
+tokens / wall time, median of the repetitions, ratio to stock in the same run, spread; the
+median decode step by vLLM's own step timestamps (:class:`StepClock`), its ratio to stock's and
+the range of the per-repetition ratios; for plugin
 runs the worker's dynsteer host time per step: index fill + telemetry fold and report, and per
 admitted request) and writes ``overhead.json``.
 
@@ -134,13 +136,48 @@ def prompts(batch: int, length: int, seed: int = 0) -> list[dict[str, Any]]:
     return [{"prompt_token_ids": rng.integers(100, 30000, length).tolist()} for _ in range(batch)]
 
 
-def timed(llm: Any, batch_prompts: list[dict[str, Any]], sps: list[Any]) -> float:
+class StepClock:
+    """vLLM's own per-step timing of one engine: the engine core stamps every step's outputs
+    (``EngineCoreOutputs.timestamp``, monotonic, taken in the core process when the step's
+    tokens are out); the interval between two consecutive steps in which every request of
+    the batch got a token is one decode step's wall time, host and GPU together.
+
+    The median interval of a run is the decode figure: a run of 128 generated tokens gives
+    ~127 intervals, so it is not moved by the prefill, admission or one slow step the way a
+    run's tokens/s is (the method's noise, issue 12)."""
+
+    def __init__(self, llm: Any) -> None:
+        self._stamps: list[tuple[float, int]] = []
+        client = llm.llm_engine.engine_core
+        get_output = client.get_output
+
+        def _get_output() -> Any:
+            outputs = get_output()
+            self._stamps.append((outputs.timestamp, len(outputs.outputs)))
+            return outputs
+
+        client.get_output = _get_output
+
+    def start(self) -> None:
+        self._stamps.clear()
+
+    def decode_step_s(self, batch: int) -> float:
+        """Median wall time of the run's steps that gave every request a token."""
+        pairs = zip(self._stamps, self._stamps[1:], strict=False)
+        intervals = [t - t_prev for (t_prev, n_prev), (t, n) in pairs if n == n_prev == batch]
+        return statistics.median(intervals) if intervals else float("nan")
+
+
+def timed(llm: Any, clock: StepClock, batch_prompts: list[dict[str, Any]],
+          sps: list[Any]) -> tuple[float, float]:
+    """One run: (generated tokens/s over the whole run, median decode step in seconds)."""
+    clock.start()
     t0 = time.perf_counter()
     outs = llm.generate(batch_prompts, sps, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     gen = sps[0].max_tokens
     assert all(len(o.outputs[0].token_ids) == gen for o in outs)
-    return len(batch_prompts) * gen / elapsed
+    return len(batch_prompts) * gen / elapsed, clock.decode_step_s(len(batch_prompts))
 
 
 def calibrate_gate(llm: Any, steering: Any) -> dict[str, Any]:
@@ -193,6 +230,30 @@ def add_host_time(total: dict[str, float], before: dict[str, Any],
                              ("steps", "step", "calls"), ("admit_us", "admit", "us"),
                              ("admits", "admit", "calls")):
         total[key] = total.get(key, 0.0) + after[hook][field] - before[hook][field]
+
+
+def summarize(run: dict[str, Any], key: str, host: dict[str, float] | None) -> dict[str, Any]:
+    """One scenario of one shape against stock in the same run.
+
+    ``ratio``: median tokens/s over stock's (whole runs, prefill included). ``step_ratio``:
+    stock's median decode step over this one's (vLLM's per-step timing; > 1 is faster), and
+    ``paired_step_ratio``: the median of the per-repetition ratios (each repetition's stock run
+    and this run were minutes apart at most), with their range, the figure's own noise."""
+    tok_s, stock_tok_s = run["samples"][key], run["samples"]["stock/idle"]
+    step_s, stock_step_s = run["decode_step_s"][key], run["decode_step_s"]["stock/idle"]
+    med = statistics.median(tok_s)
+    paired = [s / x for s, x in zip(stock_step_s, step_s, strict=True)]
+    per_step = per_request = None
+    if host:
+        per_step = (host["step_us"] + host["output_us"]) / max(host["steps"], 1)
+        per_request = host["admit_us"] / max(host["admits"], 1)
+    return {"tok_s": med, "ratio": med / statistics.median(stock_tok_s),
+            "spread": (max(tok_s) - min(tok_s)) / med,
+            "decode_step_ms": statistics.median(step_s) * 1e3,
+            "step_ratio": statistics.median(stock_step_s) / statistics.median(step_s),
+            "paired_step_ratio": statistics.median(paired),
+            "paired_step_ratio_range": (min(paired), max(paired)),
+            "host_us_per_step": per_step, "host_us_per_request": per_request}
 
 
 def _fmt(value: float | None) -> str:
@@ -259,21 +320,26 @@ def main() -> None:
         runs = [("stock", "idle"), *((OWN_ENGINE.get(s, "plugin"), s) for s in args.scenarios),
                 *([("control", "idle")] if args.control else [])]
         seed = 0
+        clocks = {name: StepClock(llm) for name, llm in engines.items()}
         for shape, batch, prompt_len, gen_len in shapes:
             loads = {s: specs.params(s, batch, gen_len) for s in {"idle", *args.scenarios}}
             for engine, scenario in runs:  # warm-up: first pass of each shape
                 seed += 1
-                timed(engines[engine], prompts(batch, prompt_len, seed), loads[scenario])
+                timed(engines[engine], clocks[engine], prompts(batch, prompt_len, seed),
+                      loads[scenario])
             before = steering.info()[0]
             samples: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
+            steps: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
             host: dict[str, dict[str, float]] = {}
             for rep in range(args.reps):
                 for engine, scenario in runs if rep % 2 == 0 else runs[::-1]:
                     seed += 1
                     own = steerings.get(engine)
                     start_time = own.info()[0]["host_time"] if own is not None else None
-                    samples[f"{engine}/{scenario}"].append(timed(
-                        engines[engine], prompts(batch, prompt_len, seed), loads[scenario]))
+                    tok_s, step_s = timed(engines[engine], clocks[engine],
+                                          prompts(batch, prompt_len, seed), loads[scenario])
+                    samples[f"{engine}/{scenario}"].append(tok_s)
+                    steps[f"{engine}/{scenario}"].append(step_s)
                     if own is not None:
                         add_host_time(host.setdefault(scenario, {}), start_time,
                                       own.info()[0]["host_time"])
@@ -282,7 +348,8 @@ def main() -> None:
             monitored = (after["tokens_monitored"].get(site, 0)
                          - before["tokens_monitored"].get(site, 0))
             gated = after["tokens_gated"].get(site, 0) - before["tokens_gated"].get(site, 0)
-            results["runs"][shape] = {"samples": samples, "host_time": host,
+            results["runs"][shape] = {"samples": samples, "decode_step_s": steps,
+                                      "host_time": host,
                                       "gate_on_fraction": gated / max(monitored, 1)}
             args.out.mkdir(parents=True, exist_ok=True)  # what is done survives a time limit
             (args.out / "overhead.json").write_text(json.dumps(results, indent=2))
@@ -293,25 +360,20 @@ def main() -> None:
                                     if k.startswith("events_")}}
         results["controllers"] = steering.info()[0]["controllers"]
     print(f"device: {results['device']}  vLLM {results['vllm']}  reps={args.reps}")
-    print(f"{'shape':>14} {'scenario':<22} {'tok/s (median)':>15} {'ratio':>7} {'spread':>7} "
-          f"{'host us/step':>13} {'us/request':>11}")
+    print(f"{'shape':>14} {'scenario':<22} {'tok/s':>9} {'ratio':>7} {'spread':>7} "
+          f"{'step ms':>8} {'step ratio':>10} {'paired':>15} {'host us/step':>13} "
+          f"{'us/request':>11}")
     summary = {}
     for shape, run in results["runs"].items():
-        stock = statistics.median(run["samples"]["stock/idle"])
-        for key, values in run["samples"].items():
-            med = statistics.median(values)
-            spread = (max(values) - min(values)) / med
-            engine, scenario = key.split("/", 1)
-            host = run["host_time"].get(scenario) if engine in steerings else None
-            per_step = per_request = None
-            if host:
-                per_step = (host["step_us"] + host["output_us"]) / max(host["steps"], 1)
-                per_request = host["admit_us"] / max(host["admits"], 1)
-            summary[f"{shape}/{key}"] = {"tok_s": med, "ratio": med / stock, "spread": spread,
-                                         "host_us_per_step": per_step,
-                                         "host_us_per_request": per_request}
-            print(f"{shape:>14} {key:<22} {med:>15.1f} {med / stock:>7.4f} {spread:>7.2%} "
-                  f"{_fmt(per_step):>13} {_fmt(per_request):>11}")
+        for key in run["samples"]:
+            row = summarize(run, key, run["host_time"].get(key.split("/", 1)[1])
+                            if key.split("/", 1)[0] in steerings else None)
+            summary[f"{shape}/{key}"] = row
+            low, high = row["paired_step_ratio_range"]
+            print(f"{shape:>14} {key:<22} {row['tok_s']:>9.1f} {row['ratio']:>7.4f} "
+                  f"{row['spread']:>7.2%} {row['decode_step_ms']:>8.3f} "
+                  f"{row['step_ratio']:>10.4f} {low:>7.4f}-{high:<7.4f} "
+                  f"{_fmt(row['host_us_per_step']):>13} {_fmt(row['host_us_per_request']):>11}")
         print(f"{shape:>14} gate on for {run['gate_on_fraction']:.0%} of monitored tokens")
     if "events" in results:
         print(f"events: {results['events']}")
