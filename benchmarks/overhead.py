@@ -27,7 +27,8 @@ Shapes: decode-heavy (128 prompt + 128 generated tokens) at batches 1, 32, 256 a
 prefill-heavy one (2048 prompt + 16 generated) at batch 32. Prints a table (tokens/s = generated
 tokens / wall time, median of the repetitions, ratio to stock in the same run, spread; the
 median decode step by vLLM's own step timestamps (:class:`StepClock`), its ratio to stock's and
-the range of the per-repetition ratios; for plugin
+the range of the per-repetition ratios, the mean SM clock and the ratio of cycles per decode
+step (:class:`SmClock`); for plugin
 runs the worker's dynsteer host time per step: index fill + telemetry fold and report, and per
 admitted request) and writes ``overhead.json``.
 
@@ -168,16 +169,51 @@ class StepClock:
         return statistics.median(intervals) if intervals else float("nan")
 
 
-def timed(llm: Any, clock: StepClock, batch_prompts: list[dict[str, Any]],
-          sps: list[Any]) -> tuple[float, float]:
-    """One run: (generated tokens/s over the whole run, median decode step in seconds)."""
+class SmClock:
+    """The GPU's SM clock during a run (NVML through torch, sampled every 20 ms by a thread).
+
+    At large batches an H100 decode step runs near the power limit, where the clock follows
+    the power the data draws: two engines doing the same work on different values (a steered
+    residual) can differ by percents in step time. Step time x clock (cycles per step) is
+    the figure that clock changes do not move."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._samples: list[int] = []
+        self._armed = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        import torch
+
+        while True:
+            self._armed.wait()
+            self._samples.append(torch.cuda.clock_rate())
+            time.sleep(0.02)
+
+    def start(self) -> None:
+        self._samples.clear()
+        self._armed.set()
+
+    def stop_mhz(self) -> float:
+        self._armed.clear()
+        return statistics.fmean(self._samples) if self._samples else float("nan")
+
+
+def timed(llm: Any, clock: StepClock, sm: SmClock, batch_prompts: list[dict[str, Any]],
+          sps: list[Any]) -> tuple[float, float, float]:
+    """One run: (generated tokens/s over the whole run, median decode step in seconds, mean
+    SM clock in MHz)."""
     clock.start()
+    sm.start()
     t0 = time.perf_counter()
     outs = llm.generate(batch_prompts, sps, use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    mhz = sm.stop_mhz()
     gen = sps[0].max_tokens
     assert all(len(o.outputs[0].token_ids) == gen for o in outs)
-    return len(batch_prompts) * gen / elapsed, clock.decode_step_s(len(batch_prompts))
+    return len(batch_prompts) * gen / elapsed, clock.decode_step_s(len(batch_prompts)), mhz
 
 
 def calibrate_gate(llm: Any, steering: Any) -> dict[str, Any]:
@@ -243,6 +279,9 @@ def summarize(run: dict[str, Any], key: str, host: dict[str, float] | None) -> d
     step_s, stock_step_s = run["decode_step_s"][key], run["decode_step_s"]["stock/idle"]
     med = statistics.median(tok_s)
     paired = [s / x for s, x in zip(stock_step_s, step_s, strict=True)]
+    mhz, stock_mhz = run["sm_mhz"][key], run["sm_mhz"]["stock/idle"]
+    cycles = [s * m for s, m in zip(step_s, mhz, strict=True)]
+    stock_cycles = [s * m for s, m in zip(stock_step_s, stock_mhz, strict=True)]
     per_step = per_request = None
     if host:
         per_step = (host["step_us"] + host["output_us"]) / max(host["steps"], 1)
@@ -253,6 +292,8 @@ def summarize(run: dict[str, Any], key: str, host: dict[str, float] | None) -> d
             "step_ratio": statistics.median(stock_step_s) / statistics.median(step_s),
             "paired_step_ratio": statistics.median(paired),
             "paired_step_ratio_range": (min(paired), max(paired)),
+            "sm_mhz": statistics.median(mhz),
+            "cycle_ratio": statistics.median(stock_cycles) / statistics.median(cycles),
             "host_us_per_step": per_step, "host_us_per_request": per_request}
 
 
@@ -321,25 +362,29 @@ def main() -> None:
                 *([("control", "idle")] if args.control else [])]
         seed = 0
         clocks = {name: StepClock(llm) for name, llm in engines.items()}
+        sm = SmClock()
         for shape, batch, prompt_len, gen_len in shapes:
             loads = {s: specs.params(s, batch, gen_len) for s in {"idle", *args.scenarios}}
             for engine, scenario in runs:  # warm-up: first pass of each shape
                 seed += 1
-                timed(engines[engine], clocks[engine], prompts(batch, prompt_len, seed),
+                timed(engines[engine], clocks[engine], sm, prompts(batch, prompt_len, seed),
                       loads[scenario])
             before = steering.info()[0]
             samples: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
             steps: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
+            mhz: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
             host: dict[str, dict[str, float]] = {}
             for rep in range(args.reps):
                 for engine, scenario in runs if rep % 2 == 0 else runs[::-1]:
                     seed += 1
                     own = steerings.get(engine)
                     start_time = own.info()[0]["host_time"] if own is not None else None
-                    tok_s, step_s = timed(engines[engine], clocks[engine],
-                                          prompts(batch, prompt_len, seed), loads[scenario])
+                    tok_s, step_s, run_mhz = timed(engines[engine], clocks[engine], sm,
+                                                   prompts(batch, prompt_len, seed),
+                                                   loads[scenario])
                     samples[f"{engine}/{scenario}"].append(tok_s)
                     steps[f"{engine}/{scenario}"].append(step_s)
+                    mhz[f"{engine}/{scenario}"].append(run_mhz)
                     if own is not None:
                         add_host_time(host.setdefault(scenario, {}), start_time,
                                       own.info()[0]["host_time"])
@@ -348,7 +393,7 @@ def main() -> None:
             monitored = (after["tokens_monitored"].get(site, 0)
                          - before["tokens_monitored"].get(site, 0))
             gated = after["tokens_gated"].get(site, 0) - before["tokens_gated"].get(site, 0)
-            results["runs"][shape] = {"samples": samples, "decode_step_s": steps,
+            results["runs"][shape] = {"samples": samples, "decode_step_s": steps, "sm_mhz": mhz,
                                       "host_time": host,
                                       "gate_on_fraction": gated / max(monitored, 1)}
             args.out.mkdir(parents=True, exist_ok=True)  # what is done survives a time limit
@@ -361,7 +406,8 @@ def main() -> None:
         results["controllers"] = steering.info()[0]["controllers"]
     print(f"device: {results['device']}  vLLM {results['vllm']}  reps={args.reps}")
     print(f"{'shape':>14} {'scenario':<22} {'tok/s':>9} {'ratio':>7} {'spread':>7} "
-          f"{'step ms':>8} {'step ratio':>10} {'paired':>15} {'host us/step':>13} "
+          f"{'step ms':>8} {'step ratio':>10} {'paired':>15} {'SM MHz':>7} {'cycles':>7} "
+          f"{'host us/step':>13} "
           f"{'us/request':>11}")
     summary = {}
     for shape, run in results["runs"].items():
@@ -373,6 +419,7 @@ def main() -> None:
             print(f"{shape:>14} {key:<22} {row['tok_s']:>9.1f} {row['ratio']:>7.4f} "
                   f"{row['spread']:>7.2%} {row['decode_step_ms']:>8.3f} "
                   f"{row['step_ratio']:>10.4f} {low:>7.4f}-{high:<7.4f} "
+                  f"{row['sm_mhz']:>7.0f} {row['cycle_ratio']:>7.4f} "
                   f"{_fmt(row['host_us_per_step']):>13} {_fmt(row['host_us_per_request']):>11}")
         print(f"{shape:>14} gate on for {run['gate_on_fraction']:.0%} of monitored tokens")
     if "events" in results:
