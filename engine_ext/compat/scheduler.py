@@ -5,10 +5,16 @@ at vLLM's decision points:
 
 * ``kv_cache_utils.generate_block_hash_extra_keys``: a block's extra hash key (steered blocks
   fork from unsteered ones);
-* ``KVCacheCoordinator.cache_blocks``: how many computed tokens may be cached now;
+* the KV-cache coordinator's ``cache_blocks`` (an instance attribute of each scheduler's
+  coordinator, set only while a request whose blocks are withheld is live, so plain and static
+  traffic pay nothing per request per step; on the instance, so a subclass's own
+  ``cache_blocks``, e.g. vLLM 0.26's hybrid coordinator, is covered too): how many computed
+  tokens may be cached now;
 * ``KVCacheManager.free``: a request's blocks leave (count what was withheld);
 * ``Scheduler.update_from_output``: the workers' report (:data:`REPORT_ATTR` on the step's
   ``ModelRunnerOutput``) advances requests' cacheable frontiers;
+* ``Scheduler.add_request`` / ``_free_request``: a request whose blocks are withheld arrives
+  and leaves (the coordinator hook above is set and removed);
 * ``Scheduler.schedule`` / ``_free_request``: waiting requests whose steering rows would not
   fit stay queued this step (:mod:`dynsteer.engine_ext.row_budget` decides), scheduled ones
   hold their rows until freed;
@@ -82,8 +88,6 @@ def install(hooks: SchedulerHooks) -> None:
 
     when_imported("vllm.v1.core.kv_cache_utils", lambda m: patch(
         m, "generate_block_hash_extra_keys", lambda original: _extra_keys(guard, original)))
-    when_imported("vllm.v1.core.kv_cache_coordinator", lambda m: patch(
-        m.KVCacheCoordinator, "cache_blocks", lambda original: _cache_blocks(guard, original)))
     when_imported("vllm.v1.core.kv_cache_manager", lambda m: patch(
         m.KVCacheManager, "free", lambda original: _free(guard, original)))
     def claims(request: Any) -> Any:
@@ -106,6 +110,7 @@ def install(hooks: SchedulerHooks) -> None:
         patch(m.Scheduler, "update_from_output",
               lambda original: _update_from_output(guard, original))
         patch(m.Scheduler, "schedule", lambda original: _schedule(budget, claims, original))
+        patch(m.Scheduler, "add_request", lambda original: _add_request(guard, original))
         patch(m.Scheduler, "_free_request", lambda original: _free_request(budget, original))
 
     when_imported("vllm.v1.core.sched.scheduler", patch_scheduler)
@@ -116,6 +121,7 @@ def install(hooks: SchedulerHooks) -> None:
 Guard = Callable[[Any], RequestGuard | None]
 _CLAIMS_ATTR = "_dynsteer_claims"
 _BUDGET_ATTR = "_dynsteer_row_budget"
+_WITHHOLDING_ATTR = "_dynsteer_withholding"
 _UNSET = object()
 
 
@@ -155,13 +161,58 @@ def _schedule(budget: Callable[[Any], RowBudget | None], claims: Callable[[Any],
     return schedule
 
 
+class _Withholding:
+    """The live requests of one scheduler whose blocks the guard withholds. While there is
+    one, the scheduler's KV-cache coordinator caches through the guard (its ``cache_blocks``,
+    called per scheduled request per step, is shadowed by an instance attribute); while there
+    is none, vLLM's own method runs, unwrapped."""
+
+    def __init__(self, coordinator: Any, guard: Guard) -> None:
+        self._coordinator = coordinator
+        self._guarded = _cache_blocks(guard, coordinator.cache_blocks)
+        self._ids: set[str] = set()
+
+    def add(self, req_id: str) -> None:
+        if not self._ids:
+            self._coordinator.cache_blocks = self._guarded
+        self._ids.add(req_id)
+
+    def discard(self, req_id: str) -> None:
+        if req_id in self._ids:
+            self._ids.remove(req_id)
+            if not self._ids:
+                del self._coordinator.cache_blocks
+
+
+def _withholding(scheduler: Any, guard: Guard) -> _Withholding:
+    found = getattr(scheduler, _WITHHOLDING_ATTR, None)
+    if found is None:
+        found = _Withholding(scheduler.kv_cache_manager.coordinator, guard)
+        setattr(scheduler, _WITHHOLDING_ATTR, found)
+    return found
+
+
+def _add_request(guard: Guard, original: Callable[..., Any]) -> Callable[..., Any]:
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        found = guard(request)
+        if found is not None and found.withhold:
+            _withholding(self, guard).add(request.request_id)
+        return original(self, request, *args, **kwargs)
+
+    return add_request
+
+
 def _free_request(budget: Callable[[Any], RowBudget | None],
                   original: Callable[..., Any]) -> Callable[..., Any]:
     def free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         rows = budget(self)
         if rows is not None:
             rows.release(request.request_id)
-        return original(self, request, *args, **kwargs)
+        result = original(self, request, *args, **kwargs)
+        withholding = getattr(self, _WITHHOLDING_ATTR, None)
+        if withholding is not None:  # after vLLM freed (and maybe cached) its blocks
+            withholding.discard(request.request_id)
+        return result
 
     return free_request
 
@@ -180,12 +231,14 @@ def _extra_keys(guard: Guard, original: Callable[..., Any]) -> Callable[..., Any
 
 
 def _cache_blocks(guard: Guard, original: Callable[..., Any]) -> Callable[..., Any]:
-    def cache_blocks(self: Any, request: Any, num_computed_tokens: int, *args: Any,
-                     **kwargs: Any) -> Any:
+    """A coordinator's bound ``cache_blocks`` that caches a withheld request's blocks only
+    up to its clean frontier."""
+
+    def cache_blocks(request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any) -> Any:
         found = guard(request)
         if found is not None and found.withhold:
             num_computed_tokens = found.cacheable(num_computed_tokens)
-        return original(self, request, num_computed_tokens, *args, **kwargs)
+        return original(request, num_computed_tokens, *args, **kwargs)
 
     return cache_blocks
 
