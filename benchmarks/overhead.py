@@ -174,8 +174,9 @@ class SmClock:
 
     At large batches an H100 decode step runs near the power limit, where the clock follows
     the power the data draws: two engines doing the same work on different values (a steered
-    residual) can differ by percents in step time. Step time x clock (cycles per step) is
-    the figure that clock changes do not move."""
+    residual) can differ by percents in step time. The clock is reported beside the step so
+    such a difference shows; cycles per step (step time x clock) over-corrects it, since the
+    memory-bound part of a step does not scale with the SM clock."""
 
     def __init__(self) -> None:
         import threading
@@ -407,13 +408,13 @@ def main() -> None:
     print(f"device: {results['device']}  vLLM {results['vllm']}  reps={args.reps}")
     print(f"{'shape':>14} {'scenario':<22} {'tok/s':>9} {'ratio':>7} {'spread':>7} "
           f"{'step ms':>8} {'step ratio':>10} {'paired':>15} {'SM MHz':>7} {'cycles':>7} "
-          f"{'host us/step':>13} "
-          f"{'us/request':>11}")
+          f"{'host us/step':>13} {'us/request':>11}")
     summary = {}
     for shape, run in results["runs"].items():
         for key in run["samples"]:
-            row = summarize(run, key, run["host_time"].get(key.split("/", 1)[1])
-                            if key.split("/", 1)[0] in steerings else None)
+            engine, scenario = key.split("/", 1)
+            row = summarize(run, key,
+                            run["host_time"].get(scenario) if engine in steerings else None)
             summary[f"{shape}/{key}"] = row
             low, high = row["paired_step_ratio_range"]
             print(f"{shape:>14} {key:<22} {row['tok_s']:>9.1f} {row['ratio']:>7.4f} "
