@@ -9,6 +9,11 @@ Scenarios, each request of a batch carrying its own spec:
 
 * ``idle``        the plugin engine without steering traffic;
 * ``registered``  every request steered by one registered vector at layer 16;
+* ``registered-null``  the same with the vector scaled by 1e-30: the same loads and adds, but
+                  every sum rounds back to the residual's bf16 value, so the engine computes
+                  stock's numbers. At batch 256 the H100 runs at its power limit and its clock
+                  follows the data (:class:`SmClock`); this run measures the steering's cost
+                  without that confound;
 * ``inline-32``   32 distinct inline vectors (JSON float lists), request i uses vector i % 32;
 * ``inline-32-b64``  the same vectors as base64 float32 (``vector_b64``, the fast form);
 * ``gated``       a registered probe at ``post_block@16`` gating a registered vector at layers
@@ -59,11 +64,14 @@ PREFILL = (2048, 16)
 MONITOR = 16
 GATED_LAYERS = list(range(16, 24))
 DISTINCT = 32
-SCENARIOS = ["idle", "registered", "inline-32", "inline-32-b64", "gated", "gates-32", "latch",
-             "python", "events", "ablate"]
+SCENARIOS = ["idle", "registered", "registered-null", "inline-32", "inline-32-b64", "gated",
+             "gates-32", "latch", "python", "events", "ablate"]
 OWN_ENGINE = {"events": "events", "ablate": "projecting"}
 """Scenarios that run on an engine of their own (others run on ``plugin``)."""
 EVENTS_ADDRESS = "tcp://127.0.0.1:5599"
+NULL_SCALE = 1e-30
+"""The ``registered-null`` vector's scale: far below half a bf16 ulp of any residual value the
+model makes, far above float32's smallest normal number."""
 
 
 
@@ -97,6 +105,7 @@ class Specs:
         self.by_scenario: dict[str, list[Any]] = {
             "idle": [None],
             "registered": [{"steer": [{"vector": "bench", "layers": [MONITOR]}]}],
+            "registered-null": [{"steer": [{"vector": "null", "layers": [MONITOR]}]}],
             "inline-32": [{"steer": [{"vector": v.tolist(), "layers": [MONITOR]}]}
                           for v in vectors],
             "inline-32-b64": [{"steer": [{"vector_b64": encode_f32(v), "layers": [MONITOR]}]}
@@ -347,11 +356,13 @@ def main() -> None:
         steering = steerings[primary]
         vector = np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32) * 0.01
         steering.register_vector("bench", vector)
+        steering.register_vector("null", vector * NULL_SCALE)
         bench = calibrate_gate(engines[primary], steering)
         specs = Specs(bench["threshold"])
         for name, other in steerings.items():
             if name != primary:
                 other.register_vector("bench", vector)
+                other.register_vector("null", vector * NULL_SCALE)
                 other.register_probe("bench", **bench)
         results: dict[str, Any] = {"device": torch.cuda.get_device_name(),
                                    "vllm": vllm.__version__, "startup_s": startup,

@@ -1,14 +1,22 @@
-"""GPU cost of one steering site inside a compiled layer stack, by how the site is written.
+"""GPU cost of the steering sites inside a compiled layer stack, by how a site is written.
 
 A stack of 32 "layers" (``x = rmsnorm(x + h) * w``, bf16, the part of a decoder layer a
-``post_block`` site sits in), compiled by Inductor and replayed as one CUDA graph, with no
-steered token (every token on row 0, the serving default). Variants of the site:
+``post_block`` site sits in), each with its own site tables as in the worker (``table`` /
+``dyn`` / ``flags`` per site), compiled by Inductor and replayed as one CUDA graph. Variants of
+the site:
 
-* ``none``     no site (stock);
-* ``op``       the ``dynsteer::steer`` op (the Triton kernel) before each norm;
-* ``gather``   the add written as plain row gathers (``table[row]``), fused into the norm;
-* ``fused``    :func:`dynsteer.engine_ext.worker.ops.steer_add`: the same add with row 0 read
-               as padding, so that unsteered tokens load no row (Inductor masks the load).
+* ``none``      no site (stock);
+* ``op``        the ``dynsteer::steer`` op (the Triton kernel) before each norm;
+* ``gather``    the add written as plain row gathers (``table[row]``), fused into the norm;
+* ``unmasked``  row 0 read as padding, so that unsteered tokens load no row, but a steered
+                token loads both of its row's tiers at every site (the form before the flags
+                mask);
+* ``fused``     :func:`dynsteer.engine_ext.worker.ops.steer_add`: a steered token loads only
+                the tiers its row's ``flags`` name at that site.
+
+Two kinds of traffic: ``idle`` (every token on row 0, the serving default) and ``registered``
+(every token on one row with a static vector at layer 16 only, what ``overhead.py``'s
+``registered`` scenario sends).
 
 Prints microseconds per stack (median of repeated graph replays) and the ratio to ``none``
 for 1, 32, 256 and 2048 tokens; writes ``site_cost.json``.
@@ -25,8 +33,10 @@ from pathlib import Path
 
 LAYERS = 32
 HIDDEN = 4096
+STEERED_LAYER = 16
 TOKENS = (1, 32, 256, 2048)
-VARIANTS = ("none", "op", "gather", "fused")
+VARIANTS = ("none", "op", "gather", "unmasked", "fused")
+TRAFFIC = ("idle", "registered")
 
 
 def main() -> None:
@@ -39,35 +49,46 @@ def main() -> None:
 
     device = torch.device("cuda")
     rows, max_tokens = 65, max(TOKENS)
-    buffers = ops.SteerBuffers(
-        index=torch.zeros(ops.INDEX_ROWS, max_tokens, dtype=torch.int32, device=device),
-        gate_score=torch.zeros(2, max_tokens, device=device),
-        table=torch.zeros(rows, HIDDEN, device=device),
-        dyn=torch.zeros(rows, HIDDEN, device=device),
-        flags=torch.zeros(rows, dtype=torch.int32, device=device),
-        probes=torch.zeros(2, HIDDEN, device=device), params=torch.zeros(2, 3, device=device),
-        capture=torch.zeros(1, 2, HIDDEN, device=device),
-        site_lane=torch.full((LAYERS,), -1, dtype=torch.int32, device=device),
-        control=torch.zeros(1, ops.CTL_COLS, device=device))
+    zeros = torch.zeros
+    index = zeros(ops.INDEX_ROWS, max_tokens, dtype=torch.int32, device=device)
+    gate_score = zeros(2, max_tokens, device=device)
+    table = zeros(LAYERS, rows, HIDDEN, device=device)
+    dyn = zeros(LAYERS, rows, HIDDEN, device=device)
+    flags = zeros(LAYERS, rows, dtype=torch.int32, device=device)
+    table[STEERED_LAYER, 1] = torch.randn(HIDDEN, device=device) * 0.01
+    flags[STEERED_LAYER, 1] = ops.STATIC_FLAG
+    shared = {
+        "probes": zeros(2, HIDDEN, device=device), "params": zeros(2, 3, device=device),
+        "capture": zeros(1, 2, HIDDEN, device=device),
+        "site_lane": torch.full((LAYERS,), -1, dtype=torch.int32, device=device),
+        "control": zeros(1, ops.CTL_COLS, device=device),
+        "proj_dir": zeros(rows, 0, HIDDEN, device=device),
+        "proj_par": zeros(rows, 0, ops.PROJ_PARAMS, device=device),
+        "proj_gram": zeros(rows, 0, 0, device=device)}
+    site_buffers = [ops.SteerBuffers(index=index, gate_score=gate_score, table=table[layer],
+                                     dyn=dyn[layer], flags=flags[layer], **shared)
+                    for layer in range(LAYERS)]
     weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
 
-    def gather_add(x: torch.Tensor) -> torch.Tensor:
+    def gather_add(x: torch.Tensor, b: ops.SteerBuffers, padded: bool) -> torch.Tensor:
         n = x.shape[0]
-        r = buffers.index[ops.INDEX_ROW, :n].to(torch.long)
-        g = buffers.gate_score[ops.GATE, :n, None]
+        r = b.index[ops.INDEX_ROW, :n].to(torch.long)
+        g = b.gate_score[ops.GATE, :n, None]
         x32 = x.float()
-        y = x32 + buffers.table[r] + g * buffers.dyn[r]
+        read = ops._row_of if padded else (lambda t, i: t[i])
+        y = x32 + read(b.table, r) + g * read(b.dyn, r)
         y = torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32)
         return y.to(x.dtype)
 
     def site(variant: str, x: torch.Tensor, layer: int) -> torch.Tensor:
+        b = site_buffers[layer]
         if variant == "op":
-            return torch.ops.dynsteer.steer(x, None, *buffers, layer)
+            return torch.ops.dynsteer.steer(x, None, *b, layer)
         if variant == "fused":
-            return ops.steer_add(x, buffers.index, buffers.gate_score, buffers.table,
-                                 buffers.dyn)
-        if variant == "gather":
-            return gather_add(x)
+            return ops.steer_add(x, None, b.index, b.gate_score, b.table, b.dyn, b.flags,
+                                 b.proj_dir, b.proj_par, b.proj_gram)
+        if variant in ("gather", "unmasked"):
+            return gather_add(x, b, padded=variant == "unmasked")
         return x
 
     def stack(variant: str):
@@ -79,36 +100,47 @@ def main() -> None:
             return x + h
         return torch.compile(forward, fullgraph=True)
 
-    results: dict[str, dict[str, float]] = {}
+    def graph_of(fn, x: torch.Tensor, h: torch.Tensor) -> torch.cuda.CUDAGraph:
+        for _ in range(3):
+            fn(x, h)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(x, h)
+        return graph
+
+    def replay_us(graph: torch.cuda.CUDAGraph) -> float:
+        times = []
+        for _ in range(30):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            for _ in range(20):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / 20)
+        return statistics.median(times)
+
+    results: dict[str, dict[str, dict[str, float]]] = {}
     for tokens in TOKENS:
         x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=device)
         h = torch.randn_like(x)
         for variant in VARIANTS:
-            fn = stack(variant)
-            for _ in range(3):
-                fn(x, h)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn(x, h)
-            times = []
-            for _ in range(30):
-                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                start.record()
-                for _ in range(20):
-                    graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / 20)
-            results.setdefault(str(tokens), {})[variant] = statistics.median(times)
+            graph = graph_of(stack(variant), x, h)
+            for traffic in TRAFFIC:  # the same graph: only the index it reads changes
+                index[ops.INDEX_ROW] = int(traffic == "registered")
+                us = replay_us(graph)
+                results.setdefault(traffic, {}).setdefault(str(tokens), {})[variant] = us
             torch._dynamo.reset()
-    print(f"{'tokens':>7} " + " ".join(f"{v + ' us':>10} {'ratio':>7}" for v in VARIANTS))
-    for tokens, row in results.items():
-        print(f"{tokens:>7} " + " ".join(f"{row[v]:>10.1f} {row[v] / row['none']:>7.4f}"
-                                         for v in VARIANTS))
+    for traffic, by_tokens in results.items():
+        print(f"\n{traffic}\n{'tokens':>7} "
+              + " ".join(f"{v + ' us':>12} {'ratio':>7}" for v in VARIANTS))
+        for tokens, row in by_tokens.items():
+            print(f"{tokens:>7} " + " ".join(f"{row[v]:>12.1f} {row[v] / row['none']:>7.4f}"
+                                             for v in VARIANTS))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "site_cost.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "layers": LAYERS, "hidden": HIDDEN,
-         "us_per_stack": results}, indent=2))
+         "steered_layer": STEERED_LAYER, "us_per_stack": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -295,10 +295,16 @@ def test_compiled_graph_reads_buffers_in_place():
 def test_steer_add_matches_float64(tokens, hidden, dtype, device):
     """A site without monitor (:func:`ops.steer_add`): both tiers with the gate earlier sites
     wrote, eager and compiled, against float64; an element the steering would push past the
-    stream limit (or to NaN) keeps its value."""
+    stream limit (or to NaN) keeps its value; a tier or projection slots the row's flags do
+    not name are not read (they hold junk here, which the reference leaves out)."""
     x, h, b = make_inputs(tokens, hidden, dtype, seed=tokens + hidden)
     b.table[3, 0] = float("inf")
     b.table[4, 1] = 2 * ops.stream_limit(dtype)
+    junk = b._replace(table=b.table.clone(), dyn=b.dyn.clone(), proj_dir=b.proj_dir.clone(),
+                      proj_par=b.proj_par.clone())
+    junk.dyn[1] = 7.0  # row 1 is static only
+    junk.table[2] = 7.0  # row 2 is dynamic only
+    junk.proj_dir[1], junk.proj_par[1] = b.proj_dir[2], 1.0  # row 1 has no projection slots
     rows = b.index[ops.INDEX_ROW, :tokens].long()
     gate = b.gate_score[ops.GATE, :tokens, None].double()
     want = x.double() + b.table[rows].double() + gate * b.dyn[rows].double()
@@ -307,9 +313,9 @@ def test_steer_add_matches_float64(tokens, hidden, dtype, device):
                                         int(rows[t]), b)
     over = ~(want.abs() <= ops.stream_limit(dtype))
     want[over] = x.double()[over]
-    xd, hd, bd = on(device, x, h, b)
-    args = (xd, hd, bd.index, bd.gate_score, bd.table, bd.dyn, bd.proj_dir, bd.proj_par,
-            bd.proj_gram)
+    xd, hd, bd = on(device, x, h, junk)
+    args = (xd, hd, bd.index, bd.gate_score, bd.table, bd.dyn, bd.flags, bd.proj_dir,
+            bd.proj_par, bd.proj_gram)
     compiled = torch.compile(ops.steer_add, fullgraph=True, dynamic=True)
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 0.1}
     for out in (ops.steer_add(*args), compiled(*args)):

@@ -54,7 +54,7 @@ class SiteOp(nn.Module):
         The per-token buffers go in whole: the op reads their first ``x.shape[0]`` columns."""
         if not self.monitor and x.is_cuda:
             return steer_add(x, h, self.index, self.gate_score, self.table, self.dyn,
-                             self.proj_dir, self.proj_par, self.proj_gram)
+                             self.flags, self.proj_dir, self.proj_par, self.proj_gram)
         buffers = [getattr(self, name) for name in SteerBuffers._fields]
         return torch.ops.dynsteer.steer(x, h, *buffers, self.position)
 
