@@ -9,10 +9,12 @@ the site:
 * ``op``        the ``dynsteer::steer`` op (the Triton kernel) before each norm;
 * ``gather``    the add written as plain row gathers (``table[row]``), fused into the norm;
 * ``unmasked``  row 0 read as padding, so that unsteered tokens load no row, but a steered
-                token loads both of its row's tiers at every site (the form before the flags
-                mask);
-* ``fused``     :func:`dynsteer.engine_ext.worker.ops.steer_add`: a steered token loads only
-                the tiers its row's ``flags`` name at that site.
+                token loads both of its row's tiers at every site (the form up to session 11);
+* ``fused``     :func:`dynsteer.engine_ext.worker.ops.steer_add`: each token's row and the
+                row's flags at the site come from the per-site index
+                (:func:`~dynsteer.engine_ext.worker.ops.fill_site_rows`, run between replays
+                as the worker runs it between steps), so a steered token loads only the tiers
+                its row uses at that site.
 
 Two kinds of traffic: ``idle`` (every token on row 0, the serving default) and ``registered``
 (every token on one row with a static vector at layer 16 only, what ``overhead.py``'s
@@ -21,7 +23,7 @@ Two kinds of traffic: ``idle`` (every token on row 0, the serving default) and `
 Prints microseconds per stack (median of repeated graph replays) and the ratio to ``none``
 for 1, 32, 256 and 2048 tokens; writes ``site_cost.json``.
 
-Usage: python benchmarks/site_cost.py --out DIR
+Usage: python benchmarks/site_cost.py --out DIR [--variants unmasked fused]
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ TRAFFIC = ("idle", "registered")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = parser.parse_args()
+    variants = ["none", *(v for v in args.variants if v != "none")]
     import torch
 
     from dynsteer.engine_ext.worker import ops
@@ -55,6 +59,7 @@ def main() -> None:
     table = zeros(LAYERS, rows, HIDDEN, device=device)
     dyn = zeros(LAYERS, rows, HIDDEN, device=device)
     flags = zeros(LAYERS, rows, dtype=torch.int32, device=device)
+    site_rows = zeros(LAYERS, max_tokens, dtype=torch.int32, device=device)
     table[STEERED_LAYER, 1] = torch.randn(HIDDEN, device=device) * 0.01
     flags[STEERED_LAYER, 1] = ops.STATIC_FLAG
     shared = {
@@ -85,7 +90,7 @@ def main() -> None:
         if variant == "op":
             return torch.ops.dynsteer.steer(x, None, *b, layer)
         if variant == "fused":
-            return ops.steer_add(x, None, b.index, b.gate_score, b.table, b.dyn, b.flags,
+            return ops.steer_add(x, None, site_rows[layer], b.gate_score, b.table, b.dyn,
                                  b.proj_dir, b.proj_par, b.proj_gram)
         if variant in ("gather", "unmasked"):
             return gather_add(x, b, padded=variant == "unmasked")
@@ -124,19 +129,20 @@ def main() -> None:
     for tokens in TOKENS:
         x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=device)
         h = torch.randn_like(x)
-        for variant in VARIANTS:
+        for variant in variants:
             graph = graph_of(stack(variant), x, h)
             for traffic in TRAFFIC:  # the same graph: only the index it reads changes
                 index[ops.INDEX_ROW] = int(traffic == "registered")
+                ops.fill_site_rows(index, flags, site_rows)
                 us = replay_us(graph)
                 results.setdefault(traffic, {}).setdefault(str(tokens), {})[variant] = us
             torch._dynamo.reset()
     for traffic, by_tokens in results.items():
         print(f"\n{traffic}\n{'tokens':>7} "
-              + " ".join(f"{v + ' us':>12} {'ratio':>7}" for v in VARIANTS))
+              + " ".join(f"{v + ' us':>12} {'ratio':>7}" for v in variants))
         for tokens, row in by_tokens.items():
             print(f"{tokens:>7} " + " ".join(f"{row[v]:>12.1f} {row[v] / row['none']:>7.4f}"
-                                             for v in VARIANTS))
+                                             for v in variants))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "site_cost.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "layers": LAYERS, "hidden": HIDDEN,

@@ -93,6 +93,13 @@ def projection_reference(stream: torch.Tensor, gate: float, r: int, b: ops.Steer
     return z - stream.double()
 
 
+def site_rows_of(b: ops.SteerBuffers) -> torch.Tensor:
+    """The per-site index of one site (``b.flags``) over ``b.index``'s width, ``[1, width]``."""
+    out = torch.empty(1, b.index.shape[1], dtype=torch.int32, device=b.index.device)
+    ops.fill_site_rows(b.index, b.flags[None], out)
+    return out
+
+
 def on(device: str, x, h, b: ops.SteerBuffers):
     """The same inputs on ``device`` (copies on another device)."""
     return (x.to(device), None if h is None else h.to(device),
@@ -266,8 +273,9 @@ def test_compiled_graph_reads_buffers_in_place():
     rows, probe_rows, capture_rows = (b.index[i] for i in (ops.INDEX_ROW, ops.INDEX_PROBE,
                                                            ops.INDEX_CAPTURE))
     capture, dyn, probes, params = b.capture, b.dyn, b.probes, b.params
-    first, second = SiteOp(SiteBuffers(SITE, True, b)), SiteOp(SiteBuffers(SITE + 1, True, b))
-    fused = SiteOp(SiteBuffers(SITE - 1, False, b))  # no probe monitors here, no lane
+    site_rows = torch.zeros(b.index.shape[1], dtype=torch.int32)
+    first, second = (SiteOp(SiteBuffers(s, True, site_rows, b)) for s in (SITE, SITE + 1))
+    fused = SiteOp(SiteBuffers(SITE - 1, False, site_rows, b))  # no probe monitors, no lane
 
     @torch.compile(fullgraph=True, dynamic=True)
     def f(x, h):
@@ -278,6 +286,7 @@ def test_compiled_graph_reads_buffers_in_place():
     assert (capture == SENTINEL).all()
     rows[1] = 2  # dynamic-only row: only the gate decides
     probe_rows[1] = 1
+    ops.fill_site_rows(b.index, b.flags[None], site_rows[None])  # what the worker does
     out = f(x, h)
     s = ((x[1] + h[1]) * probes[1]).sum()
     g = torch.sigmoid(params[1, 1] * (s - params[1, 0]))
@@ -287,6 +296,25 @@ def test_compiled_graph_reads_buffers_in_place():
     out = f(x, h)
     torch.testing.assert_close(capture[LANE, 4], x[3] + h[3])
     torch.testing.assert_close(capture[0, 4], out[3])  # site SITE + 1 has lane 0; no steering
+
+
+@pytest.mark.parametrize("width", [1, 37, 3000])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fill_site_rows(width, device):
+    """The per-site index, element by element: each token's row and that row's flags at the
+    site, 0 where the row has none there (row 0 included); every column of the width."""
+    g = torch.Generator().manual_seed(width)
+    sites, rows_n = 5, 9
+    flags = torch.randint(0, 8, (sites, rows_n), generator=g, dtype=torch.int32)
+    flags[:, 0] = 0
+    flags[1] = 0  # a site no row steers
+    index = torch.randint(0, rows_n, (ops.INDEX_ROWS, width), generator=g, dtype=torch.int32)
+    out = torch.full((sites, width), -7, dtype=torch.int32, device=device)
+    ops.fill_site_rows(index.to(device), flags.to(device), out)
+    got, rows, flag_rows = out.tolist(), index[ops.INDEX_ROW].tolist(), flags.tolist()
+    for s in range(sites):
+        want = [r | flag_rows[s][r] << ops.SITE_ROW_BITS if flag_rows[s][r] else 0 for r in rows]
+        assert got[s] == want, s
 
 
 @pytest.mark.parametrize(("tokens", "hidden"), [(1, 64), (33, 2048), (1024, 4096)])
@@ -314,8 +342,9 @@ def test_steer_add_matches_float64(tokens, hidden, dtype, device):
     over = ~(want.abs() <= ops.stream_limit(dtype))
     want[over] = x.double()[over]
     xd, hd, bd = on(device, x, h, junk)
-    args = (xd, hd, bd.index, bd.gate_score, bd.table, bd.dyn, bd.flags, bd.proj_dir,
-            bd.proj_par, bd.proj_gram)
+    site_rows = site_rows_of(bd)
+    args = (xd, hd, site_rows[0], bd.gate_score, bd.table, bd.dyn, bd.proj_dir, bd.proj_par,
+            bd.proj_gram)
     compiled = torch.compile(ops.steer_add, fullgraph=True, dynamic=True)
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 0.1}
     for out in (ops.steer_add(*args), compiled(*args)):
