@@ -10,11 +10,10 @@ the site:
 * ``gather``    the add written as plain row gathers (``table[row]``), fused into the norm;
 * ``unmasked``  row 0 read as padding, so that unsteered tokens load no row, but a steered
                 token loads both of its row's tiers at every site (the form up to session 11);
-* ``fused``     :func:`dynsteer.engine_ext.worker.ops.steer_add`: each token's row and the
-                row's flags at the site come from the per-site index
-                (:func:`~dynsteer.engine_ext.worker.ops.fill_site_rows`, run between replays
-                as the worker runs it between steps), so a steered token loads only the tiers
-                its row uses at that site.
+* ``fused``     :func:`dynsteer.engine_ext.worker.ops.steer_add`: each token's row comes from
+                the per-site index (:func:`~dynsteer.engine_ext.worker.ops.fill_site_rows`,
+                run between replays as the worker runs it between steps), 0 where the row
+                does not steer, so a steered token loads rows only where its row steers.
 
 Two kinds of traffic: ``idle`` (every token on row 0, the serving default) and ``registered``
 (every token on one row with a static vector at layer 16 only, what ``overhead.py``'s

@@ -44,7 +44,7 @@ from dynsteer.engine_ext.worker import ops, sites
 
 
 def _rows(site_rows: torch.Tensor, n: int) -> torch.Tensor:
-    return site_rows[:n].to(torch.long) & ops.SITE_ROW_MASK
+    return site_rows[:n].to(torch.long)
 
 
 def _no_guard(x, h, site_rows, gate_score, table, dyn, *_):

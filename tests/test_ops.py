@@ -301,8 +301,8 @@ def test_compiled_graph_reads_buffers_in_place():
 @pytest.mark.parametrize("width", [1, 37, 3000])
 @pytest.mark.parametrize("device", DEVICES)
 def test_fill_site_rows(width, device):
-    """The per-site index, element by element: each token's row and that row's flags at the
-    site, 0 where the row has none there (row 0 included); every column of the width."""
+    """The per-site index, element by element: each token's row where that row has flags at
+    the site, else 0 (row 0 included); every column of the width."""
     g = torch.Generator().manual_seed(width)
     sites, rows_n = 5, 9
     flags = torch.randint(0, 8, (sites, rows_n), generator=g, dtype=torch.int32)
@@ -313,7 +313,7 @@ def test_fill_site_rows(width, device):
     ops.fill_site_rows(index.to(device), flags.to(device), out)
     got, rows, flag_rows = out.tolist(), index[ops.INDEX_ROW].tolist(), flags.tolist()
     for s in range(sites):
-        want = [r | flag_rows[s][r] << ops.SITE_ROW_BITS if flag_rows[s][r] else 0 for r in rows]
+        want = [r if flag_rows[s][r] else 0 for r in rows]
         assert got[s] == want, s
 
 
@@ -323,16 +323,15 @@ def test_fill_site_rows(width, device):
 def test_steer_add_matches_float64(tokens, hidden, dtype, device):
     """A site without monitor (:func:`ops.steer_add`): both tiers with the gate earlier sites
     wrote, eager and compiled, against float64; an element the steering would push past the
-    stream limit (or to NaN) keeps its value; a tier or projection slots the row's flags do
-    not name are not read (they hold junk here, which the reference leaves out)."""
+    stream limit (or to NaN) keeps its value; a row without flags at the site is not read (it
+    holds junk here, which the reference leaves out)."""
     x, h, b = make_inputs(tokens, hidden, dtype, seed=tokens + hidden)
     b.table[3, 0] = float("inf")
     b.table[4, 1] = 2 * ops.stream_limit(dtype)
-    junk = b._replace(table=b.table.clone(), dyn=b.dyn.clone(), proj_dir=b.proj_dir.clone(),
-                      proj_par=b.proj_par.clone())
-    junk.dyn[1] = 7.0  # row 1 is static only
-    junk.table[2] = 7.0  # row 2 is dynamic only
-    junk.proj_dir[1], junk.proj_par[1] = b.proj_dir[2], 1.0  # row 1 has no projection slots
+    junk = b._replace(table=b.table.clone(), dyn=b.dyn.clone(), proj_par=b.proj_par.clone())
+    junk.table[1], junk.dyn[1], junk.proj_par[1] = 7.0, 7.0, 1.0
+    b.table[1] = 0  # what row 1 adds here: nothing
+    b.flags[1] = 0
     rows = b.index[ops.INDEX_ROW, :tokens].long()
     gate = b.gate_score[ops.GATE, :tokens, None].double()
     want = x.double() + b.table[rows].double() + gate * b.dyn[rows].double()

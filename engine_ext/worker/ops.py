@@ -62,8 +62,8 @@ consumer) has no bfloat16. Tokens that are not captured cost one int load.
 A site that is not a monitor site (no probe reads it, nothing is captured there) needs only
 the last two lines; :func:`steer_add` computes them with tensor ops the compiler fuses into
 the kernels around the site, so such a site launches no kernel of its own. It reads each
-token's row and the row's flags there from the per-site index ``site_rows[S, T]``
-(:func:`fill_site_rows`, refreshed between steps), not from ``index`` and ``flags``.
+token's row from the per-site index ``site_rows[S, T]`` (:func:`fill_site_rows`, refreshed
+between steps: 0 where the token's row does not steer at that site), not from ``index``.
 
 ``control[K, CTL_COLS]`` holds the state of per-request controllers (one row per runner slot,
 see :mod:`dynsteer.controller.controllers`): the monitor applies a row's floor and scale; after
@@ -116,10 +116,6 @@ KIND_LATCH, KIND_HYSTERESIS, KIND_PROPORTIONAL, KIND_BUDGET = 1, 2, 3, 4
 """The built-in controllers' kinds (:mod:`dynsteer.controller.controllers`)."""
 GATE, SCORE = 0, 1
 """Rows of ``gate_score``."""
-SITE_ROW_BITS = 24
-SITE_ROW_MASK = (1 << SITE_ROW_BITS) - 1
-"""An entry of the per-site index (:func:`fill_site_rows`): the row in the low bits, the row's
-flags at the site above them (rows are at most ``max_rows + 1``, far below ``2**24``)."""
 
 
 class SteerBuffers(NamedTuple):
@@ -235,28 +231,19 @@ def steer_add(x: torch.Tensor, h: torch.Tensor | None, site_rows: torch.Tensor,
     forward. Projection slots are traced only when the engine has them (``max_projections``).
 
     ``site_rows`` is this site's row of the per-site index (:func:`fill_site_rows`): each
-    token's row with that row's flags here, 0 where the row does not steer here. A token reads
-    only the tiers (and projection slots) its flags name; every other read is of row 0, which
-    loads nothing. So a request steered at one layer costs every other site one index load
-    per token, as an unsteered one does, and a static row never loads its gated tier."""
+    token's row where that row steers here, else 0, which loads nothing. So a request steered
+    at one layer costs every other site one index load per token, as an unsteered one does.
+    A row's unused tier at a site it steers is zero, so reading it adds exactly nothing."""
     n = x.shape[0]
-    packed = site_rows[:n].to(torch.long)
-    rows, flags = packed & SITE_ROW_MASK, packed >> SITE_ROW_BITS
+    rows = site_rows[:n].to(torch.long)
     gate = gate_score[GATE, :n]
     x32 = x.to(torch.float32)
-    delta = (_row_of(table, _rows_using(rows, flags, STATIC_FLAG))
-             + gate[:, None] * _row_of(dyn, _rows_using(rows, flags, DYNAMIC_FLAG)))
+    delta = _row_of(table, rows) + gate[:, None] * _row_of(dyn, rows)
     if proj_dir.shape[1]:  # max_projections > 0: fixed when the graph is traced
         stream = x32 if h is None else x32 + h.to(torch.float32)
-        delta = delta + projection_change(stream, gate, _rows_using(rows, flags, PROJECT_FLAG),
-                                          proj_dir, proj_par, proj_gram, _row_of)
+        delta = delta + projection_change(stream, gate, rows, proj_dir, proj_par, proj_gram,
+                                          _row_of)
     return (x32 + _within_limit(x32, delta, x.dtype)).to(x.dtype)
-
-
-def _rows_using(rows: torch.Tensor, flags: torch.Tensor, flag: int) -> torch.Tensor:
-    """``rows`` where the tokens' ``flags`` have ``flag``, else 0 (exact: a tier a row does not
-    use is zero at that site, and so is row 0)."""
-    return torch.where((flags & flag) != 0, rows, 0)
 
 
 def fill_site_rows(index: torch.Tensor, flags: torch.Tensor, site_rows: torch.Tensor) -> None:
@@ -264,22 +251,21 @@ def fill_site_rows(index: torch.Tensor, flags: torch.Tensor, site_rows: torch.Te
     the buffers' whole width::
 
         r = index[INDEX_ROW, t]
-        site_rows[s, t] = r | flags[s, r] << SITE_ROW_BITS    (0 where flags[s, r] is 0)
+        site_rows[s, t] = r if flags[s, r] else 0
 
-    Run outside the graph, on the step's stream, whenever the index or a row's flags changed:
-    the dependent load of a row's flags then happens once per step and not at every site,
-    where it put a second memory round trip in front of the row loads (a 32-layer stack of
-    fused sites took 2.5x as long at one token on an H100; ``experiments/site_forms.py``).
-    CUDA runs one Triton kernel with fixed arguments (the worker replays it as a CUDA graph)."""
+    Run outside the graph, on the step's stream, whenever the index or a row's flags changed,
+    so the fused sites read a row index exactly as they read the token index (one load, used
+    as is); a row's flags read at every site put a second dependent load in front of the row
+    loads (a 32-layer stack of fused sites took 2.5x as long at one token on an H100;
+    ``experiments/site_forms.py``). CUDA runs one Triton kernel with fixed arguments (the
+    worker replays it as a CUDA graph)."""
     if site_rows.is_cuda:
         from .triton_kernels import fill_site_rows_triton
 
         fill_site_rows_triton(index, flags, site_rows)
         return
     rows = index[INDEX_ROW].to(torch.long)
-    row_flags = flags[:, rows]
-    site_rows.copy_(torch.where(row_flags != 0,
-                                rows.to(torch.int32) | (row_flags << SITE_ROW_BITS), 0))
+    site_rows.copy_(torch.where(flags[:, rows] != 0, rows.to(torch.int32), 0))
 
 
 def _within_limit(x32: torch.Tensor, delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -47,7 +47,6 @@ KIND_PROPORTIONAL = tl.constexpr(ops.KIND_PROPORTIONAL)
 KIND_BUDGET = tl.constexpr(ops.KIND_BUDGET)
 GATE = tl.constexpr(ops.GATE)
 SCORE = tl.constexpr(ops.SCORE)
-SITE_ROW_BITS = tl.constexpr(ops.SITE_ROW_BITS)
 
 
 @triton.jit
@@ -263,8 +262,7 @@ def _site_rows_kernel(index_ptr, flags_ptr, out_ptr, width, index_stride, flags_
     live = offs < width
     row = tl.load(index_ptr + INDEX_ROW * index_stride + offs, mask=live, other=0)
     flags = tl.load(flags_ptr + site * flags_stride + row, mask=live, other=0)
-    packed = tl.where(flags != 0, row | (flags << SITE_ROW_BITS), 0)
-    tl.store(out_ptr + site * out_stride + offs, packed, mask=live)
+    tl.store(out_ptr + site * out_stride + offs, tl.where(flags != 0, row, 0), mask=live)
 
 
 SITE_ROWS_BLOCK = 1024
