@@ -58,7 +58,7 @@ def main() -> None:
     table = zeros(LAYERS, rows, HIDDEN, device=device)
     dyn = zeros(LAYERS, rows, HIDDEN, device=device)
     flags = zeros(LAYERS, rows, dtype=torch.int32, device=device)
-    site_rows = zeros(LAYERS, max_tokens, dtype=torch.int32, device=device)
+    site_rows = zeros(max_tokens, LAYERS, dtype=torch.int32, device=device)
     table[STEERED_LAYER, 1] = torch.randn(HIDDEN, device=device) * 0.01
     flags[STEERED_LAYER, 1] = ops.STATIC_FLAG
     shared = {
@@ -89,7 +89,7 @@ def main() -> None:
         if variant == "op":
             return torch.ops.dynsteer.steer(x, None, *b, layer)
         if variant == "fused":
-            return ops.steer_add(x, None, site_rows[layer], b.gate_score, b.table, b.dyn,
+            return ops.steer_add(x, None, site_rows[:, layer], b.gate_score, b.table, b.dyn,
                                  b.proj_dir, b.proj_par, b.proj_gram)
         if variant in ("gather", "unmasked"):
             return gather_add(x, b, padded=variant == "unmasked")

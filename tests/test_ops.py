@@ -94,8 +94,8 @@ def projection_reference(stream: torch.Tensor, gate: float, r: int, b: ops.Steer
 
 
 def site_rows_of(b: ops.SteerBuffers) -> torch.Tensor:
-    """The per-site index of one site (``b.flags``) over ``b.index``'s width, ``[1, width]``."""
-    out = torch.empty(1, b.index.shape[1], dtype=torch.int32, device=b.index.device)
+    """The per-site index of one site (``b.flags``) over ``b.index``'s width, ``[width, 1]``."""
+    out = torch.empty(b.index.shape[1], 1, dtype=torch.int32, device=b.index.device)
     ops.fill_site_rows(b.index, b.flags[None], out)
     return out
 
@@ -286,7 +286,7 @@ def test_compiled_graph_reads_buffers_in_place():
     assert (capture == SENTINEL).all()
     rows[1] = 2  # dynamic-only row: only the gate decides
     probe_rows[1] = 1
-    ops.fill_site_rows(b.index, b.flags[None], site_rows[None])  # what the worker does
+    ops.fill_site_rows(b.index, b.flags[None], site_rows[:, None])  # what the worker does
     out = f(x, h)
     s = ((x[1] + h[1]) * probes[1]).sum()
     g = torch.sigmoid(params[1, 1] * (s - params[1, 0]))
@@ -309,9 +309,9 @@ def test_fill_site_rows(width, device):
     flags[:, 0] = 0
     flags[1] = 0  # a site no row steers
     index = torch.randint(0, rows_n, (ops.INDEX_ROWS, width), generator=g, dtype=torch.int32)
-    out = torch.full((sites, width), -7, dtype=torch.int32, device=device)
+    out = torch.full((width, sites), -7, dtype=torch.int32, device=device)
     ops.fill_site_rows(index.to(device), flags.to(device), out)
-    got, rows, flag_rows = out.tolist(), index[ops.INDEX_ROW].tolist(), flags.tolist()
+    got, rows, flag_rows = out.T.tolist(), index[ops.INDEX_ROW].tolist(), flags.tolist()
     for s in range(sites):
         want = [r if flag_rows[s][r] else 0 for r in rows]
         assert got[s] == want, s
@@ -342,7 +342,7 @@ def test_steer_add_matches_float64(tokens, hidden, dtype, device):
     want[over] = x.double()[over]
     xd, hd, bd = on(device, x, h, junk)
     site_rows = site_rows_of(bd)
-    args = (xd, hd, site_rows[0], bd.gate_score, bd.table, bd.dyn, bd.proj_dir, bd.proj_par,
+    args = (xd, hd, site_rows[:, 0], bd.gate_score, bd.table, bd.dyn, bd.proj_dir, bd.proj_par,
             bd.proj_gram)
     compiled = torch.compile(ops.steer_add, fullgraph=True, dynamic=True)
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 0.1}

@@ -359,7 +359,7 @@ def test_the_per_site_index_follows_the_index_and_row_writes():
 
     def per_site() -> dict:
         state.fill(np.array([0]), np.array([0]), np.array([2]))
-        return {site: state.site_rows.buffer[i, :3].tolist() for i, site in enumerate(SITES)}
+        return {site: state.site_rows.buffer[:3, i].tolist() for i, site in enumerate(SITES)}
 
     assert set(map(tuple, per_site().values())) == {(0, 0, 0)}
     state.add_request("a", 0, resolved({"steer": [{"vector": [1, 0, 0, 0], "layers": [1]}]}), 2)

@@ -62,7 +62,7 @@ consumer) has no bfloat16. Tokens that are not captured cost one int load.
 A site that is not a monitor site (no probe reads it, nothing is captured there) needs only
 the last two lines; :func:`steer_add` computes them with tensor ops the compiler fuses into
 the kernels around the site, so such a site launches no kernel of its own. It reads each
-token's row from the per-site index ``site_rows[S, T]`` (:func:`fill_site_rows`, refreshed
+token's row from the per-site index ``site_rows[T, S]`` (:func:`fill_site_rows`, refreshed
 between steps: 0 where the token's row does not steer at that site), not from ``index``.
 
 ``control[K, CTL_COLS]`` holds the state of per-request controllers (one row per runner slot,
@@ -230,7 +230,7 @@ def steer_add(x: torch.Tensor, h: torch.Tensor | None, site_rows: torch.Tensor,
     around the site. The gate is the token's, written at its monitor site earlier in the
     forward. Projection slots are traced only when the engine has them (``max_projections``).
 
-    ``site_rows`` is this site's row of the per-site index (:func:`fill_site_rows`): each
+    ``site_rows`` is this site's column of the per-site index (:func:`fill_site_rows`): each
     token's row where that row steers here, else 0, which loads nothing. So a request steered
     at one layer costs every other site one index load per token, as an unsteered one does.
     A row's unused tier at a site it steers is zero, so reading it adds exactly nothing."""
@@ -251,7 +251,10 @@ def fill_site_rows(index: torch.Tensor, flags: torch.Tensor, site_rows: torch.Te
     the buffers' whole width::
 
         r = index[INDEX_ROW, t]
-        site_rows[s, t] = r if flags[s, r] else 0
+        site_rows[t, s] = r if flags[s, r] else 0
+
+    Token-major: the sites of one token share a cache line, as they shared the token index's
+    line before (one line per 32 sites), so the sites of one forward keep hitting it in L2.
 
     Run outside the graph, on the step's stream, whenever the index or a row's flags changed,
     so the fused sites read a row index exactly as they read the token index (one load, used
@@ -265,7 +268,7 @@ def fill_site_rows(index: torch.Tensor, flags: torch.Tensor, site_rows: torch.Te
         fill_site_rows_triton(index, flags, site_rows)
         return
     rows = index[INDEX_ROW].to(torch.long)
-    site_rows.copy_(torch.where(flags[:, rows] != 0, rows.to(torch.int32), 0))
+    site_rows.copy_(torch.where(flags[:, rows] != 0, rows.to(torch.int32), 0).T)
 
 
 def _within_limit(x32: torch.Tensor, delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -36,7 +36,7 @@ class SiteBuffers:
     monitor: bool
     """Whether probes read (and capture records) the stream here."""
     site_rows: torch.Tensor
-    """This site's row of the per-site index (what a fused site reads instead of ``index``
+    """This site's column of the per-site index (what a fused site reads instead of ``index``
     and ``flags``: see :func:`.ops.fill_site_rows`)."""
     buffers: SteerBuffers
     """The op's buffers; ``table``, ``dyn`` and ``flags`` are this site's."""

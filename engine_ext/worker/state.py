@@ -620,7 +620,7 @@ class SteeringState:
         for site in self.sites:
             i = self.rows.site_index(site)
             out[site] = SiteBuffers(position=i, monitor=site in self.monitor_sites,
-                                    site_rows=self.site_rows.buffer[i],
+                                    site_rows=self.site_rows.buffer[:, i],
                                     buffers=SteerBuffers(
                 index=self.token_rows.buffer, gate_score=self.gate_score,
                 table=self.rows.table[i], dyn=self.rows.dyn[i], flags=self.rows.flags[i],

@@ -123,14 +123,14 @@ class TokenRows:
 
 class SiteRows:
     """The per-site index of the fused sites (see :func:`.ops.fill_site_rows`): a persistent
-    ``int32[S, max_tokens]`` buffer, recomputed on the device from the token index and the
+    ``int32[max_tokens, S]`` buffer, recomputed on the device from the token index and the
     rows' flags by :meth:`refresh`, which the worker calls after every step's fill; it runs
     only when the index was rewritten or a row was written since the last time (a decode step
     whose batch did not change costs nothing). On CUDA one replay of a CUDA graph captured
     here, so the kernel costs no launch work on the host."""
 
     def __init__(self, index: torch.Tensor, flags: torch.Tensor) -> None:
-        self.buffer = torch.zeros(flags.shape[0], index.shape[1], dtype=torch.int32,
+        self.buffer = torch.zeros(index.shape[1], flags.shape[0], dtype=torch.int32,
                                   device=index.device)
         self._index, self._flags = index, flags
         self._seen: tuple[int, int] = (0, 0)
