@@ -8,12 +8,11 @@ the site:
 * ``none``      no site (stock);
 * ``op``        the ``dynsteer::steer`` op (the Triton kernel) before each norm;
 * ``gather``    the add written as plain row gathers (``table[row]``), fused into the norm;
-* ``unmasked``  row 0 read as padding, so that unsteered tokens load no row, but a steered
-                token loads both of its row's tiers at every site (the form up to session 11);
-* ``fused``     :func:`dynsteer.engine_ext.worker.ops.steer_add`: each token's row comes from
-                the per-site index (:func:`~dynsteer.engine_ext.worker.ops.fill_site_rows`,
-                run between replays as the worker runs it between steps), 0 where the row
-                does not steer, so a steered token loads rows only where its row steers.
+* ``fused``     :func:`dynsteer.engine_ext.worker.ops.steer_add`: the same add with row 0 read
+                as padding, so that unsteered tokens load no row (Inductor masks the load); a
+                steered token loads both tiers of its row at every site.
+
+``experiments/site_forms.py`` times forms that skip the rows where a row does not steer.
 
 Two kinds of traffic: ``idle`` (every token on row 0, the serving default) and ``registered``
 (every token on one row with a static vector at layer 16 only, what ``overhead.py``'s
@@ -22,7 +21,7 @@ Two kinds of traffic: ``idle`` (every token on row 0, the serving default) and `
 Prints microseconds per stack (median of repeated graph replays) and the ratio to ``none``
 for 1, 32, 256 and 2048 tokens; writes ``site_cost.json``.
 
-Usage: python benchmarks/site_cost.py --out DIR [--variants unmasked fused]
+Usage: python benchmarks/site_cost.py --out DIR [--variants op fused]
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ LAYERS = 32
 HIDDEN = 4096
 STEERED_LAYER = 16
 TOKENS = (1, 32, 256, 2048)
-VARIANTS = ("none", "op", "gather", "unmasked", "fused")
+VARIANTS = ("none", "op", "gather", "fused")
 TRAFFIC = ("idle", "registered")
 
 
@@ -58,7 +57,6 @@ def main() -> None:
     table = zeros(LAYERS, rows, HIDDEN, device=device)
     dyn = zeros(LAYERS, rows, HIDDEN, device=device)
     flags = zeros(LAYERS, rows, dtype=torch.int32, device=device)
-    site_rows = zeros(max_tokens, LAYERS, dtype=torch.int32, device=device)
     table[STEERED_LAYER, 1] = torch.randn(HIDDEN, device=device) * 0.01
     flags[STEERED_LAYER, 1] = ops.STATIC_FLAG
     shared = {
@@ -74,13 +72,12 @@ def main() -> None:
                     for layer in range(LAYERS)]
     weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
 
-    def gather_add(x: torch.Tensor, b: ops.SteerBuffers, padded: bool) -> torch.Tensor:
+    def gather_add(x: torch.Tensor, b: ops.SteerBuffers) -> torch.Tensor:
         n = x.shape[0]
         r = b.index[ops.INDEX_ROW, :n].to(torch.long)
         g = b.gate_score[ops.GATE, :n, None]
         x32 = x.float()
-        read = ops._row_of if padded else (lambda t, i: t[i])
-        y = x32 + read(b.table, r) + g * read(b.dyn, r)
+        y = x32 + b.table[r] + g * b.dyn[r]
         y = torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32)
         return y.to(x.dtype)
 
@@ -89,10 +86,10 @@ def main() -> None:
         if variant == "op":
             return torch.ops.dynsteer.steer(x, None, *b, layer)
         if variant == "fused":
-            return ops.steer_add(x, None, site_rows[:, layer], b.gate_score, b.table, b.dyn,
-                                 b.proj_dir, b.proj_par, b.proj_gram)
-        if variant in ("gather", "unmasked"):
-            return gather_add(x, b, padded=variant == "unmasked")
+            return ops.steer_add(x, None, b.index, b.gate_score, b.table, b.dyn, b.proj_dir,
+                                 b.proj_par, b.proj_gram)
+        if variant == "gather":
+            return gather_add(x, b)
         return x
 
     def stack(variant: str):
@@ -132,7 +129,6 @@ def main() -> None:
             graph = graph_of(stack(variant), x, h)
             for traffic in TRAFFIC:  # the same graph: only the index it reads changes
                 index[ops.INDEX_ROW] = int(traffic == "registered")
-                ops.fill_site_rows(index, flags, site_rows)
                 us = replay_us(graph)
                 results.setdefault(traffic, {}).setdefault(str(tokens), {})[variant] = us
             torch._dynamo.reset()

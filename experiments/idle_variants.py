@@ -14,9 +14,7 @@ tell the parts apart. Variants (none steers anything here: every token is on row
 * ``index``: the token's row index loaded and nothing steered, a floor for any design that
   reads a per-token index inside the norm kernel.
 
-Experiment code, not the product: variants are exact only for unsteered traffic. They take
-the fused site's arguments (the site's row of the per-site index, ``ops.fill_site_rows``) and
-read the token's row from it.
+Experiment code, not the product: variants are exact only for unsteered traffic.
 
 Usage: python experiments/idle_variants.py --out DIR --variant NAME [--batch 32]
        python benchmarks/launches.py --compare DIR
@@ -43,42 +41,38 @@ from overhead import LLAMA_8B
 from dynsteer.engine_ext.worker import ops, sites
 
 
-def _rows(site_rows: torch.Tensor, n: int) -> torch.Tensor:
-    return site_rows[:n].to(torch.long)
-
-
-def _no_guard(x, h, site_rows, gate_score, table, dyn, *_):
-    rows = _rows(site_rows, x.shape[0])
+def _no_guard(x, h, index, gate_score, table, dyn, *_):
+    rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
     gate = gate_score[ops.GATE, :x.shape[0]]
     y = x.to(torch.float32) + ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
     return y.to(x.dtype)
 
 
-def _where_sum(x, h, site_rows, gate_score, table, dyn, *_):
-    rows = _rows(site_rows, x.shape[0])
+def _where_sum(x, h, index, gate_score, table, dyn, *_):
+    rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
     gate = gate_score[ops.GATE, :x.shape[0]]
     x32 = x.to(torch.float32)
     y = x32 + ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
     return torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32).to(x.dtype)
 
 
-def _static(x, h, site_rows, gate_score, table, *_):
-    rows = _rows(site_rows, x.shape[0])
+def _static(x, h, index, gate_score, table, *_):
+    rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
     x32 = x.to(torch.float32)
     y = x32 + ops._row_of(table, rows)
     return torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32).to(x.dtype)
 
 
-def _gather(x, h, site_rows, gate_score, table, dyn, *_):
-    rows = _rows(site_rows, x.shape[0])
+def _gather(x, h, index, gate_score, table, dyn, *_):
+    rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
     gate = gate_score[ops.GATE, :x.shape[0]]
     x32 = x.to(torch.float32)
     y = x32 + table[rows] + gate[:, None] * dyn[rows]
     return torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32).to(x.dtype)
 
 
-def _index(x, h, site_rows, *_):
-    rows = site_rows[:x.shape[0]]
+def _index(x, h, index, *_):
+    rows = index[ops.INDEX_ROW, :x.shape[0]]
     return (x.to(torch.float32) + (rows != 0).to(torch.float32)[:, None]).to(x.dtype)
 
 

@@ -15,7 +15,10 @@ per stack, Triton kernels per stack, and the generated code (``code_NAME.py``). 
                  graph (static row in the low 16 bits, gated row in the high 16): one load per
                  site, both tiers masked; the cost of computing it is timed apart (``prep``).
 
-Experiment code, not the product: every form is exact for the traffic it runs here.
+Experiment code, not the product: every form is exact for the traffic it runs here. In this
+stack ``per-site`` is the best (registered traffic as cheap as idle, prefill far cheaper); in
+the 8B engine a per-site index cost 0.7-1% of the idle decode step more than the shared one
+(``benchmarks/RESULTS.md``, session 12), so the product keeps the shared index.
 
 Usage: python experiments/site_forms.py --out DIR
 """

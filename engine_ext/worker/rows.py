@@ -212,8 +212,6 @@ class RowTable:
         self._slots = _Slots(max_rows)
         self._written: dict[int, frozenset[int]] = {}
         """Per row: the site indices its current contents occupy (the rest are zero)."""
-        self.writes = 0
-        """How many times a row was (re)written (the per-site index follows its flags)."""
 
     def site_index(self, site: Site) -> int:
         return self._site_index[site]
@@ -277,7 +275,6 @@ class RowTable:
         """Write the row's new contents and zero what its old contents left at other sites:
         only those sites are copied (a config steers a few of the sites, a whole row is
         ``2 * sites * hidden * 4`` bytes)."""
-        self.writes += 1
         used = frozenset(self._site_index[s] for s in (*static, *dynamic, *projections))
         sites = sorted(used | self._written.get(row, frozenset()))
         self._written[row] = used

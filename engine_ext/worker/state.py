@@ -54,7 +54,7 @@ from .rows import (
 )
 from .sites import SiteBuffers
 from .telemetry import GateTelemetry
-from .token_rows import SiteRows, TokenRows, expand_positions
+from .token_rows import TokenRows, expand_positions
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -168,8 +168,6 @@ class SteeringState:
         self.rows = RowTable(sites, hidden_size, max_rows, device, max_projections)
         self.probe_table = ProbeTable(sites, hidden_size, max_gates or max_rows, device)
         self.token_rows = TokenRows(max_tokens, device)
-        self.site_rows = SiteRows(self.token_rows.buffer, self.rows.flags)
-        """The per-site index the fused sites read (see :func:`.ops.fill_site_rows`)."""
         self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
         """Per-token gate (row ``GATE``, written at each token's monitor site) and probe score
         (row ``SCORE``) of the step: one buffer, so the read-back is one copy."""
@@ -428,7 +426,6 @@ class SteeringState:
             positions,
             control_rows,
         )
-        self.site_rows.refresh(self.token_rows.publishes, self.rows.writes)
         if capture_starts is not None:
             self.capture.record(slots, capture_starts, num_computed, num_scheduled)
 
@@ -445,7 +442,6 @@ class SteeringState:
         self.controllers.before_step(self.telemetry.steps)
         self.control.before_step(0)
         self.token_rows.clear()
-        self.site_rows.refresh(self.token_rows.publishes, self.rows.writes)
 
     # ---- internals -----------------------------------------------------------------------
     def _resolve(self, wire: dict[str, Any], generation: int) -> _Resolved:
@@ -620,7 +616,6 @@ class SteeringState:
         for site in self.sites:
             i = self.rows.site_index(site)
             out[site] = SiteBuffers(position=i, monitor=site in self.monitor_sites,
-                                    site_rows=self.site_rows.buffer[:, i],
                                     buffers=SteerBuffers(
                 index=self.token_rows.buffer, gate_score=self.gate_score,
                 table=self.rows.table[i], dyn=self.rows.dyn[i], flags=self.rows.flags[i],

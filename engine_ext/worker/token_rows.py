@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .ops import INDEX_CAPTURE, INDEX_CONTROL, INDEX_PROBE, INDEX_ROW, INDEX_ROWS, fill_site_rows
+from .ops import INDEX_CAPTURE, INDEX_CONTROL, INDEX_PROBE, INDEX_ROW, INDEX_ROWS
 
 
 def expand_positions(num_computed: np.ndarray, num_scheduled: np.ndarray) -> np.ndarray:
@@ -48,8 +48,6 @@ class TokenRows:
         self._last = np.zeros((INDEX_ROWS, 0), dtype=np.int32)
         self._dirty = 0
         """Columns [0, dirty) of the device buffer may be non-zero."""
-        self.publishes = 0
-        """How many times the device buffer was rewritten (the per-site index follows it)."""
 
     def clear(self) -> None:
         """Map every token to row 0 (touches the device only if something was set)."""
@@ -118,39 +116,3 @@ class TokenRows:
             self._turn ^= 1
         self._last = index.copy()
         self._dirty = n
-        self.publishes += 1
-
-
-class SiteRows:
-    """The per-site index of the fused sites (see :func:`.ops.fill_site_rows`): a persistent
-    ``int32[max_tokens, S]`` buffer, recomputed on the device from the token index and the
-    rows' flags by :meth:`refresh`, which the worker calls after every step's fill; it runs
-    only when the index was rewritten or a row was written since the last time (a decode step
-    whose batch did not change costs nothing). On CUDA one replay of a CUDA graph captured
-    here, so the kernel costs no launch work on the host."""
-
-    def __init__(self, index: torch.Tensor, flags: torch.Tensor) -> None:
-        self.buffer = torch.zeros(index.shape[1], flags.shape[0], dtype=torch.int32,
-                                  device=index.device)
-        self._index, self._flags = index, flags
-        self._seen: tuple[int, int] = (0, 0)
-        self._graph = self._capture() if index.is_cuda else None
-
-    def refresh(self, publishes: int, row_writes: int) -> None:
-        """Recompute the buffer if ``publishes`` (of the token index) or ``row_writes`` (of
-        the row table) moved since the last call."""
-        if (publishes, row_writes) == self._seen:
-            return
-        self._seen = (publishes, row_writes)
-        if self._graph is not None:
-            self._graph.replay()
-        else:
-            fill_site_rows(self._index, self._flags, self.buffer)
-
-    def _capture(self) -> torch.cuda.CUDAGraph:
-        fill_site_rows(self._index, self._flags, self.buffer)  # compiled outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fill_site_rows(self._index, self._flags, self.buffer)
-        return graph
