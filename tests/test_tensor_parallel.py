@@ -134,8 +134,10 @@ def test_parallel_capture_equals_tp1(tp_outputs, layout):
 def test_parallel_controller_checksums_agree(tp_outputs, layout):
     """Every rank folded the same steps and applied the same controller actions (built-in
     and Python): the two TP ranks, and the two PP stages (the second from the gates the first
-    computed). (TP=1 folds the same steps; its scores differ from TP=2's in the last bits,
-    so its checksum of the proportional controller's scales does too.)"""
+    computed). Against TP=1 only that it folded too: its scores differ from TP=2's in the last
+    bits, so its checksum of the proportional controller's scales does, and how many steps
+    the requests take depends on how the engine core's steps interleave with their arrival
+    (6 against 7 in one CI run), which is another engine's timing, not the ranks' agreement."""
     single, parallel = tp_outputs
     ranks = parallel[layout][3]
     assert len(ranks) == 2
@@ -145,4 +147,4 @@ def test_parallel_controller_checksums_agree(tp_outputs, layout):
     for rank in ranks:
         assert rank["controllers"]["pylatch"]["calls"] > 0
         assert rank["controllers"]["pylatch"]["errors"] == 0
-    assert single[3][0]["controller_checked_steps"] == ranks[0]["controller_checked_steps"]
+    assert single[3][0]["controller_checked_steps"] > 0
