@@ -27,10 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from site_cost import graph_of, replay_us
 
 from dynsteer.engine_ext.worker import ops
 
@@ -104,19 +108,6 @@ def stack(form: str, b: Buffers):
     return torch.compile(forward, fullgraph=True)
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, reps: int = 30, inner: int = 20) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        for _ in range(inner):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / inner)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -148,11 +139,7 @@ def main() -> None:
             if tokens == 32:
                 kernels[form] = sum(code.count("@triton.jit") for code in codes)
                 (args.out / f"code_{form}.py").write_text("\n\n".join(codes))
-            for _ in range(2):
-                fn(x, h)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn(x, h)
+            graph = graph_of(fn, x, h)
             for traffic in ("idle", "registered"):
                 b.set_traffic(traffic == "registered")
                 results.setdefault(traffic, {}).setdefault(str(tokens), {})[form] = \
@@ -171,7 +158,7 @@ def main() -> None:
         print(f"\n{traffic}\n{'tokens':>7} " + " ".join(f"{f:>10}" for f in forms))
         for tokens, row in by_tokens.items():
             print(f"{tokens:>7} " + " ".join(f"{row[f]:>10.1f}" for f in forms))
-    print(f"\ntriton kernels per stack (32 tokens): {kernels}")
+    print(f"\ndistinct Triton kernels per stack (32 tokens): {kernels}")
     print(f"per-site prep (eager torch, {max(TOKENS)} columns): {prep_us:.1f} us per step")
     (args.out / "site_forms.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "us_per_stack": results, "kernels": kernels,
