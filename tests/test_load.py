@@ -127,8 +127,8 @@ def test_plain_requests_under_load_equal_themselves_alone(served, load_run):
 
 
 def test_steered_requests_under_load_equal_themselves_alone(served, load_run):
-    """No request gets another's steering either: static, named, gated and latch requests
-    equal themselves sent alone (a request reading another request's row would not)."""
+    """No request gets another's steering either: static, named and gated requests equal
+    themselves sent alone (a request reading another request's row would not)."""
     server, _, _ = served
     items, outcomes = load_run["items"], load_run["outcomes"]
     sample = lt.leak_sample(items, outcomes, SAMPLE, lt.STEERED_KINDS)
