@@ -347,3 +347,40 @@ def test_gated_projections_count_as_dynamic_steering():
             {"vector": [0, 1, 0, 0], "layers": [1], "op": "ablate", "phase": phase}]}})
         state.add_request(req_id, 1 if req_id == "all" else 2, spec, prompt_len=5)
         assert state.telemetry._live[req_id].dynamic_from == want
+
+def test_the_per_site_index_follows_the_index_and_row_writes():
+    """What the fused sites read (``state.site_rows``): each token's row at each site where the
+    row steers, else 0. Refreshed when the token index changes, and also
+    when a row is rewritten under an unchanged index: a finished request's row taken by a new
+    config at the same slot, steering other sites."""
+    state = SteeringState(SITES, 4, max_rows=1, max_tokens=8, max_slots=2,
+                          device=torch.device("cpu"), per_site_index=True)
+
+    def per_site() -> dict:
+        state.fill(np.array([0]), np.array([0]), np.array([2]))
+        return {site: state.site_rows.buffer[:3, i].tolist() for i, site in enumerate(SITES)}
+
+    assert set(map(tuple, per_site().values())) == {(0, 0, 0)}
+    state.add_request("a", 0, resolved({"steer": [{"vector": [1, 0, 0, 0], "layers": [1]}]}), 2)
+    got = per_site()
+    row = int(state.token_rows.rows[0])
+    assert got[("post_block", 1)] == [row, row, 0]
+    assert got[("post_block", 0)] == got[("pre_attn", 0)] == [0, 0, 0]
+    state.remove_request("a")
+    state.add_request("b", 0, resolved({"steer": [{"vector": [0, 1, 0, 0], "layers": [0]}]}), 2)
+    assert int(state.token_rows.rows[0]) == row  # the same row, under the same index
+    got = per_site()
+    assert got[("post_block", 0)] == [row, row, 0]
+    assert got[("post_block", 1)] == [0, 0, 0]
+    state.remove_request("b")
+    state.skip_step()
+    assert not state.site_rows.buffer.any()
+
+
+def test_the_shared_index_has_no_per_site_index():
+    """The default (``fused_index="shared"``) keeps no per-site buffer: fused sites read the
+    token index."""
+    state = SteeringState(SITES, 4, max_rows=1, max_tokens=8, max_slots=2,
+                          device=torch.device("cpu"))
+    assert state.site_rows is None
+    assert all(b.site_rows is None for b in state.site_buffers().values())
