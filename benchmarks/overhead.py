@@ -28,11 +28,6 @@ Scenarios, each request of a batch carrying its own spec:
 * ``ablate``      every request ablating one registered direction at layers 16-23, on an engine
                   of its own with one projection slot (``max_projections: 1``).
 
-With ``--per-site`` a ``per-site`` engine (engine option ``fused_index="per_site"``) runs every
-scenario the ``plugin`` engine runs, in the same alternation, and each of its rows is also
-compared with the ``plugin`` row of its scenario (``vs shared``): the two forms of the fused
-sites' row lookup against each other in one run.
-
 Shapes: decode-heavy (128 prompt + 128 generated tokens) at batches 1, 32, 256 and a
 prefill-heavy one (2048 prompt + 16 generated) at batch 32. Prints a table (tokens/s = generated
 tokens / wall time, median of the repetitions, ratio to stock in the same run, spread; the
@@ -43,7 +38,7 @@ runs the worker's dynsteer host time per step: index fill + telemetry fold and r
 admitted request) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
-       [--scenarios idle gated ...] [--control --mem 0.28] [--per-site]
+       [--scenarios idle gated ...] [--control --mem 0.28]
 """
 
 from __future__ import annotations
@@ -283,19 +278,18 @@ def add_host_time(total: dict[str, float], before: dict[str, Any],
         total[key] = total.get(key, 0.0) + after[hook][field] - before[hook][field]
 
 
-def summarize(run: dict[str, Any], key: str, host: dict[str, float] | None,
-              base: str = "stock/idle") -> dict[str, Any]:
-    """One scenario of one shape against ``base`` (stock) in the same run.
+def summarize(run: dict[str, Any], key: str, host: dict[str, float] | None) -> dict[str, Any]:
+    """One scenario of one shape against stock in the same run.
 
     ``ratio``: median tokens/s over stock's (whole runs, prefill included). ``step_ratio``:
     stock's median decode step over this one's (vLLM's per-step timing; > 1 is faster), and
     ``paired_step_ratio``: the median of the per-repetition ratios (each repetition's stock run
     and this run were minutes apart at most), with their range, the figure's own noise."""
-    tok_s, stock_tok_s = run["samples"][key], run["samples"][base]
-    step_s, stock_step_s = run["decode_step_s"][key], run["decode_step_s"][base]
+    tok_s, stock_tok_s = run["samples"][key], run["samples"]["stock/idle"]
+    step_s, stock_step_s = run["decode_step_s"][key], run["decode_step_s"]["stock/idle"]
     med = statistics.median(tok_s)
     paired = [s / x for s, x in zip(stock_step_s, step_s, strict=True)]
-    mhz, stock_mhz = run["sm_mhz"][key], run["sm_mhz"][base]
+    mhz, stock_mhz = run["sm_mhz"][key], run["sm_mhz"]["stock/idle"]
     cycles = [s * m for s, m in zip(step_s, mhz, strict=True)]
     stock_cycles = [s * m for s, m in zip(stock_step_s, stock_mhz, strict=True)]
     per_step = per_request = None
@@ -329,9 +323,6 @@ def main() -> None:
     ap.add_argument("--control", action="store_true",
                     help="a second stock engine, started last, timed like the others: the "
                          "method's own bias and noise (an A/A ratio); use --mem 0.28")
-    ap.add_argument("--per-site", action="store_true",
-                    help="a third engine with fused_index=per_site runs the plugin scenarios "
-                         "too (use --mem 0.28)")
     args = ap.parse_args()
     import numpy as np
     import torch
@@ -349,8 +340,6 @@ def main() -> None:
         engines = {"stock": start(path, None, args.mem)}
         if set(args.scenarios) - set(OWN_ENGINE):
             engines["plugin"] = start(path, {}, args.mem)
-        if args.per_site:
-            engines["per-site"] = start(path, {"fused_index": "per_site"}, args.mem)
         if "ablate" in args.scenarios:
             engines["projecting"] = start(path, {"max_projections": 1}, args.mem)
         if args.control:
@@ -362,7 +351,7 @@ def main() -> None:
             subscriber = Subscriber(EVENTS_ADDRESS)
         startup = time.time() - t0
         steerings = {n: Steering(e) for n, e in engines.items()
-                     if n in ("plugin", "per-site", *OWN_ENGINE.values())}
+                     if n in ("plugin", *OWN_ENGINE.values())}
         primary = next(n for n in ("plugin", "events", "projecting") if n in engines)
         steering = steerings[primary]
         vector = np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32) * 0.01
@@ -382,8 +371,6 @@ def main() -> None:
         if not args.no_prefill:
             shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
         runs = [("stock", "idle"), *((OWN_ENGINE.get(s, "plugin"), s) for s in args.scenarios),
-                *(("per-site", s) for s in args.scenarios
-                  if args.per_site and s not in OWN_ENGINE),
                 *([("control", "idle")] if args.control else [])]
         seed = 0
         clocks = {name: StepClock(llm) for name, llm in engines.items()}
@@ -411,7 +398,7 @@ def main() -> None:
                     steps[f"{engine}/{scenario}"].append(step_s)
                     mhz[f"{engine}/{scenario}"].append(run_mhz)
                     if own is not None:
-                        add_host_time(host.setdefault(f"{engine}/{scenario}", {}), start_time,
+                        add_host_time(host.setdefault(scenario, {}), start_time,
                                       own.info()[0]["host_time"])
             after = steering.info()[0]
             site = f"post_block@{MONITOR}"
@@ -437,9 +424,8 @@ def main() -> None:
     for shape, run in results["runs"].items():
         for key in run["samples"]:
             engine, scenario = key.split("/", 1)
-            row = summarize(run, key, run["host_time"].get(key))
-            if engine == "per-site":
-                row["vs_shared"] = summarize(run, key, None, base=f"plugin/{scenario}")
+            row = summarize(run, key,
+                            run["host_time"].get(scenario) if engine in steerings else None)
             summary[f"{shape}/{key}"] = row
             low, high = row["paired_step_ratio_range"]
             print(f"{shape:>14} {key:<22} {row['tok_s']:>9.1f} {row['ratio']:>7.4f} "
@@ -447,12 +433,6 @@ def main() -> None:
                   f"{row['step_ratio']:>10.4f} {low:>7.4f}-{high:<7.4f} "
                   f"{row['sm_mhz']:>7.0f} {row['cycle_ratio']:>7.4f} "
                   f"{_fmt(row['host_us_per_step']):>13} {_fmt(row['host_us_per_request']):>11}")
-            if "vs_shared" in row:
-                vs = row["vs_shared"]
-                low, high = vs["paired_step_ratio_range"]
-                print(f"{'':>14} {'  vs plugin/' + scenario:<22} {'':>9} {vs['ratio']:>7.4f} "
-                      f"{'':>7} {'':>8} {vs['step_ratio']:>10.4f} {low:>7.4f}-{high:<7.4f} "
-                      f"paired median {vs['paired_step_ratio']:.4f}")
         print(f"{shape:>14} gate on for {run['gate_on_fraction']:.0%} of monitored tokens")
     if "events" in results:
         print(f"events: {results['events']}")

@@ -9,7 +9,7 @@ kernels, so an idle or statically steered site adds no kernel launch.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -58,13 +58,6 @@ class EngineOptions(BaseModel):
     row. 0 (the default) turns the two ops off and costs nothing; each slot costs
     ``sites * (max_rows + 1) * (hidden + 4) * 4`` bytes of device memory, and a steered token
     reads its row's slots at every site (one dot product per slot)."""
-    fused_index: Literal["shared", "per_site"] = "shared"
-    """Where a site without monitor (CUDA) finds each token's steering row. ``shared``: the
-    token index, one line for every site, so a steered token loads its row at every site
-    (zeros where the row does not steer). ``per_site``: a per-site index refreshed on the
-    device when the batch or a row changes, 0 where the row does not steer, so a request
-    steered at one layer costs the other sites nothing; it costs ``max_tokens * sites * 4``
-    bytes. Both are exact; which is faster is measured in ``benchmarks/RESULTS.md``."""
     max_gates: int = Field(default=128, ge=1, le=65536)
     """Distinct probes (with their threshold, sharpness and monitor site) gating requests in
     flight; each costs ``hidden * 4`` bytes of device memory."""

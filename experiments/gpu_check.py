@@ -149,14 +149,13 @@ def fused_add_check() -> list[dict[str, Any]]:
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         for tokens, hidden in [(1, 4096), (33, 4096), (4096, 4096)]:
-            for form in ("shared", "per_site"):
-                try:
-                    check(tokens, hidden, dtype, "cuda", form)
-                    error = ""
-                except AssertionError as e:
-                    error = str(e)[:500]
-                results.append({"dtype": str(dtype), "tokens": tokens, "hidden": hidden,
-                                "fused_index": form, "error": error})
+            try:
+                check(tokens, hidden, dtype, "cuda")
+                error = ""
+            except AssertionError as e:
+                error = str(e)[:500]
+            results.append({"dtype": str(dtype), "tokens": tokens, "hidden": hidden,
+                            "error": error})
     return results
 
 

@@ -266,8 +266,8 @@ def test_compiled_graph_reads_buffers_in_place():
     rows, probe_rows, capture_rows = (b.index[i] for i in (ops.INDEX_ROW, ops.INDEX_PROBE,
                                                            ops.INDEX_CAPTURE))
     capture, dyn, probes, params = b.capture, b.dyn, b.probes, b.params
-    first, second = (SiteOp(SiteBuffers(s, True, None, b)) for s in (SITE, SITE + 1))
-    fused = SiteOp(SiteBuffers(SITE - 1, False, None, b))  # no probe monitors here, no lane
+    first, second = SiteOp(SiteBuffers(SITE, True, b)), SiteOp(SiteBuffers(SITE + 1, True, b))
+    fused = SiteOp(SiteBuffers(SITE - 1, False, b))  # no probe monitors here, no lane
 
     @torch.compile(fullgraph=True, dynamic=True)
     def f(x, h):
@@ -289,42 +289,16 @@ def test_compiled_graph_reads_buffers_in_place():
     torch.testing.assert_close(capture[0, 4], out[3])  # site SITE + 1 has lane 0; no steering
 
 
-@pytest.mark.parametrize("width", [1, 37, 3000])
-@pytest.mark.parametrize("device", DEVICES)
-def test_fill_site_rows(width, device):
-    """The per-site index, element by element: each token's row where that row has flags at
-    the site, else 0 (row 0 included); every column of the width."""
-    g = torch.Generator().manual_seed(width)
-    sites, rows_n = 5, 9
-    flags = torch.randint(0, 8, (sites, rows_n), generator=g, dtype=torch.int32)
-    flags[:, 0] = 0
-    flags[1] = 0  # a site no row steers
-    index = torch.randint(0, rows_n, (ops.INDEX_ROWS, width), generator=g, dtype=torch.int32)
-    out = torch.full((width, sites), -7, dtype=torch.int32, device=device)
-    ops.fill_site_rows(index.to(device), flags.to(device), out)
-    got, rows, flag_rows = out.T.tolist(), index[ops.INDEX_ROW].tolist(), flags.tolist()
-    for s in range(sites):
-        assert got[s] == [r if flag_rows[s][r] else 0 for r in rows], s
-
-
 @pytest.mark.parametrize(("tokens", "hidden"), [(1, 64), (33, 2048), (1024, 4096)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fused_index", ["shared", "per_site"])
-def test_steer_add_matches_float64(tokens, hidden, dtype, device, fused_index):
+def test_steer_add_matches_float64(tokens, hidden, dtype, device):
     """A site without monitor (:func:`ops.steer_add`): both tiers with the gate earlier sites
     wrote, eager and compiled, against float64; an element the steering would push past the
-    stream limit (or to NaN) keeps its value. With the per-site index, a row without flags at
-    the site is not read at all: it holds junk here, which the reference leaves out."""
+    stream limit (or to NaN) keeps its value."""
     x, h, b = make_inputs(tokens, hidden, dtype, seed=tokens + hidden)
     b.table[3, 0] = float("inf")
     b.table[4, 1] = 2 * ops.stream_limit(dtype)
-    read = b
-    if fused_index == "per_site":
-        read = b._replace(table=b.table.clone(), dyn=b.dyn.clone(), proj_par=b.proj_par.clone())
-        read.table[1], read.dyn[1], read.proj_par[1] = 7.0, 7.0, 1.0
-        b.table[1], b.dyn[1], b.proj_par[1] = 0.0, 0.0, 0.0  # what row 1 adds here: nothing
-        b.flags[1] = 0
     rows = b.index[ops.INDEX_ROW, :tokens].long()
     gate = b.gate_score[ops.GATE, :tokens, None].double()
     want = x.double() + b.table[rows].double() + gate * b.dyn[rows].double()
@@ -333,14 +307,8 @@ def test_steer_add_matches_float64(tokens, hidden, dtype, device, fused_index):
                                         int(rows[t]), b)
     over = ~(want.abs() <= ops.stream_limit(dtype))
     want[over] = x.double()[over]
-    xd, hd, bd = on(device, x, h, read)
-    if fused_index == "per_site":
-        site_rows = torch.empty(bd.index.shape[1], 1, dtype=torch.int32, device=device)
-        ops.fill_site_rows(bd.index, bd.flags[None], site_rows)
-        token_rows = site_rows[:, 0]
-    else:
-        token_rows = bd.index[ops.INDEX_ROW]
-    args = (xd, hd, token_rows, bd.gate_score, bd.table, bd.dyn, bd.proj_dir, bd.proj_par,
+    xd, hd, bd = on(device, x, h, b)
+    args = (xd, hd, bd.index, bd.gate_score, bd.table, bd.dyn, bd.proj_dir, bd.proj_par,
             bd.proj_gram)
     compiled = torch.compile(ops.steer_add, fullgraph=True, dynamic=True)
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 0.1}

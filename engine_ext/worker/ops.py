@@ -61,9 +61,7 @@ consumer) has no bfloat16. Tokens that are not captured cost one int load.
 
 A site that is not a monitor site (no probe reads it, nothing is captured there) needs only
 the last two lines; :func:`steer_add` computes them with tensor ops the compiler fuses into
-the kernels around the site, so such a site launches no kernel of its own. It takes each
-token's row from the token index, or from a per-site index (:func:`fill_site_rows`, engine
-option ``fused_index``) that holds 0 where the token's row does not steer that site.
+the kernels around the site, so such a site launches no kernel of its own.
 
 ``control[K, CTL_COLS]`` holds the state of per-request controllers (one row per runner slot,
 see :mod:`dynsteer.controller.controllers`): the monitor applies a row's floor and scale; after
@@ -221,23 +219,18 @@ def steer_torch(x: torch.Tensor, h: torch.Tensor | None, b: SteerBuffers,
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-def steer_add(x: torch.Tensor, h: torch.Tensor | None, token_rows: torch.Tensor,
+def steer_add(x: torch.Tensor, h: torch.Tensor | None, index: torch.Tensor,
               gate_score: torch.Tensor, table: torch.Tensor, dyn: torch.Tensor,
               proj_dir: torch.Tensor, proj_par: torch.Tensor,
               proj_gram: torch.Tensor) -> torch.Tensor:
     """Static + gated steering of a site without monitor or capture: the op's last lines in
     tensor ops (see the module docstring), so the compiler fuses them into the kernels
-    around the site. The gate is the token's, written at its monitor site earlier in the
-    forward. Projection slots are read only when the engine has them (``max_projections``).
-
-    ``token_rows`` holds each token's row (at least ``x.shape[0]`` of them): the token index's
-    ``INDEX_ROW`` line (engine option ``fused_index="shared"``), where a steered token loads
-    both tiers of its row at every site, or this site's column of the per-site index
-    (``"per_site"``, :func:`fill_site_rows`), 0 where the row does not steer here, so a
-    request steered at one layer costs every other site what an unsteered one does. A row's
-    unused tier is zero, so reading it adds exactly nothing."""
+    around the site. A row's unused tier is zero, so reading it adds exactly nothing; the
+    gate is the token's, written at its monitor site earlier in the forward. Projection
+    slots are read only when the engine has them (``max_projections``), and then by every
+    steered token (unused slots are zero)."""
     n = x.shape[0]
-    rows = token_rows[:n].to(torch.long)
+    rows = index[INDEX_ROW, :n].to(torch.long)
     gate = gate_score[GATE, :n]
     x32 = x.to(torch.float32)
     delta = _row_of(table, rows) + gate[:, None] * _row_of(dyn, rows)
@@ -246,29 +239,6 @@ def steer_add(x: torch.Tensor, h: torch.Tensor | None, token_rows: torch.Tensor,
         delta = delta + projection_change(stream, gate, rows, proj_dir, proj_par, proj_gram,
                                           _row_of)
     return (x32 + _within_limit(x32, delta, x.dtype)).to(x.dtype)
-
-
-def fill_site_rows(index: torch.Tensor, flags: torch.Tensor, site_rows: torch.Tensor) -> None:
-    """The per-site index the fused sites read (``fused_index="per_site"``), from the token
-    index and the rows' flags, over the buffers' whole width::
-
-        r = index[INDEX_ROW, t]
-        site_rows[t, s] = r if flags[s, r] else 0
-
-    Token-major, so the sites of one token share a cache line as they share the token index's
-    line in the shared form. Run outside the graph, on the step's stream, whenever the index or
-    a row's flags changed, so a fused site reads a row index as it reads the token index (one
-    load, used as is): a row's flags read at every site put a second dependent load in front
-    of the row loads (a 32-layer stack of fused sites took 2.5x as long at one token on an
-    H100; ``experiments/site_forms.py``). CUDA runs one Triton kernel with fixed arguments (the
-    worker replays it as a CUDA graph)."""
-    if site_rows.is_cuda:
-        from .triton_kernels import fill_site_rows_triton
-
-        fill_site_rows_triton(index, flags, site_rows)
-        return
-    rows = index[INDEX_ROW].to(torch.long)
-    site_rows.copy_(torch.where(flags[:, rows] != 0, rows.to(torch.int32), 0).T)
 
 
 def _within_limit(x32: torch.Tensor, delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -212,8 +212,6 @@ class RowTable:
         self._slots = _Slots(max_rows)
         self._written: dict[int, frozenset[int]] = {}
         """Per row: the site indices its current contents occupy (the rest are zero)."""
-        self.writes = 0
-        """How many times a row was (re)written (a per-site index follows the rows' flags)."""
 
     def site_index(self, site: Site) -> int:
         return self._site_index[site]
@@ -278,7 +276,6 @@ class RowTable:
         only those sites are copied (a config steers a few of the sites, a whole row is
         ``2 * sites * hidden * 4`` bytes)."""
         used = frozenset(self._site_index[s] for s in (*static, *dynamic, *projections))
-        self.writes += 1
         sites = sorted(used | self._written.get(row, frozenset()))
         self._written[row] = used
         position = {i: k for k, i in enumerate(sites)}

@@ -24,7 +24,7 @@ from torch import nn
 from dynsteer.controller.contract import Site
 
 from ..compat.model import wrap_sites
-from .ops import INDEX_ROW, SteerBuffers, steer_add
+from .ops import SteerBuffers, steer_add
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,6 @@ class SiteBuffers:
     """Position of the site in forward order (what probe params store as the monitor site)."""
     monitor: bool
     """Whether probes read (and capture records) the stream here."""
-    site_rows: torch.Tensor | None
-    """This site's column of the per-site index (engine option ``fused_index="per_site"``),
-    what a fused site reads instead of the token index; None: the token index."""
     buffers: SteerBuffers
     """The op's buffers; ``table``, ``dyn`` and ``flags`` are this site's."""
 
@@ -51,16 +48,12 @@ class SiteOp(nn.Module):
         self.monitor = site.monitor
         for name, buffer in site.buffers._asdict().items():
             self.register_buffer(name, buffer, persistent=False)
-        self.per_site = site.site_rows is not None
-        if self.per_site:
-            self.register_buffer("site_rows", site.site_rows, persistent=False)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         """Steer ``x``; the stream the monitor reads is ``x + h`` (``x`` alone when h is None).
         The per-token buffers go in whole: the op reads their first ``x.shape[0]`` columns."""
         if not self.monitor and x.is_cuda:
-            rows = self.site_rows if self.per_site else self.index[INDEX_ROW]
-            return steer_add(x, h, rows, self.gate_score, self.table, self.dyn,
+            return steer_add(x, h, self.index, self.gate_score, self.table, self.dyn,
                              self.proj_dir, self.proj_par, self.proj_gram)
         buffers = [getattr(self, name) for name in SteerBuffers._fields]
         return torch.ops.dynsteer.steer(x, h, *buffers, self.position)

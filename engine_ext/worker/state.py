@@ -52,7 +52,6 @@ from .rows import (
     add_contents,
     add_projections,
 )
-from .site_rows import SiteRows
 from .sites import SiteBuffers
 from .telemetry import GateTelemetry
 from .token_rows import TokenRows, expand_positions
@@ -161,7 +160,6 @@ class SteeringState:
         max_gates: int | None = None,
         monitor_sites: frozenset[Site] | None = None,
         max_projections: int = 0,
-        per_site_index: bool = False,
     ) -> None:
         self.sites = sites
         self.monitor_sites = frozenset(sites) if monitor_sites is None else monitor_sites
@@ -170,10 +168,6 @@ class SteeringState:
         self.rows = RowTable(sites, hidden_size, max_rows, device, max_projections)
         self.probe_table = ProbeTable(sites, hidden_size, max_gates or max_rows, device)
         self.token_rows = TokenRows(max_tokens, device)
-        self.site_rows = (SiteRows(self.token_rows.buffer, self.rows.flags) if per_site_index
-                          else None)
-        """The per-site index the fused sites read (``fused_index="per_site"``; None: they
-        read the token index)."""
         self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
         """Per-token gate (row ``GATE``, written at each token's monitor site) and probe score
         (row ``SCORE``) of the step: one buffer, so the read-back is one copy."""
@@ -432,7 +426,6 @@ class SteeringState:
             positions,
             control_rows,
         )
-        self._refresh_site_rows()
         if capture_starts is not None:
             self.capture.record(slots, capture_starts, num_computed, num_scheduled)
 
@@ -449,14 +442,8 @@ class SteeringState:
         self.controllers.before_step(self.telemetry.steps)
         self.control.before_step(0)
         self.token_rows.clear()
-        self._refresh_site_rows()
 
     # ---- internals -----------------------------------------------------------------------
-    def _refresh_site_rows(self) -> None:
-        """Bring the per-site index up to this step's token index and rows (if it has one)."""
-        if self.site_rows is not None:
-            self.site_rows.refresh(self.token_rows.publishes, self.rows.writes)
-
     def _resolve(self, wire: dict[str, Any], generation: int) -> _Resolved:
         """What a resolved spec builds with the named vectors and probes of registry
         ``generation``; identical specs (same key, same generation) reuse it."""
@@ -629,8 +616,6 @@ class SteeringState:
         for site in self.sites:
             i = self.rows.site_index(site)
             out[site] = SiteBuffers(position=i, monitor=site in self.monitor_sites,
-                                    site_rows=(None if self.site_rows is None
-                                               else self.site_rows.column(i)),
                                     buffers=SteerBuffers(
                 index=self.token_rows.buffer, gate_score=self.gate_score,
                 table=self.rows.table[i], dyn=self.rows.dyn[i], flags=self.rows.flags[i],

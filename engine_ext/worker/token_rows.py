@@ -48,8 +48,6 @@ class TokenRows:
         self._last = np.zeros((INDEX_ROWS, 0), dtype=np.int32)
         self._dirty = 0
         """Columns [0, dirty) of the device buffer may be non-zero."""
-        self.publishes = 0
-        """How many times the device buffer was rewritten (a per-site index follows it)."""
 
     def clear(self) -> None:
         """Map every token to row 0 (touches the device only if something was set)."""
@@ -118,4 +116,3 @@ class TokenRows:
             self._turn ^= 1
         self._last = index.copy()
         self._dirty = n
-        self.publishes += 1

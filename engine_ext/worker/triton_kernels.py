@@ -253,34 +253,6 @@ def control_step_triton(index: torch.Tensor, gate_score: torch.Tensor, control: 
                                                 num_warps=1)
 
 
-@triton.jit
-def _site_rows_kernel(index_ptr, flags_ptr, out_ptr, width, index_stride, flags_stride,
-                      out_stride, BLOCK: tl.constexpr):
-    """Program (site, block of tokens) of :func:`.ops.fill_site_rows`; ``out`` is
-    token-major (``out[t, site]`` at ``t * out_stride + site``)."""
-    site = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < width
-    row = tl.load(index_ptr + INDEX_ROW * index_stride + offs, mask=live, other=0)
-    flags = tl.load(flags_ptr + site * flags_stride + row, mask=live, other=0)
-    tl.store(out_ptr + offs * out_stride + site, tl.where(flags != 0, row, 0), mask=live)
-
-
-SITE_ROWS_BLOCK = 1024
-
-
-def fill_site_rows_triton(index: torch.Tensor, flags: torch.Tensor,
-                          site_rows: torch.Tensor) -> None:
-    """CUDA implementation of :func:`.ops.fill_site_rows`: one launch whose arguments never
-    change (the worker captures it in a CUDA graph)."""
-    if index.stride(-1) != 1 or flags.stride(-1) != 1 or site_rows.stride(-1) != 1:
-        raise ValueError("dynsteer fill_site_rows: index, flags and site_rows need unit stride")
-    width, sites = site_rows.shape
-    _site_rows_kernel[(sites, triton.cdiv(width, SITE_ROWS_BLOCK))](
-        index, flags, site_rows, width, index.stride(0), flags.stride(0), site_rows.stride(0),
-        BLOCK=SITE_ROWS_BLOCK, num_warps=4)
-
-
 def _block_for(hidden: int) -> int:
     return min(2048, triton.next_power_of_2(hidden))
 
