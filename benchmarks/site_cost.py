@@ -18,10 +18,18 @@ Two kinds of traffic: ``idle`` (every token on row 0, the serving default) and `
 (every token on one row with a static vector at layer 16 only, what ``overhead.py``'s
 ``registered`` scenario sends).
 
+``--gemm`` puts a GEMM (bf16, ``HIDDEN x HIDDEN``, four distinct weights in turn, 128 MB, so
+the L2 is flushed as a layer's weights flush it in a model) after each norm, as in a decoder
+layer: Inductor then compiles each site and norm into a kernel of its own between GEMMs, as it
+does in the engine, instead of fusing the stack together. ``--inductor KEY=VALUE ...`` compiles
+every variant under those Inductor settings (integers), e.g. its store-or-recompute
+thresholds ``realize_reads_threshold`` / ``realize_opcount_threshold``.
+
 Prints microseconds per stack (median of repeated graph replays) and the ratio to ``none``
 for 1, 32, 256 and 2048 tokens; writes ``site_cost.json``.
 
-Usage: python benchmarks/site_cost.py --out DIR [--variants op fused]
+Usage: python benchmarks/site_cost.py --out DIR [--variants op fused] [--gemm]
+       [--inductor realize_reads_threshold=16]
 """
 
 from __future__ import annotations
@@ -71,7 +79,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--gemm", action="store_true", help="a GEMM after each norm")
+    parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="Inductor config (integers) to compile under")
     args = parser.parse_args()
+    inductor = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.inductor)}
     variants = ["none", *(v for v in args.variants if v != "none")]
     import torch
 
@@ -99,6 +111,8 @@ def main() -> None:
                                      dyn=dyn[layer], flags=flags[layer], **shared)
                     for layer in range(LAYERS)]
     weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
+    gemms = [torch.randn(HIDDEN, HIDDEN, dtype=torch.bfloat16, device=device) / HIDDEN**0.5
+             for _ in range(4)] if args.gemm else []
 
     def gather_add(x: torch.Tensor, b: ops.SteerBuffers) -> torch.Tensor:
         n = x.shape[0]
@@ -126,6 +140,8 @@ def main() -> None:
                 x = site(variant, x + h, layer)
                 var = x.float().pow(2).mean(-1, keepdim=True)
                 h = (x.float() * torch.rsqrt(var + 1e-5)).to(x.dtype) * weight
+                if gemms:
+                    h = h @ gemms[layer % len(gemms)]
             return x + h
         return torch.compile(forward, fullgraph=True)
 
@@ -134,7 +150,8 @@ def main() -> None:
         x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=device)
         h = torch.randn_like(x)
         for variant in variants:
-            graph = graph_of(stack(variant), x, h)
+            with torch._inductor.config.patch(inductor):
+                graph = graph_of(stack(variant), x, h)
             for traffic in TRAFFIC:  # the same graph: only the index it reads changes
                 index[ops.INDEX_ROW] = int(traffic == "registered")
                 us = replay_us(graph)
@@ -149,6 +166,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "site_cost.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "layers": LAYERS, "hidden": HIDDEN,
+         "gemm": args.gemm, "inductor": inductor,
          "steered_layer": STEERED_LAYER, "us_per_stack": results}, indent=2))
 
 
