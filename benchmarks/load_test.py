@@ -666,12 +666,26 @@ the same request alone (README, "Controllers"; seen in CI as one latch request 5
 
 def leak_sample(items: Sequence[Item], outcomes: Sequence[Outcome], n: int,
                 kinds: Sequence[str] = ("plain",)) -> list[int]:
-    """Indices of ``n`` completions of ``kinds`` spread over the run that completed."""
-    ok = [it.index for it, out in zip(items, outcomes, strict=True)
-          if it.kind in kinds and out.error is None and not out.aborted and out.logprobs]
-    if len(ok) <= n:
-        return ok
-    return [ok[int(j)] for j in np.linspace(0, len(ok) - 1, n)]
+    """Indices of ``n`` completions of ``kinds`` spread over the run that completed, in run
+    order: an equal share of each kind (the first kinds take the remainder), so a rare kind
+    is always in the sample; a kind with fewer completions than its share gives the rest to
+    the others."""
+    ok = {kind: [] for kind in kinds}
+    for it, out in zip(items, outcomes, strict=True):
+        if it.kind in ok and out.error is None and not out.aborted and out.logprobs:
+            ok[it.kind].append(it.index)
+    quota = {kind: len(done) for kind, done in ok.items()}
+    if sum(quota.values()) > n:
+        quota = dict.fromkeys(kinds, 0)
+        left = n
+        while left:  # one more for each kind that still has completions, in turn
+            for kind in kinds:
+                if left and quota[kind] < len(ok[kind]):
+                    quota[kind] += 1
+                    left -= 1
+    picked = [done[int(j)] for kind, done in ok.items() if quota[kind]
+              for j in np.linspace(0, len(done) - 1, quota[kind])]
+    return sorted(picked)
 
 
 async def compare_alone(base: str, items: Sequence[Item], outcomes: Sequence[Outcome],
