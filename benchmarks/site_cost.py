@@ -18,8 +18,9 @@ Two kinds of traffic: ``idle`` (every token on row 0, the serving default) and `
 (every token on one row with a static vector at layer 16 only, what ``overhead.py``'s
 ``registered`` scenario sends).
 
-``--gemm`` puts a GEMM (bf16, ``HIDDEN x HIDDEN``, four distinct weights in turn, 128 MB, so
-the L2 is flushed as a layer's weights flush it in a model) after each norm, as in a decoder
+``--gemm [N]`` puts a GEMM (bf16, ``HIDDEN x HIDDEN``, N distinct 32 MB weights in turn,
+default 4: 128 MB, so the L2 is flushed as a layer's weights flush it in a model; 1 fits in an
+H100's 50 MB L2, so the site's small buffers can stay there) after each norm, as in a decoder
 layer: Inductor then compiles each site and norm into a kernel of its own between GEMMs, as it
 does in the engine, instead of fusing the stack together. ``--inductor KEY=VALUE ...`` compiles
 every variant under those Inductor settings (integers), e.g. its store-or-recompute
@@ -28,7 +29,7 @@ thresholds ``realize_reads_threshold`` / ``realize_opcount_threshold``.
 Prints microseconds per stack (median of repeated graph replays) and the ratio to ``none``
 for 1, 32, 256 and 2048 tokens; writes ``site_cost.json``.
 
-Usage: python benchmarks/site_cost.py --out DIR [--variants op fused] [--gemm]
+Usage: python benchmarks/site_cost.py --out DIR [--variants op fused] [--gemm [N]]
        [--inductor realize_reads_threshold=16]
 """
 
@@ -79,7 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--gemm", action="store_true", help="a GEMM after each norm")
+    parser.add_argument("--gemm", type=int, nargs="?", const=4, default=0, metavar="N",
+                        help="a GEMM after each norm, cycling through N weights (default 4)")
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
                         help="Inductor config (integers) to compile under")
     args = parser.parse_args()
@@ -112,7 +114,7 @@ def main() -> None:
                     for layer in range(LAYERS)]
     weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
     gemms = [torch.randn(HIDDEN, HIDDEN, dtype=torch.bfloat16, device=device) / HIDDEN**0.5
-             for _ in range(4)] if args.gemm else []
+             for _ in range(args.gemm)]
 
     def gather_add(x: torch.Tensor, b: ops.SteerBuffers) -> torch.Tensor:
         n = x.shape[0]
