@@ -60,20 +60,26 @@ def graph_of(fn, x, h):
     return graph
 
 
-def replay_us(graph) -> float:
-    """Median microseconds per replay (30 timings of 20 back-to-back replays)."""
+def cuda_us(fn, calls: int, timings: int = 30) -> float:
+    """Median GPU microseconds per call of ``fn`` (``timings`` timings of ``calls``
+    back-to-back calls, by CUDA events)."""
     import torch
 
     times = []
-    for _ in range(30):
+    for _ in range(timings):
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record()
-        for _ in range(20):
-            graph.replay()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / 20)
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
+
+
+def replay_us(graph) -> float:
+    """Median microseconds per replay (30 timings of 20 back-to-back replays)."""
+    return cuda_us(graph.replay, 20)
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from site_cost import graph_of, replay_us
+from site_cost import cuda_us, graph_of, replay_us
 
 from dynsteer.engine_ext.worker import ops
 
@@ -146,13 +146,7 @@ def main() -> None:
                     replay_us(graph)
             torch._dynamo.reset()
     b.set_traffic(True)
-    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-    start.record()
-    for _ in range(100):
-        b.prep()
-    end.record()
-    end.synchronize()
-    prep_us = start.elapsed_time(end) * 10
+    prep_us = cuda_us(b.prep, 100, timings=1)
     forms = ("none", *FORMS)
     for traffic, by_tokens in results.items():
         print(f"\n{traffic}\n{'tokens':>7} " + " ".join(f"{f:>10}" for f in forms))
