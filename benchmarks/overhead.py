@@ -28,6 +28,11 @@ Scenarios, each request of a batch carrying its own spec:
 * ``ablate``      every request ablating one registered direction at layers 16-23, on an engine
                   of its own with one projection slot (``max_projections: 1``).
 
+With ``--variant JSON`` a ``variant`` engine (the plugin with those engine options, e.g.
+``'{"l2_window": true}'``) runs every scenario the ``plugin`` engine runs, in the same
+alternation, and each of its rows is also compared with the ``plugin`` row of its scenario
+(``vs plugin``): an engine option against the default in one run.
+
 Shapes: decode-heavy (128 prompt + 128 generated tokens) at batches 1, 32, 256 and a
 prefill-heavy one (2048 prompt + 16 generated) at batch 32. Prints a table (tokens/s = generated
 tokens / wall time, median of the repetitions, ratio to stock in the same run, spread; the
@@ -38,7 +43,7 @@ runs the worker's dynsteer host time per step: index fill + telemetry fold and r
 admitted request) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
-       [--scenarios idle gated ...] [--control --mem 0.28]
+       [--scenarios idle gated ...] [--control --mem 0.28] [--variant JSON]
 """
 
 from __future__ import annotations
@@ -278,18 +283,19 @@ def add_host_time(total: dict[str, float], before: dict[str, Any],
         total[key] = total.get(key, 0.0) + after[hook][field] - before[hook][field]
 
 
-def summarize(run: dict[str, Any], key: str, host: dict[str, float] | None) -> dict[str, Any]:
-    """One scenario of one shape against stock in the same run.
+def summarize(run: dict[str, Any], key: str, host: dict[str, float] | None,
+              base: str = "stock/idle") -> dict[str, Any]:
+    """One scenario of one shape against ``base`` (stock) in the same run.
 
     ``ratio``: median tokens/s over stock's (whole runs, prefill included). ``step_ratio``:
     stock's median decode step over this one's (vLLM's per-step timing; > 1 is faster), and
     ``paired_step_ratio``: the median of the per-repetition ratios (each repetition's stock run
     and this run were minutes apart at most), with their range, the figure's own noise."""
-    tok_s, stock_tok_s = run["samples"][key], run["samples"]["stock/idle"]
-    step_s, stock_step_s = run["decode_step_s"][key], run["decode_step_s"]["stock/idle"]
+    tok_s, stock_tok_s = run["samples"][key], run["samples"][base]
+    step_s, stock_step_s = run["decode_step_s"][key], run["decode_step_s"][base]
     med = statistics.median(tok_s)
     paired = [s / x for s, x in zip(stock_step_s, step_s, strict=True)]
-    mhz, stock_mhz = run["sm_mhz"][key], run["sm_mhz"]["stock/idle"]
+    mhz, stock_mhz = run["sm_mhz"][key], run["sm_mhz"][base]
     cycles = [s * m for s, m in zip(step_s, mhz, strict=True)]
     stock_cycles = [s * m for s, m in zip(stock_step_s, stock_mhz, strict=True)]
     per_step = per_request = None
@@ -323,6 +329,9 @@ def main() -> None:
     ap.add_argument("--control", action="store_true",
                     help="a second stock engine, started last, timed like the others: the "
                          "method's own bias and noise (an A/A ratio); use --mem 0.28")
+    ap.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
+                    help="engine options of a third engine that runs the plugin scenarios "
+                         "too, compared with the plugin's (use --mem 0.28)")
     args = ap.parse_args()
     import numpy as np
     import torch
@@ -340,6 +349,8 @@ def main() -> None:
         engines = {"stock": start(path, None, args.mem)}
         if set(args.scenarios) - set(OWN_ENGINE):
             engines["plugin"] = start(path, {}, args.mem)
+        if args.variant is not None:
+            engines["variant"] = start(path, args.variant, args.mem)
         if "ablate" in args.scenarios:
             engines["projecting"] = start(path, {"max_projections": 1}, args.mem)
         if args.control:
@@ -351,7 +362,7 @@ def main() -> None:
             subscriber = Subscriber(EVENTS_ADDRESS)
         startup = time.time() - t0
         steerings = {n: Steering(e) for n, e in engines.items()
-                     if n in ("plugin", *OWN_ENGINE.values())}
+                     if n in ("plugin", "variant", *OWN_ENGINE.values())}
         primary = next(n for n in ("plugin", "events", "projecting") if n in engines)
         steering = steerings[primary]
         vector = np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32) * 0.01
@@ -371,6 +382,8 @@ def main() -> None:
         if not args.no_prefill:
             shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
         runs = [("stock", "idle"), *((OWN_ENGINE.get(s, "plugin"), s) for s in args.scenarios),
+                *(("variant", s) for s in args.scenarios
+                  if args.variant is not None and s not in OWN_ENGINE),
                 *([("control", "idle")] if args.control else [])]
         seed = 0
         clocks = {name: StepClock(llm) for name, llm in engines.items()}
@@ -398,7 +411,7 @@ def main() -> None:
                     steps[f"{engine}/{scenario}"].append(step_s)
                     mhz[f"{engine}/{scenario}"].append(run_mhz)
                     if own is not None:
-                        add_host_time(host.setdefault(scenario, {}), start_time,
+                        add_host_time(host.setdefault(f"{engine}/{scenario}", {}), start_time,
                                       own.info()[0]["host_time"])
             after = steering.info()[0]
             site = f"post_block@{MONITOR}"
@@ -424,8 +437,9 @@ def main() -> None:
     for shape, run in results["runs"].items():
         for key in run["samples"]:
             engine, scenario = key.split("/", 1)
-            row = summarize(run, key,
-                            run["host_time"].get(scenario) if engine in steerings else None)
+            row = summarize(run, key, run["host_time"].get(key))
+            if engine == "variant":
+                row["vs_plugin"] = summarize(run, key, None, base=f"plugin/{scenario}")
             summary[f"{shape}/{key}"] = row
             low, high = row["paired_step_ratio_range"]
             print(f"{shape:>14} {key:<22} {row['tok_s']:>9.1f} {row['ratio']:>7.4f} "
@@ -433,6 +447,12 @@ def main() -> None:
                   f"{row['step_ratio']:>10.4f} {low:>7.4f}-{high:<7.4f} "
                   f"{row['sm_mhz']:>7.0f} {row['cycle_ratio']:>7.4f} "
                   f"{_fmt(row['host_us_per_step']):>13} {_fmt(row['host_us_per_request']):>11}")
+            if "vs_plugin" in row:
+                vs = row["vs_plugin"]
+                low, high = vs["paired_step_ratio_range"]
+                print(f"{'':>14} {'  vs plugin/' + scenario:<22} {'':>9} {vs['ratio']:>7.4f} "
+                      f"{'':>7} {'':>8} {vs['step_ratio']:>10.4f} {low:>7.4f}-{high:<7.4f} "
+                      f"paired median {vs['paired_step_ratio']:.4f}")
         print(f"{shape:>14} gate on for {run['gate_on_fraction']:.0%} of monitored tokens")
     if "events" in results:
         print(f"events: {results['events']}")

@@ -27,10 +27,15 @@ every variant under those Inductor settings (integers), e.g. its store-or-recomp
 thresholds ``realize_reads_threshold`` / ``realize_opcount_threshold``.
 
 Prints microseconds per stack (median of repeated graph replays) and the ratio to ``none``
-for 1, 32, 256 and 2048 tokens; writes ``site_cost.json``.
+(median over rounds in which every graph is timed in turn) for 1, 32, 256 and 2048 tokens;
+writes ``site_cost.json``.
+
+``--l2-window`` also captures every variant on a stream with an L2 access-policy window
+(:mod:`dynsteer.engine_ext.worker.l2_window`) over the index and gate buffer (``variant_l2``),
+and writes the windowed graphs at 1 token as DOT (``graph_*.dot``: the kernel nodes' attributes).
 
 Usage: python benchmarks/site_cost.py --out DIR [--variants op fused] [--gemm [N]]
-       [--inductor realize_reads_threshold=16]
+       [--l2-window] [--inductor realize_reads_threshold=16]
 """
 
 from __future__ import annotations
@@ -48,15 +53,20 @@ VARIANTS = ("none", "op", "gather", "fused")
 TRAFFIC = ("idle", "registered")
 
 
-def graph_of(fn, x, h):
-    """``fn(x, h)`` warmed up (compiled, autotuned) and captured as one CUDA graph."""
+def graph_of(fn, x, h, stream=None, dump=None):
+    """``fn(x, h)`` warmed up (compiled, autotuned) and captured as one CUDA graph (on
+    ``stream``; its nodes written as DOT to ``dump``)."""
     import torch
 
     for _ in range(3):
         fn(x, h)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    if dump:
+        graph.enable_debug_mode()
+    with torch.cuda.graph(graph, stream=stream):
         fn(x, h)
+    if dump:
+        graph.debug_dump(str(dump))
     return graph
 
 
@@ -77,6 +87,17 @@ def cuda_us(fn, calls: int, timings: int = 30) -> float:
     return statistics.median(times)
 
 
+def interleaved_us(fns: dict, calls: int, rounds: int = 30) -> dict[str, list[float]]:
+    """GPU microseconds per call of each of ``fns``, timed in turn ``rounds`` times
+    (``calls`` back-to-back calls per timing), so that drift in the GPU's clock falls on all
+    of them alike: each round's ratio of two is a paired comparison."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(cuda_us(fn, calls, timings=1))
+    return times
+
+
 def replay_us(graph) -> float:
     """Median microseconds per replay (30 timings of 20 back-to-back replays)."""
     return cuda_us(graph.replay, 20)
@@ -88,9 +109,13 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--gemm", type=int, nargs="?", const=4, default=0, metavar="N",
                         help="a GEMM after each norm, cycling through N weights (default 4)")
+    parser.add_argument("--l2-window", action="store_true",
+                        help="also capture every variant on a stream whose L2 access-policy "
+                             "window keeps the index and gate persisting (variant_l2)")
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
                         help="Inductor config (integers) to compile under")
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     inductor = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.inductor)}
     variants = ["none", *(v for v in args.variants if v != "none")]
     import torch
@@ -100,8 +125,16 @@ def main() -> None:
     device = torch.device("cuda")
     rows, max_tokens = 65, max(TOKENS)
     zeros = torch.zeros
-    index = zeros(ops.INDEX_ROWS, max_tokens, dtype=torch.int32, device=device)
-    gate_score = zeros(2, max_tokens, device=device)
+    small = zeros((ops.INDEX_ROWS + 2) * max_tokens, dtype=torch.int32, device=device)
+    index = small[:ops.INDEX_ROWS * max_tokens].view(ops.INDEX_ROWS, max_tokens)
+    gate_score = small[ops.INDEX_ROWS * max_tokens:].view(torch.float32).view(2, max_tokens)
+    streams = {"": None}
+    if args.l2_window:
+        from dynsteer.engine_ext.worker import l2_window
+
+        print("persisting L2 set aside:", l2_window.reserve(device, 4 << 20), "bytes")
+        streams["_l2"] = torch.cuda.Stream()
+        l2_window.set_window(streams["_l2"], small)
     table = zeros(LAYERS, rows, HIDDEN, device=device)
     dyn = zeros(LAYERS, rows, HIDDEN, device=device)
     flags = zeros(LAYERS, rows, dtype=torch.int32, device=device)
@@ -154,28 +187,40 @@ def main() -> None:
         return torch.compile(forward, fullgraph=True)
 
     results: dict[str, dict[str, dict[str, float]]] = {}
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
     for tokens in TOKENS:
         x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=device)
         h = torch.randn_like(x)
+        graphs = {}
         for variant in variants:
             with torch._inductor.config.patch(inductor):
-                graph = graph_of(stack(variant), x, h)
-            for traffic in TRAFFIC:  # the same graph: only the index it reads changes
-                index[ops.INDEX_ROW] = int(traffic == "registered")
-                us = replay_us(graph)
-                results.setdefault(traffic, {}).setdefault(str(tokens), {})[variant] = us
+                compiled = stack(variant)
+                for suffix, stream in streams.items():
+                    dump = (args.out / f"graph_{variant}{suffix}.dot"
+                            if suffix and tokens == 1 else None)
+                    graphs[variant + suffix] = graph_of(compiled, x, h, stream, dump)
             torch._dynamo.reset()
+        for traffic in TRAFFIC:  # the same graphs: only the index they read changes
+            index[ops.INDEX_ROW] = int(traffic == "registered")
+            us = interleaved_us({name: g.replay for name, g in graphs.items()}, 20)
+            results.setdefault(traffic, {})[str(tokens)] = {
+                name: statistics.median(t) for name, t in us.items()}
+            ratios.setdefault(traffic, {})[str(tokens)] = {
+                name: statistics.median(a / b for a, b in zip(t, us["none"], strict=True))
+                for name, t in us.items()}
+    names = list(graphs)
     for traffic, by_tokens in results.items():
         print(f"\n{traffic}\n{'tokens':>7} "
-              + " ".join(f"{v + ' us':>12} {'ratio':>7}" for v in variants))
+              + " ".join(f"{v + ' us':>12} {'ratio':>7}" for v in names))
         for tokens, row in by_tokens.items():
-            print(f"{tokens:>7} " + " ".join(f"{row[v]:>12.1f} {row[v] / row['none']:>7.4f}"
-                                             for v in variants))
-    args.out.mkdir(parents=True, exist_ok=True)
+            paired = ratios[traffic][tokens]
+            print(f"{tokens:>7} " + " ".join(f"{row[v]:>12.1f} {paired[v]:>7.4f}"
+                                             for v in names))
     (args.out / "site_cost.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "layers": LAYERS, "hidden": HIDDEN,
-         "gemm": args.gemm, "inductor": inductor,
-         "steered_layer": STEERED_LAYER, "us_per_stack": results}, indent=2))
+         "gemm": args.gemm, "inductor": inductor, "l2_window": args.l2_window,
+         "steered_layer": STEERED_LAYER, "us_per_stack": results,
+         "paired_ratio_to_none": ratios}, indent=2))
 
 
 if __name__ == "__main__":
