@@ -9,14 +9,16 @@ the site:
 * ``op``        the ``dynsteer::steer`` op (the Triton kernel) before each norm;
 * ``gather``    the add written as plain row gathers (``table[row]``), fused into the norm;
 * ``fused``     :func:`dynsteer.engine_ext.worker.ops.steer_add`: the same add with row 0 read
-                as padding, so that unsteered tokens load no row (Inductor masks the load); a
-                steered token loads both tiers of its row at every site.
+                as padding, so that unsteered tokens load no row (Inductor masks the load),
+                and the dynamic tier read only where the token's gate is open: a statically
+                steered token loads one row per site;
+* ``both_tiers`` ``fused`` as it was before, a steered token loading both tiers at every site.
 
 ``experiments/site_forms.py`` times forms that skip the rows where a row does not steer.
 
-Two kinds of traffic: ``idle`` (every token on row 0, the serving default) and ``registered``
+Three kinds of traffic: ``idle`` (every token on row 0, the serving default), ``registered``
 (every token on one row with a static vector at layer 16 only, what ``overhead.py``'s
-``registered`` scenario sends).
+``registered`` scenario sends) and ``gated`` (the same with every token's gate at 1).
 
 ``--gemm [N]`` puts a GEMM (bf16, ``HIDDEN x HIDDEN``, N distinct 32 MB weights in turn,
 default 4: 128 MB, so the L2 is flushed as a layer's weights flush it in a model; 1 fits in an
@@ -49,8 +51,8 @@ LAYERS = 32
 HIDDEN = 4096
 STEERED_LAYER = 16
 TOKENS = (1, 32, 256, 2048)
-VARIANTS = ("none", "op", "gather", "fused")
-TRAFFIC = ("idle", "registered")
+VARIANTS = ("none", "op", "gather", "fused", "both_tiers")
+TRAFFIC = ("idle", "registered", "gated")
 
 
 def graph_of(fn, x, h, stream=None, dump=None):
@@ -164,6 +166,13 @@ def main() -> None:
         y = torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32)
         return y.to(x.dtype)
 
+    def both_tiers_add(x: torch.Tensor, b: ops.SteerBuffers) -> torch.Tensor:
+        rows = b.index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
+        x32 = x.to(torch.float32)
+        delta = (ops._row_of(b.table, rows)
+                 + b.gate_score[ops.GATE, :x.shape[0], None] * ops._row_of(b.dyn, rows))
+        return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
+
     def site(variant: str, x: torch.Tensor, layer: int) -> torch.Tensor:
         b = site_buffers[layer]
         if variant == "op":
@@ -173,6 +182,8 @@ def main() -> None:
                                  b.proj_par, b.proj_gram)
         if variant == "gather":
             return gather_add(x, b)
+        if variant == "both_tiers":
+            return both_tiers_add(x, b)
         return x
 
     def stack(variant: str):
@@ -201,7 +212,8 @@ def main() -> None:
                     graphs[variant + suffix] = graph_of(compiled, x, h, stream, dump)
             torch._dynamo.reset()
         for traffic in TRAFFIC:  # the same graphs: only the index they read changes
-            index[ops.INDEX_ROW] = int(traffic == "registered")
+            index[ops.INDEX_ROW] = int(traffic != "idle")
+            gate_score[ops.GATE] = float(traffic == "gated")
             us = interleaved_us({name: g.replay for name, g in graphs.items()}, 20)
             results.setdefault(traffic, {})[str(tokens)] = {
                 name: statistics.median(t) for name, t in us.items()}

@@ -294,11 +294,12 @@ def test_compiled_graph_reads_buffers_in_place():
 @pytest.mark.parametrize("device", DEVICES)
 def test_steer_add_matches_float64(tokens, hidden, dtype, device):
     """A site without monitor (:func:`ops.steer_add`): both tiers with the gate earlier sites
-    wrote, eager and compiled, against float64; an element the steering would push past the
-    stream limit (or to NaN) keeps its value."""
+    wrote (closed, 0, on every third token), eager and compiled, against float64; an element
+    the steering would push past the stream limit (or to NaN) keeps its value."""
     x, h, b = make_inputs(tokens, hidden, dtype, seed=tokens + hidden)
     b.table[3, 0] = float("inf")
     b.table[4, 1] = 2 * ops.stream_limit(dtype)
+    b.gate_score[ops.GATE, ::3] = 0.0  # closed gates: the dynamic row is not read, adds 0
     rows = b.index[ops.INDEX_ROW, :tokens].long()
     gate = b.gate_score[ops.GATE, :tokens, None].double()
     want = x.double() + b.table[rows].double() + gate * b.dyn[rows].double()
