@@ -9,10 +9,12 @@ the site:
 * ``op``        the ``dynsteer::steer`` op (the Triton kernel) before each norm;
 * ``gather``    the add written as plain row gathers (``table[row]``), fused into the norm;
 * ``fused``     :func:`dynsteer.engine_ext.worker.ops.steer_add`: the same add with row 0 read
-                as padding, so that unsteered tokens load no row (Inductor masks the load),
-                and the dynamic tier read only where the token's gate is open: a statically
-                steered token loads one row per site;
-* ``both_tiers`` ``fused`` as it was before, a steered token loading both tiers at every site.
+                as padding, so that unsteered tokens load no row (Inductor masks the load); a
+                steered token loads both tiers of its row at every site;
+* ``gate_masked`` ``fused`` with the dynamic tier read only where the token's gate is open (a
+                statically steered token loads one row per site): 6 us per stack faster here
+                for registered traffic, 0.8% of a decode step slower in the engine, idle
+                included (``benchmarks/RESULTS.md``, session 14).
 
 ``experiments/site_forms.py`` times forms that skip the rows where a row does not steer.
 
@@ -33,7 +35,7 @@ Prints microseconds per stack (median of repeated graph replays) and the ratio t
 writes ``site_cost.json``.
 
 ``--l2-window`` also captures every variant on a stream with an L2 access-policy window
-(:mod:`dynsteer.engine_ext.worker.l2_window`) over the index and gate buffer (``variant_l2``),
+(:mod:`l2_window`) over the index and gate buffer (``variant_l2``),
 and writes the windowed graphs at 1 token as DOT (``graph_*.dot``: the kernel nodes' attributes).
 
 Usage: python benchmarks/site_cost.py --out DIR [--variants op fused] [--gemm [N]]
@@ -51,7 +53,7 @@ LAYERS = 32
 HIDDEN = 4096
 STEERED_LAYER = 16
 TOKENS = (1, 32, 256, 2048)
-VARIANTS = ("none", "op", "gather", "fused", "both_tiers")
+VARIANTS = ("none", "op", "gather", "fused", "gate_masked")
 TRAFFIC = ("idle", "registered", "gated")
 
 
@@ -132,7 +134,7 @@ def main() -> None:
     gate_score = small[ops.INDEX_ROWS * max_tokens:].view(torch.float32).view(2, max_tokens)
     streams = {"": None}
     if args.l2_window:
-        from dynsteer.engine_ext.worker import l2_window
+        import l2_window
 
         print("persisting L2 set aside:", l2_window.reserve(device, 4 << 20), "bytes")
         streams["_l2"] = torch.cuda.Stream()
@@ -166,11 +168,13 @@ def main() -> None:
         y = torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32)
         return y.to(x.dtype)
 
-    def both_tiers_add(x: torch.Tensor, b: ops.SteerBuffers) -> torch.Tensor:
-        rows = b.index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
+    def gate_masked_add(x: torch.Tensor, b: ops.SteerBuffers) -> torch.Tensor:
+        n = x.shape[0]
+        rows = b.index[ops.INDEX_ROW, :n].to(torch.long)
+        gate = b.gate_score[ops.GATE, :n]
         x32 = x.to(torch.float32)
         delta = (ops._row_of(b.table, rows)
-                 + b.gate_score[ops.GATE, :x.shape[0], None] * ops._row_of(b.dyn, rows))
+                 + gate[:, None] * ops._row_of(b.dyn, torch.where(gate != 0, rows, 0)))
         return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
 
     def site(variant: str, x: torch.Tensor, layer: int) -> torch.Tensor:
@@ -182,8 +186,8 @@ def main() -> None:
                                  b.proj_par, b.proj_gram)
         if variant == "gather":
             return gather_add(x, b)
-        if variant == "both_tiers":
-            return both_tiers_add(x, b)
+        if variant == "gate_masked":
+            return gate_masked_add(x, b)
         return x
 
     def stack(variant: str):

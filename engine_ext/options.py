@@ -58,10 +58,6 @@ class EngineOptions(BaseModel):
     row. 0 (the default) turns the two ops off and costs nothing; each slot costs
     ``sites * (max_rows + 1) * (hidden + 4) * 4`` bytes of device memory, and a steered token
     reads its row's slots at every site (one dot product per slot)."""
-    l2_window: bool = False
-    """CUDA: keep the token index and gates resident in L2 (a persisting access-policy window
-    on the streams the forward runs and is captured on; sets aside that many bytes of L2,
-    ``(4 + 2) * max_tokens * 4``). Every site reads them first, after GEMMs that evict them."""
     max_gates: int = Field(default=128, ge=1, le=65536)
     """Distinct probes (with their threshold, sharpness and monitor site) gating requests in
     flight; each costs ``hidden * 4`` bytes of device memory."""

@@ -79,18 +79,6 @@ def runner_facts(runner: Any) -> RunnerFacts:
     )
 
 
-def forward_streams() -> list[Any]:
-    """The CUDA streams vLLM runs the forward on and captures its graphs on: its per-process
-    current stream (eager forwards, PIECEWISE capture) and ``torch.cuda.graph``'s default
-    capture stream (the V2 runner's FULL capture passes no stream); both created if needed."""
-    import torch
-    from vllm.utils.torch_utils import current_stream
-
-    if torch.cuda.graph.default_capture_stream is None:
-        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
-    return [current_stream(), torch.cuda.graph.default_capture_stream]
-
-
 STATE_ATTR = "dynsteer_state"
 """Attribute of the model runner holding dynsteer's worker state."""
 

@@ -10,7 +10,6 @@ import numpy as np
 from ..compat import model as vllm_model
 from ..compat import worker as vllm_worker
 from ..options import EngineOptions, options_from_additional_config
-from . import l2_window
 from .events import EngineEvents, EventPublisher
 from .sites import install_sites
 from .state import SteeringState
@@ -77,11 +76,6 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         state.set_events(EngineEvents(EventPublisher(options.events_address,
                                                      options.events_queue),
                                       options.events_every))
-    if options.l2_window and state.step_buffer.is_cuda:
-        reserved = l2_window.reserve(state.step_buffer.device, l2_window.nbytes(state.step_buffer))
-        for stream in vllm_worker.forward_streams():
-            l2_window.set_window(stream, state.step_buffer)
-        logger.info("dynsteer: %d bytes of L2 keep the token index and gates", reserved)
     installed = install_sites(facts.model, state.site_buffers())
     vllm_model.relay_between_stages(facts.model, state.gate_score)
     state.capture.installed = frozenset(installed)

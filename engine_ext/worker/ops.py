@@ -226,18 +226,14 @@ def steer_add(x: torch.Tensor, h: torch.Tensor | None, index: torch.Tensor,
     """Static + gated steering of a site without monitor or capture: the op's last lines in
     tensor ops (see the module docstring), so the compiler fuses them into the kernels
     around the site. A row's unused tier is zero, so reading it adds exactly nothing; the
-    gate is the token's, written at its monitor site earlier in the forward. The dynamic
-    tier is read only where the gate is open (not 0): a statically steered token, or a gated
-    one whose gate is closed, loads one row per site, not two (its product with a closed gate
-    is 0 for the finite rows the registry admits). Projection
+    gate is the token's, written at its monitor site earlier in the forward. Projection
     slots are read only when the engine has them (``max_projections``), and then by every
     steered token (unused slots are zero)."""
     n = x.shape[0]
     rows = index[INDEX_ROW, :n].to(torch.long)
     gate = gate_score[GATE, :n]
     x32 = x.to(torch.float32)
-    gated_rows = torch.where(gate != 0, rows, 0)  # a closed gate adds no dynamic row: skip it
-    delta = _row_of(table, rows) + gate[:, None] * _row_of(dyn, gated_rows)
+    delta = _row_of(table, rows) + gate[:, None] * _row_of(dyn, rows)
     if proj_dir.shape[1]:  # max_projections > 0: fixed when the graph is traced
         stream = x32 if h is None else x32 + h.to(torch.float32)
         delta = delta + projection_change(stream, gate, rows, proj_dir, proj_par, proj_gram,

@@ -41,7 +41,7 @@ from .control import ControlTable
 from .controllers import ControllerRunner
 from .events import EngineEvents
 from .host_time import HostTime
-from .ops import GATE, INDEX_ROWS, SCORE, SteerBuffers
+from .ops import GATE, SCORE, SteerBuffers
 from .rows import (
     Contents,
     ProbeRow,
@@ -167,15 +167,8 @@ class SteeringState:
         self.hidden_size = hidden_size
         self.rows = RowTable(sites, hidden_size, max_rows, device, max_projections)
         self.probe_table = ProbeTable(sites, hidden_size, max_gates or max_rows, device)
-        self.step_buffer = torch.zeros((INDEX_ROWS + 2) * max_tokens, dtype=torch.int32,
-                                       device=device)
-        """The token index and the gates, in one allocation: every site reads both, and one
-        address range is what an L2 access-policy window can keep resident
-        (:mod:`.l2_window`)."""
-        split = INDEX_ROWS * max_tokens
-        self.token_rows = TokenRows(max_tokens, device,
-                                    self.step_buffer[:split].view(INDEX_ROWS, max_tokens))
-        self.gate_score = self.step_buffer[split:].view(torch.float32).view(2, max_tokens)
+        self.token_rows = TokenRows(max_tokens, device)
+        self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
         """Per-token gate (row ``GATE``, written at each token's monitor site) and probe score
         (row ``SCORE``) of the step: one buffer, so the read-back is one copy."""
         self.gate, self.score = self.gate_score[GATE], self.gate_score[SCORE]

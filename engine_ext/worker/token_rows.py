@@ -30,13 +30,9 @@ def expand_positions(num_computed: np.ndarray, num_scheduled: np.ndarray) -> np.
 class TokenRows:
     """Owns the device index buffer the ops read and fills it each step."""
 
-    def __init__(self, max_tokens: int, device: torch.device,
-                 buffer: torch.Tensor | None = None) -> None:
-        """``buffer``: the zeroed ``int32[INDEX_ROWS, max_tokens]`` to own (allocated if None;
-        the worker passes a view of the buffer it keeps the gates in too)."""
+    def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.device = device
-        self.buffer = (torch.zeros(INDEX_ROWS, max_tokens, dtype=torch.int32, device=device)
-                       if buffer is None else buffer)
+        self.buffer = torch.zeros(INDEX_ROWS, max_tokens, dtype=torch.int32, device=device)
         self.rows = self.buffer[INDEX_ROW]
         self.probe_rows = self.buffer[INDEX_PROBE]
         self.capture_rows = self.buffer[INDEX_CAPTURE]

@@ -1,4 +1,6 @@
-"""Keep the steering op's small per-step buffers resident in the GPU's L2 cache.
+"""Keep the steering op's small per-step buffers resident in the GPU's L2 cache (tried in the
+engine in session 14 as an engine option, ``d4174db``: +0.15-0.26% of a decode step at batch 1,
+-0.25-0.31% at batch 32, so not shipped; ``site_cost.py --l2-window`` uses it).
 
 Every steering site reads the token's index entry and gate before anything else (a dependent
 load: which row to add, if any). In a decoder layer the site sits between GEMMs that stream
@@ -7,8 +9,10 @@ read is an HBM round trip on the kernel's critical path, at every site of every 
 not. An L2 *access-policy window* marks an address range as persisting: lines in it are kept
 in a set-aside part of L2 that streaming traffic does not evict.
 
-The window is a property of the stream (and, through stream capture, of the kernel nodes of a
-CUDA graph captured on it), so it is set on the streams the forward runs and is captured on.
+The window is a property of the stream, so it is set on the streams the forward runs and is
+captured on. That stream capture carries it into the graph's kernel nodes is inferred, not
+shown: the engine's step changed consistently with it (both ways, by batch), and the DOT dump
+meant to show the nodes' attributes (``site_cost.py --l2-window``) wrote no file.
 CUDA's driver API is called through :mod:`ctypes`: PyTorch exposes neither the persisting-L2
 limit nor stream attributes.
 """
