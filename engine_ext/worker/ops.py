@@ -257,7 +257,8 @@ def steer_add(x: torch.Tensor, h: torch.Tensor | None, index: torch.Tensor,
     ``site_bit`` (its row steers no site of this group) reads no row."""
     n = x.shape[0]
     entry = index[INDEX_ROW, :n]
-    rows = torch.where((entry & site_bit) != 0, entry & ROW_MASK, 0).to(torch.long)
+    in_group = (entry >> (site_bit.bit_length() - 1)) & 1
+    rows = ((entry & ROW_MASK) * in_group).to(torch.long)
     gate = gate_score[GATE, :n]
     x32 = x.to(torch.float32)
     delta = _row_of(table, rows) + gate[:, None] * _row_of(dyn, rows)
