@@ -29,9 +29,10 @@ Scenarios, each request of a batch carrying its own spec:
                   of its own with one projection slot (``max_projections: 1``).
 
 With ``--variant JSON`` a ``variant`` engine (the plugin with those engine options, e.g.
-``'{"l2_window": true}'``) runs every scenario the ``plugin`` engine runs, in the same
+``'{"max_rows": 256}'``) runs every scenario the ``plugin`` engine runs, in the same
 alternation, and each of its rows is also compared with the ``plugin`` row of its scenario
-(``vs plugin``): an engine option against the default in one run.
+(``vs plugin``): an engine option against the default in one run. Session 14 measured two
+experimental options this way (``l2_window`` at ``d4174db``, ``site_groups`` at ``b8c2921``).
 
 Shapes: decode-heavy (128 prompt + 128 generated tokens) at batches 1, 32, 256 and a
 prefill-heavy one (2048 prompt + 16 generated) at batch 32. Prints a table (tokens/s = generated

@@ -4,8 +4,7 @@ For every token ``t`` of the step (``x`` is the tensor steered, ``h`` the other 
 residual stream, so the stream is ``x + h``; ``h`` is None where ``x`` is the whole stream;
 ``gate``/``score`` are the rows ``GATE``/``SCORE`` of ``gate_score``):
 
-    r = index[INDEX_ROW, t] & ROW_MASK                  (0: none; the high bits: site groups)
-    p, c = index[INDEX_PROBE, t], index[INDEX_CAPTURE, t]  (0: none)
+    r, p, c = index[INDEX_ROW, t], index[INDEX_PROBE, t], index[INDEX_CAPTURE, t]  (0: none)
     k = index[INDEX_CONTROL, t]                         (0: no controller)
     if p and params[p, PARAM_SITE] == site:             (this is t's monitor site)
         score[t] = (x[t] + h[t]) · probes[p]            (fp32 accumulate)
@@ -84,7 +83,6 @@ CUDA runs the Triton kernel in :mod:`.triton_kernels`; other devices run torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -108,15 +106,6 @@ PARAMS = 3
 INDEX_ROW, INDEX_PROBE, INDEX_CAPTURE, INDEX_CONTROL = 0, 1, 2, 3
 """Rows of ``index``: steering row, probe row, capture row, controller row of each token."""
 INDEX_ROWS = 4
-ROW_BITS = 13
-"""Low bits of an ``INDEX_ROW`` entry: the token's steering row (``max_rows`` <= 4096)."""
-ROW_MASK = (1 << ROW_BITS) - 1
-SITE_GROUPS = 18
-"""Bits of an ``INDEX_ROW`` entry above the row (below the sign bit): one per group of
-consecutive sites, set where the token's row steers at a site of that group (see
-:func:`site_bit`). A site without monitor reads the row only where its group's bit is set, so
-a row that steers a few layers costs the other sites no row load, and the bits cost no load of
-their own: they arrive with the row."""
 CTL_KIND, CTL_FLOOR, CTL_SCALE, CTL_COUNT, CTL_P0, CTL_P1, CTL_P2 = range(7)
 CTL_COLS = 8
 """Columns of ``control[k]``: the controller's kind (0: Python, run on the host; else a
@@ -125,20 +114,6 @@ KIND_LATCH, KIND_HYSTERESIS, KIND_PROPORTIONAL, KIND_BUDGET = 1, 2, 3, 4
 """The built-in controllers' kinds (:mod:`dynsteer.controller.controllers`)."""
 GATE, SCORE = 0, 1
 """Rows of ``gate_score``."""
-
-
-def site_bit(position: int, sites: int) -> int:
-    """The ``INDEX_ROW`` bit of the group of the site at ``position`` of ``sites`` (groups of
-    consecutive sites in forward order: a layer range is a few groups)."""
-    return 1 << (ROW_BITS + position * SITE_GROUPS // sites)
-
-
-def row_entry(row: int, positions: Iterable[int], sites: int) -> int:
-    """The ``INDEX_ROW`` entry of ``row`` for contents at the sites at ``positions``."""
-    entry = row
-    for position in positions:
-        entry |= site_bit(position, sites)
-    return entry
 
 
 class SteerBuffers(NamedTuple):
@@ -225,7 +200,7 @@ def steer_torch(x: torch.Tensor, h: torch.Tensor | None, b: SteerBuffers,
     _capture(x, h, index[INDEX_CAPTURE], b.capture, b.site_lane, site)
     _monitor(x, h, index[INDEX_PROBE], index[INDEX_CONTROL], b.probes, b.params, b.control,
              gate, score, site)
-    r = (index[INDEX_ROW] & ROW_MASK).to(torch.long)
+    r = index[INDEX_ROW].to(torch.long)
     delta = b.table.index_select(0, r)
     flags = b.flags.index_select(0, r)
     if bool(((flags & DYNAMIC_FLAG) != 0).any()):
@@ -247,18 +222,15 @@ def steer_torch(x: torch.Tensor, h: torch.Tensor | None, b: SteerBuffers,
 def steer_add(x: torch.Tensor, h: torch.Tensor | None, index: torch.Tensor,
               gate_score: torch.Tensor, table: torch.Tensor, dyn: torch.Tensor,
               proj_dir: torch.Tensor, proj_par: torch.Tensor,
-              proj_gram: torch.Tensor, site_bit: int) -> torch.Tensor:
+              proj_gram: torch.Tensor) -> torch.Tensor:
     """Static + gated steering of a site without monitor or capture: the op's last lines in
     tensor ops (see the module docstring), so the compiler fuses them into the kernels
     around the site. A row's unused tier is zero, so reading it adds exactly nothing; the
     gate is the token's, written at its monitor site earlier in the forward. Projection
     slots are read only when the engine has them (``max_projections``), and then by every
-    steered token (unused slots are zero). A token whose entry lacks this site's
-    ``site_bit`` (its row steers no site of this group) reads no row."""
+    steered token (unused slots are zero)."""
     n = x.shape[0]
-    entry = index[INDEX_ROW, :n]
-    in_group = (entry >> (site_bit.bit_length() - 1)) & 1
-    rows = ((entry & ROW_MASK) * in_group).to(torch.long)
+    rows = index[INDEX_ROW, :n].to(torch.long)
     gate = gate_score[GATE, :n]
     x32 = x.to(torch.float32)
     delta = _row_of(table, rows) + gate[:, None] * _row_of(dyn, rows)
