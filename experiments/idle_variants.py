@@ -12,11 +12,19 @@ tell the parts apart. Variants (none steers anything here: every token is on row
 * ``static``: the static tier only (no gate, no ``dyn`` row);
 * ``gather``: plain row gathers (row 0 read as zeros) instead of masked loads;
 * ``index``: the token's row index loaded and nothing steered, a floor for any design that
-  reads a per-token index inside the norm kernel.
+  reads a per-token index inside the norm kernel;
+* ``gate-mask``: the dynamic tier's row read only where the gate is open (session 14, `a2873e6`);
+* ``site-groups``: the row read only where the entry carries the site's group bit, as
+  arithmetic on the entry (session 14, ``a9996ed``; here one fixed bit, which idle entries,
+  all 0, never carry). Both cost 0.7-1.2% of a decode step in the engine where the stack
+  microbenchmark said they would save; these two tell which kernels moved.
+
+``--code DIR`` keeps Inductor's generated code (its cache directory) under ``DIR``, to diff
+the kernels a site fuses into between variants.
 
 Experiment code, not the product: variants are exact only for unsteered traffic.
 
-Usage: python experiments/idle_variants.py --out DIR --variant NAME [--batch 32]
+Usage: python experiments/idle_variants.py --out DIR --variant NAME [--batch 32] [--code DIR]
        python benchmarks/launches.py --compare DIR
 """
 
@@ -76,8 +84,31 @@ def _index(x, h, index, *_):
     return (x.to(torch.float32) + (rows != 0).to(torch.float32)[:, None]).to(x.dtype)
 
 
-VARIANTS = {"current": ops.steer_add, "where-sum": _where_sum, "no-guard": _no_guard,
-            "static": _static, "gather": _gather, "index": _index}
+def _gate_mask(x, h, index, gate_score, table, dyn, *_):
+    rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
+    gate = gate_score[ops.GATE, :x.shape[0]]
+    x32 = x.to(torch.float32)
+    delta = (ops._row_of(table, rows)
+             + gate[:, None] * ops._row_of(dyn, torch.where(gate != 0, rows, 0)))
+    return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
+
+
+GROUP_SHIFT = 13
+"""The site-group bit ``_site_groups`` tests (the row's bits are below it)."""
+
+
+def _site_groups(x, h, index, gate_score, table, dyn, *_):
+    entry = index[ops.INDEX_ROW, :x.shape[0]]
+    rows = ((entry & ((1 << GROUP_SHIFT) - 1)) * ((entry >> GROUP_SHIFT) & 1)).to(torch.long)
+    gate = gate_score[ops.GATE, :x.shape[0]]
+    x32 = x.to(torch.float32)
+    delta = ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
+    return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
+
+
+VARIANTS = {"current": ops.steer_add, "gate-mask": _gate_mask, "site-groups": _site_groups,
+            "where-sum": _where_sum, "no-guard": _no_guard, "static": _static,
+            "gather": _gather, "index": _index}
 
 
 def main() -> None:
@@ -85,8 +116,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variant", choices=sorted(VARIANTS), required=True)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--code", type=Path, default=None,
+                        help="keep Inductor's generated code under this directory")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.code is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(args.code.resolve() / args.variant)
     sites.steer_add = VARIANTS[args.variant]
     path = Path(tempfile.mkdtemp()) / "llama32"
     path.mkdir()
