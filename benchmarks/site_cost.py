@@ -91,6 +91,22 @@ def cuda_us(fn, calls: int, timings: int = 30) -> float:
     return statistics.median(times)
 
 
+def gate_masked_add(x, h, index, gate_score, table, dyn, *_):
+    """The ``gate_masked`` form of a fused site (``steer_add``'s arguments): the dynamic tier's
+    row read only where the token's gate is open (session 14, ``a2873e6``; not shipped)."""
+    import torch
+
+    from dynsteer.engine_ext.worker import ops
+
+    n = x.shape[0]
+    rows = index[ops.INDEX_ROW, :n].to(torch.long)
+    gate = gate_score[ops.GATE, :n]
+    x32 = x.to(torch.float32)
+    delta = (ops._row_of(table, rows)
+             + gate[:, None] * ops._row_of(dyn, torch.where(gate != 0, rows, 0)))
+    return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
+
+
 def interleaved_us(fns: dict, calls: int, rounds: int = 30) -> dict[str, list[float]]:
     """GPU microseconds per call of each of ``fns``, timed in turn ``rounds`` times
     (``calls`` back-to-back calls per timing), so that drift in the GPU's clock falls on all
@@ -168,15 +184,6 @@ def main() -> None:
         y = torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32)
         return y.to(x.dtype)
 
-    def gate_masked_add(x: torch.Tensor, b: ops.SteerBuffers) -> torch.Tensor:
-        n = x.shape[0]
-        rows = b.index[ops.INDEX_ROW, :n].to(torch.long)
-        gate = b.gate_score[ops.GATE, :n]
-        x32 = x.to(torch.float32)
-        delta = (ops._row_of(b.table, rows)
-                 + gate[:, None] * ops._row_of(b.dyn, torch.where(gate != 0, rows, 0)))
-        return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
-
     def site(variant: str, x: torch.Tensor, layer: int) -> torch.Tensor:
         b = site_buffers[layer]
         if variant == "op":
@@ -187,7 +194,7 @@ def main() -> None:
         if variant == "gather":
             return gather_add(x, b)
         if variant == "gate_masked":
-            return gate_masked_add(x, b)
+            return gate_masked_add(x, None, *b)
         return x
 
     def stack(variant: str):

@@ -45,6 +45,7 @@ os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")  # variants share a con
 
 import launches
 from overhead import LLAMA_8B
+from site_cost import gate_masked_add
 
 from dynsteer.engine_ext.worker import ops, sites
 
@@ -84,15 +85,6 @@ def _index(x, h, index, *_):
     return (x.to(torch.float32) + (rows != 0).to(torch.float32)[:, None]).to(x.dtype)
 
 
-def _gate_mask(x, h, index, gate_score, table, dyn, *_):
-    rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
-    gate = gate_score[ops.GATE, :x.shape[0]]
-    x32 = x.to(torch.float32)
-    delta = (ops._row_of(table, rows)
-             + gate[:, None] * ops._row_of(dyn, torch.where(gate != 0, rows, 0)))
-    return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
-
-
 GROUP_SHIFT = 13
 """The site-group bit ``_site_groups`` tests (the row's bits are below it)."""
 
@@ -106,7 +98,7 @@ def _site_groups(x, h, index, gate_score, table, dyn, *_):
     return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
 
 
-VARIANTS = {"current": ops.steer_add, "gate-mask": _gate_mask, "site-groups": _site_groups,
+VARIANTS = {"current": ops.steer_add, "gate-mask": gate_masked_add, "site-groups": _site_groups,
             "where-sum": _where_sum, "no-guard": _no_guard, "static": _static,
             "gather": _gather, "index": _index}
 
