@@ -6,18 +6,18 @@ batch 32 on an H100; the three monitor kernels cost ~7 us of it). This runs the 
 measurement with :func:`dynsteer.engine_ext.worker.ops.steer_add` replaced by a variant, to
 tell the parts apart. Variants (none steers anything here: every token is on row 0):
 
-* ``current``: the shipped form;
-* ``where-sum``: the form before (``where(|y| <= limit, y, x)`` on the steered sum ``y``);
+* ``current``: the shipped form (site groups, tied to ``h``);
+* ``untied``: the shipped form without its tie to ``h``: session 14's site groups, which cost
+  0.7-1.2% of a decode step in the engine where the stack microbenchmark said they would save.
+  Inductor computed the site in the norm before the MLP and stored it as an fp32 buffer for
+  the next norm to read (session 15, ``experiments/codegen_diff.sh``);
+* ``where-sum``: an older form (``where(|y| <= limit, y, x)`` on the steered sum ``y``);
 * ``no-guard``: without the ``where`` that keeps a steered element within the stream limit;
 * ``static``: the static tier only (no gate, no ``dyn`` row);
 * ``gather``: plain row gathers (row 0 read as zeros) instead of masked loads;
 * ``index``: the token's row index loaded and nothing steered, a floor for any design that
   reads a per-token index inside the norm kernel;
-* ``gate-mask``: the dynamic tier's row read only where the gate is open (session 14, `a2873e6`);
-* ``site-groups``: the row read only where the entry carries the site's group bit, as
-  arithmetic on the entry (session 14, ``a9996ed``; here one fixed bit, which idle entries,
-  all 0, never carry). Both cost 0.7-1.2% of a decode step in the engine where the stack
-  microbenchmark said they would save; these two tell which kernels moved.
+* ``gate-mask``: the dynamic tier's row read only where the gate is open (session 14, `a2873e6`).
 
 ``--code DIR`` keeps Inductor's generated code (its cache directory) under ``DIR``, to diff
 the kernels a site fuses into between variants.
@@ -85,20 +85,17 @@ def _index(x, h, index, *_):
     return (x.to(torch.float32) + (rows != 0).to(torch.float32)[:, None]).to(x.dtype)
 
 
-GROUP_SHIFT = 13
-"""The site-group bit ``_site_groups`` tests (the row's bits are below it)."""
-
-
-def _site_groups(x, h, index, gate_score, table, dyn, *_):
+def _untied(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj_gram, site_bit):
+    """The shipped form without its tie to ``h`` (see ``ops._within_limit``)."""
     entry = index[ops.INDEX_ROW, :x.shape[0]]
-    rows = ((entry & ((1 << GROUP_SHIFT) - 1)) * ((entry >> GROUP_SHIFT) & 1)).to(torch.long)
+    rows = torch.where((entry & site_bit) != 0, entry & ops.ROW_MASK, 0).to(torch.long)
     gate = gate_score[ops.GATE, :x.shape[0]]
     x32 = x.to(torch.float32)
     delta = ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
-    return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
+    return (x32 + ops._within_limit(x32, None, delta, x.dtype)).to(x.dtype)
 
 
-VARIANTS = {"current": ops.steer_add, "gate-mask": gate_masked_add, "site-groups": _site_groups,
+VARIANTS = {"current": ops.steer_add, "gate-mask": gate_masked_add, "untied": _untied,
             "where-sum": _where_sum, "no-guard": _no_guard, "static": _static,
             "gather": _gather, "index": _index}
 
