@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# On the GPU machine: per-kernel GPU time of an idle decode step (8B shape, batch 32, graphs off)
+# On the GPU machine: per-kernel GPU time of an idle decode step (8B shape, graphs off)
 # for stock and for the given idle_variants.py variants, with Inductor's generated code kept, so
 # that the add + RMSNorm kernels two site forms fuse into can be timed and read side by side.
-# Usage: bash experiments/codegen_diff.sh OUT VARIANT...   (writes OUT/compare.txt, OUT/code.tar.gz)
+# Usage: bash experiments/codegen_diff.sh OUT BATCH VARIANT...   (writes OUT/compare.txt, OUT/code.tar.gz)
 set -u
-out=$1; shift
+out=$1; batch=$2; shift 2
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out/runs"
-(cd "$root/benchmarks" && python -u launches.py --out "$out/runs" --shape 8b --batch 32 \
+(cd "$root/benchmarks" && python -u launches.py --out "$out/runs" --shape 8b --batch "$batch" \
     --engine stock > "$out/stock.log" 2>&1)
 for variant in "$@"; do
-    python -u "$root/experiments/idle_variants.py" --out "$out/runs" --variant "$variant" \
+    python -u "$root/experiments/idle_variants.py" --out "$out/runs" --variant "$variant" --batch "$batch" \
         --code "$out/code" > "$out/$variant.log" 2>&1
 done
 (cd "$root/benchmarks" && python launches.py --compare "$out/runs" > "$out/compare.txt" 2>&1)

@@ -11,6 +11,7 @@ tell the parts apart. Variants (none steers anything here: every token is on row
   0.7-1.2% of a decode step in the engine where the stack microbenchmark said they would save.
   Inductor computed the site in the norm before the MLP and stored it as an fp32 buffer for
   the next norm to read (session 15, ``experiments/codegen_diff.sh``);
+* ``session14``: the form shipped before session 15 (no site groups, not tied to ``h``);
 * ``where-sum``: an older form (``where(|y| <= limit, y, x)`` on the steered sum ``y``);
 * ``no-guard``: without the ``where`` that keeps a steered element within the stream limit;
 * ``static``: the static tier only (no gate, no ``dyn`` row);
@@ -85,6 +86,15 @@ def _index(x, h, index, *_):
     return (x.to(torch.float32) + (rows != 0).to(torch.float32)[:, None]).to(x.dtype)
 
 
+def _session14(x, h, index, gate_score, table, dyn, *_):
+    """The form shipped before session 15: no site groups, not tied to ``h``."""
+    rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
+    gate = gate_score[ops.GATE, :x.shape[0]]
+    x32 = x.to(torch.float32)
+    delta = ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
+    return (x32 + ops._within_limit(x32, None, delta, x.dtype)).to(x.dtype)
+
+
 def _untied(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj_gram, site_bit):
     """The shipped form without its tie to ``h`` (see ``ops._within_limit``)."""
     entry = index[ops.INDEX_ROW, :x.shape[0]]
@@ -96,8 +106,8 @@ def _untied(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj_gram, 
 
 
 VARIANTS = {"current": ops.steer_add, "gate-mask": gate_masked_add, "untied": _untied,
-            "where-sum": _where_sum, "no-guard": _no_guard, "static": _static,
-            "gather": _gather, "index": _index}
+            "session14": _session14, "where-sum": _where_sum, "no-guard": _no_guard,
+            "static": _static, "gather": _gather, "index": _index}
 
 
 def main() -> None:
