@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: per-kernel GPU time of an idle decode step (8B shape, graphs off)
 # for stock and for the given idle_variants.py variants, with Inductor's generated code kept, so
-# that the add + RMSNorm kernels two site forms fuse into can be timed and read side by side.
+# that the add + RMSNorm kernels two site forms fuse into can be timed and read side by side
+# (with the config Triton's autotuner chose for each kernel: its .best_config files).
 # Usage: bash experiments/codegen_diff.sh OUT BATCH VARIANT...   (writes OUT/compare.txt, OUT/code.tar.gz)
 set -u
 out=$1; batch=$2; shift 2
@@ -14,5 +15,5 @@ for variant in "$@"; do
         --code "$out/code" > "$out/$variant.log" 2>&1
 done
 (cd "$root/benchmarks" && python launches.py --compare "$out/runs" > "$out/compare.txt" 2>&1)
-(cd "$out" && find code -name '*.py' | tar czf code.tar.gz -T - && rm -rf code)
+(cd "$out" && find code -name '*.py' -o -name '*.best_config' | tar czf code.tar.gz -T - && rm -rf code)
 (cd "$out" && tar czf runs.tar.gz runs && rm -rf runs)
