@@ -9,10 +9,8 @@ the site:
 * ``op``        the ``dynsteer::steer`` op (the Triton kernel) before each norm;
 * ``gather``    the add written as plain row gathers (``table[row]``), fused into the norm;
 * ``fused``     :func:`dynsteer.engine_ext.worker.ops.steer_add`: the same add with row 0 read
-                as padding, so that unsteered tokens load no row (Inductor masks the load), and
-                a steered token's row read only at the sites whose group bit its index entry
-                carries (:data:`~dynsteer.engine_ext.worker.ops.SITE_GROUPS`); it reads both
-                tiers there;
+                as padding, so that unsteered tokens load no row (Inductor masks the load); a
+                steered token loads both tiers of its row at every site;
 * ``gate_masked`` ``fused`` with the dynamic tier read only where the token's gate is open (a
                 statically steered token loads one row per site): 6 us per stack faster here
                 for registered traffic, 0.8% of a decode step slower in the engine, idle
@@ -20,11 +18,9 @@ the site:
 
 ``experiments/site_forms.py`` times forms that skip the rows where a row does not steer.
 
-Four kinds of traffic: ``idle`` (every token on row 0, the serving default), ``registered``
+Three kinds of traffic: ``idle`` (every token on row 0, the serving default), ``registered``
 (every token on one row with a static vector at layer 16 only, what ``overhead.py``'s
-``registered`` scenario sends), ``registered-all`` (the same row with every site-group bit
-set: the fused site as it was before the groups, reading the row at every site) and ``gated``
-(``registered`` with every token's gate at 1).
+``registered`` scenario sends) and ``gated`` (the same with every token's gate at 1).
 
 ``--gemm [N]`` puts a GEMM (bf16, ``HIDDEN x HIDDEN``, N distinct 32 MB weights in turn,
 default 4: 128 MB, so the L2 is flushed as a layer's weights flush it in a model; 1 fits in an
@@ -58,7 +54,7 @@ HIDDEN = 4096
 STEERED_LAYER = 16
 TOKENS = (1, 32, 256, 2048)
 VARIANTS = ("none", "op", "gather", "fused", "gate_masked")
-TRAFFIC = ("idle", "registered", "registered-all", "gated")
+TRAFFIC = ("idle", "registered", "gated")
 
 
 def graph_of(fn, x, h, stream=None, dump=None):
@@ -103,12 +99,12 @@ def gate_masked_add(x, h, index, gate_score, table, dyn, *_):
     from dynsteer.engine_ext.worker import ops
 
     n = x.shape[0]
-    rows = (index[ops.INDEX_ROW, :n] & ops.ROW_MASK).to(torch.long)
+    rows = index[ops.INDEX_ROW, :n].to(torch.long)
     gate = gate_score[ops.GATE, :n]
     x32 = x.to(torch.float32)
     delta = (ops._row_of(table, rows)
              + gate[:, None] * ops._row_of(dyn, torch.where(gate != 0, rows, 0)))
-    return (x32 + ops._within_limit(x32, h, delta, x.dtype)).to(x.dtype)
+    return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
 
 
 def interleaved_us(fns: dict, calls: int, rounds: int = 30) -> dict[str, list[float]]:
@@ -181,7 +177,7 @@ def main() -> None:
 
     def gather_add(x: torch.Tensor, b: ops.SteerBuffers) -> torch.Tensor:
         n = x.shape[0]
-        r = (b.index[ops.INDEX_ROW, :n] & ops.ROW_MASK).to(torch.long)
+        r = b.index[ops.INDEX_ROW, :n].to(torch.long)
         g = b.gate_score[ops.GATE, :n, None]
         x32 = x.float()
         y = x32 + b.table[r] + g * b.dyn[r]
@@ -194,7 +190,7 @@ def main() -> None:
             return torch.ops.dynsteer.steer(x, None, *b, layer)
         if variant == "fused":
             return ops.steer_add(x, None, b.index, b.gate_score, b.table, b.dyn, b.proj_dir,
-                                 b.proj_par, b.proj_gram, ops.site_bit(layer, LAYERS))
+                                 b.proj_par, b.proj_gram)
         if variant == "gather":
             return gather_add(x, b)
         if variant == "gate_masked":
@@ -227,8 +223,7 @@ def main() -> None:
                     graphs[variant + suffix] = graph_of(compiled, x, h, stream, dump)
             torch._dynamo.reset()
         for traffic in TRAFFIC:  # the same graphs: only the index they read changes
-            steered = range(LAYERS) if traffic == "registered-all" else [STEERED_LAYER]
-            index[ops.INDEX_ROW] = 0 if traffic == "idle" else ops.row_entry(1, steered, LAYERS)
+            index[ops.INDEX_ROW] = int(traffic != "idle")
             gate_score[ops.GATE] = float(traffic == "gated")
             us = interleaved_us({name: g.replay for name, g in graphs.items()}, 20)
             results.setdefault(traffic, {})[str(tokens)] = {

@@ -6,19 +6,22 @@ batch 32 on an H100; the three monitor kernels cost ~7 us of it). This runs the 
 measurement with :func:`dynsteer.engine_ext.worker.ops.steer_add` replaced by a variant, to
 tell the parts apart. Variants (none steers anything here: every token is on row 0):
 
-* ``current``: the shipped form (site groups, tied to ``h``);
-* ``untied``: the shipped form without its tie to ``h``: session 14's site groups, which cost
-  0.7-1.2% of a decode step in the engine where the stack microbenchmark said they would save.
-  Inductor computed the site in the norm before the MLP and stored it as an fp32 buffer for
-  the next norm to read (session 15, ``experiments/codegen_diff.sh``);
-* ``session14``: the form shipped before session 15 (no site groups, not tied to ``h``);
-* ``where-sum``: an older form (``where(|y| <= limit, y, x)`` on the steered sum ``y``);
+* ``current``: the shipped form;
+* ``where-sum``: the form before (``where(|y| <= limit, y, x)`` on the steered sum ``y``);
 * ``no-guard``: without the ``where`` that keeps a steered element within the stream limit;
 * ``static``: the static tier only (no gate, no ``dyn`` row);
 * ``gather``: plain row gathers (row 0 read as zeros) instead of masked loads;
 * ``index``: the token's row index loaded and nothing steered, a floor for any design that
   reads a per-token index inside the norm kernel;
-* ``gate-mask``: the dynamic tier's row read only where the gate is open (session 14, `a2873e6`).
+* ``gate-mask``: the dynamic tier's row read only where the gate is open (session 14, `a2873e6`);
+* ``site-groups``: the row read only where the entry carries the site's group bit, as
+  arithmetic on the entry (session 14, ``a9996ed``; here one fixed bit, which idle entries,
+  all 0, never carry). Both cost 0.7-1.2% of a decode step in the engine where the stack
+  microbenchmark said they would save. Session 15 found why (``experiments/codegen_diff.sh``):
+  Inductor computed the site in the norm before the MLP, which reads ``x`` too, and stored
+  ``delta`` as an fp32 buffer for the next norm to read;
+* ``site-groups-tied``: ``site-groups`` with ``delta`` also dropped where ``h`` is NaN (no value
+  changes), which ties the site to the kernel that adds ``h`` (session 15, ``3146929``).
 
 ``--code DIR`` keeps Inductor's generated code (its cache directory) under ``DIR``, to diff
 the kernels a site fuses into between variants.
@@ -86,28 +89,35 @@ def _index(x, h, index, *_):
     return (x.to(torch.float32) + (rows != 0).to(torch.float32)[:, None]).to(x.dtype)
 
 
-def _session14(x, h, index, gate_score, table, dyn, *_):
-    """The form shipped before session 15: no site groups, not tied to ``h``."""
-    rows = index[ops.INDEX_ROW, :x.shape[0]].to(torch.long)
-    gate = gate_score[ops.GATE, :x.shape[0]]
-    x32 = x.to(torch.float32)
-    delta = ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
-    return (x32 + ops._within_limit(x32, None, delta, x.dtype)).to(x.dtype)
+GROUP_SHIFT = 13
+"""The site-group bit ``_site_groups`` tests (the row's bits are below it)."""
 
 
-def _untied(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj_gram, site_bit):
-    """The shipped form without its tie to ``h`` (see ``ops._within_limit``)."""
+def _site_groups(x, h, index, gate_score, table, dyn, *_):
     entry = index[ops.INDEX_ROW, :x.shape[0]]
-    rows = torch.where((entry & site_bit) != 0, entry & ops.ROW_MASK, 0).to(torch.long)
+    rows = ((entry & ((1 << GROUP_SHIFT) - 1)) * ((entry >> GROUP_SHIFT) & 1)).to(torch.long)
     gate = gate_score[ops.GATE, :x.shape[0]]
     x32 = x.to(torch.float32)
     delta = ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
-    return (x32 + ops._within_limit(x32, None, delta, x.dtype)).to(x.dtype)
+    return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
 
 
-VARIANTS = {"current": ops.steer_add, "gate-mask": gate_masked_add, "untied": _untied,
-            "session14": _session14, "where-sum": _where_sum, "no-guard": _no_guard,
-            "static": _static, "gather": _gather, "index": _index}
+def _site_groups_tied(x, h, index, gate_score, table, dyn, *_):
+    """``site-groups`` tied to ``h``: ``delta`` also dropped where ``h`` is NaN (session 15,
+    ``3146929``), so that Inductor can compute the site only in the kernel that adds ``h``."""
+    entry = index[ops.INDEX_ROW, :x.shape[0]]
+    rows = ((entry & ((1 << GROUP_SHIFT) - 1)) * ((entry >> GROUP_SHIFT) & 1)).to(torch.long)
+    gate = gate_score[ops.GATE, :x.shape[0]]
+    x32 = x.to(torch.float32)
+    delta = ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
+    keep = ((x32 + delta).abs() <= ops.stream_limit(x.dtype)) & ~torch.isnan(h)
+    return (x32 + torch.where(keep, delta, 0.0)).to(x.dtype)
+
+
+VARIANTS = {"current": ops.steer_add, "gate-mask": gate_masked_add, "site-groups": _site_groups,
+            "site-groups-tied": _site_groups_tied,
+            "where-sum": _where_sum, "no-guard": _no_guard, "static": _static,
+            "gather": _gather, "index": _index}
 
 
 def main() -> None:

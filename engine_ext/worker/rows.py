@@ -40,9 +40,7 @@ from .ops import (
     PROJ_STATIC,
     PROJ_VALUE,
     PROJECT_FLAG,
-    ROW_MASK,
     STATIC_FLAG,
-    row_entry,
 )
 
 Contents = dict[Site, np.ndarray]
@@ -194,13 +192,8 @@ class RowTable:
 
     def __init__(
         self, sites: tuple[Site, ...], hidden_size: int, max_rows: int, device: torch.device,
-        max_projections: int = 0, site_groups: bool = True,
+        max_projections: int = 0,
     ) -> None:
-        """``site_groups=False`` marks every row as steering every site group (every fused
-        site reads a steered token's row, zeros included): the form before the groups, kept
-        to measure them against (``benchmarks/overhead.py --variant``)."""
-        if max_rows > ROW_MASK:
-            raise ValueError(f"max_rows={max_rows} exceeds the index's {ROW_MASK}")
         self.sites = sites
         self.hidden_size = hidden_size
         self.max_rows = max_rows
@@ -219,10 +212,6 @@ class RowTable:
         self._slots = _Slots(max_rows)
         self._written: dict[int, frozenset[int]] = {}
         """Per row: the site indices its current contents occupy (the rest are zero)."""
-        self._site_groups = site_groups
-        self.entries = np.arange(max_rows + 1, dtype=np.int32)
-        """Per row: its token-index entry, the row and the bits of the site groups its
-        contents occupy (:func:`.ops.row_entry`); row 0's is 0."""
 
     def site_index(self, site: Site) -> int:
         return self._site_index[site]
@@ -289,8 +278,6 @@ class RowTable:
         used = frozenset(self._site_index[s] for s in (*static, *dynamic, *projections))
         sites = sorted(used | self._written.get(row, frozenset()))
         self._written[row] = used
-        self.entries[row] = row_entry(row, used if self._site_groups else range(len(self.sites)),
-                                      len(self.sites))
         position = {i: k for k, i in enumerate(sites)}
         device = self.table.device
         host = _host_buffer((2, len(sites), self.hidden_size), torch.float32, device)
