@@ -28,6 +28,14 @@ Scenarios, each request of a batch carrying its own spec:
 * ``ablate``      every request ablating one registered direction at layers 16-23, on an engine
                   of its own with one projection slot (``max_projections: 1``).
 
+Every engine's start is followed by a look at the ``.best_config`` files it wrote: the launch
+configs Triton's autotuner chose for Inductor's kernels (:mod:`autotune_choices`), printed and in
+the JSON under ``autotune``, with the kernels two engines tuned differently. Engines with the
+same options share vLLM's compile cache (the second loads the first's kernels and choices), so a
+``--control`` engine cannot show what a fresh compile's choices vary by; ``--own-compile`` gives
+every engine a compile of its own, and with ``--control`` (stock) or ``--variant '{}'`` (the
+plugin) an A/A that includes them.
+
 With ``--variant JSON`` a ``variant`` engine (the plugin with those engine options, e.g.
 ``'{"max_rows": 256}'``) runs every scenario the ``plugin`` engine runs, in the same
 alternation, and each of its rows is also compared with the ``plugin`` row of its scenario
@@ -44,18 +52,21 @@ runs the worker's dynsteer host time per step: index fill + telemetry fold and r
 admitted request) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
-       [--scenarios idle gated ...] [--control --mem 0.28] [--variant JSON]
+       [--scenarios idle gated ...] [--control --mem 0.28] [--variant JSON] [--own-compile]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from autotune_choices import EngineChoices
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -73,6 +84,9 @@ DISTINCT = 32
 SCENARIOS = ["idle", "registered", "registered-null", "inline-32", "inline-32-b64", "gated",
              "gates-32", "latch", "python", "events", "ablate"]
 OWN_ENGINE = {"events": "events", "ablate": "projecting"}
+INSTANCE_KEY = "dynsteer_bench_instance"
+"""An ``additional_config`` key only this benchmark sets (``--own-compile``): vLLM hashes all of
+``additional_config`` into its compile-cache key, and nothing reads this key."""
 """Scenarios that run on an engine of their own (others run on ``plugin``)."""
 EVENTS_ADDRESS = "tcp://127.0.0.1:5599"
 NULL_SCALE = 1e-30
@@ -87,13 +101,46 @@ def make_model(folder: Path) -> Path:
     return folder
 
 
-def start(path: Path, dynsteer: dict[str, Any] | None, mem: float) -> Any:
+def start(path: Path, dynsteer: dict[str, Any] | None, mem: float,
+          instance: str | None = None) -> Any:
+    """One engine; ``instance`` (``--own-compile``) goes into vLLM's compile-cache key beside
+    the plugin's options, so this engine compiles for itself even where an engine started
+    before it has the same options (vLLM would otherwise load that engine's artifacts, and with
+    them its autotune choices)."""
     from vllm import LLM
 
-    extra = {"additional_config": {"dynsteer": dynsteer}} if dynsteer is not None else {}
+    additional: dict[str, Any] = {}
+    if dynsteer is not None:
+        additional["dynsteer"] = dynsteer
+    if instance is not None:
+        additional[INSTANCE_KEY] = instance
+    extra = {"additional_config": additional} if additional else {}
     return LLM(str(path), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                max_model_len=PREFILL[0] + PREFILL[1] + 16, max_num_seqs=256,
                gpu_memory_utilization=mem, seed=0, **extra)
+
+
+def start_engines(plan: list[tuple[str, dict[str, Any] | None]], path: Path, mem: float,
+                  own_compile: Path | None, choices: EngineChoices) -> dict[str, Any]:
+    """The engines of ``plan`` in order, each start's autotune choices recorded. With
+    ``own_compile`` (a folder) each engine gets a compile-cache key of its own (:func:`start`)
+    and an Inductor cache folder of its own (where vLLM does not point Inductor at one per
+    compile-cache key itself), so no engine reuses another's compiled kernels or choices."""
+    engines = {}
+    for name, dynsteer in plan:
+        saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        if own_compile is not None:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(own_compile / name)
+        try:
+            engines[name] = start(path, dynsteer, mem,
+                                  instance=name if own_compile is not None else None)
+        finally:
+            if saved is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+        choices.started(name)
+    return engines
 
 
 class Specs:
@@ -333,6 +380,10 @@ def main() -> None:
     ap.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
                     help="engine options of a third engine that runs the plugin scenarios "
                          "too, compared with the plugin's (use --mem 0.28)")
+    ap.add_argument("--own-compile", action="store_true",
+                    help="every engine compiles and autotunes for itself (a compile-cache key "
+                         "and an Inductor cache of its own): with --control, or --variant '{}', "
+                         "an A/A that includes Triton's autotune choices")
     args = ap.parse_args()
     import numpy as np
     import torch
@@ -346,22 +397,23 @@ def main() -> None:
         bench_controllers.install()
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp) / "llama8b")
-        t0 = time.time()
-        engines = {"stock": start(path, None, args.mem)}
+        plan: list[tuple[str, dict[str, Any] | None]] = [("stock", None)]
         if set(args.scenarios) - set(OWN_ENGINE):
-            engines["plugin"] = start(path, {}, args.mem)
+            plan.append(("plugin", {}))
         if args.variant is not None:
-            engines["variant"] = start(path, args.variant, args.mem)
+            plan.append(("variant", args.variant))
         if "ablate" in args.scenarios:
-            engines["projecting"] = start(path, {"max_projections": 1}, args.mem)
+            plan.append(("projecting", {"max_projections": 1}))
         if args.control:
-            engines["control"] = start(path, None, args.mem)
-        subscriber = None
+            plan.append(("control", None))
         if "events" in args.scenarios:
-            engines["events"] = start(path, {"events_address": EVENTS_ADDRESS,
-                                             "events_every": 1}, args.mem)
-            subscriber = Subscriber(EVENTS_ADDRESS)
+            plan.append(("events", {"events_address": EVENTS_ADDRESS, "events_every": 1}))
+        own_compile = Path(tmp) / "inductor" if args.own_compile else None
+        choices = EngineChoices([own_compile] if own_compile is not None else None)
+        t0 = time.time()
+        engines = start_engines(plan, path, args.mem, own_compile, choices)
         startup = time.time() - t0
+        subscriber = Subscriber(EVENTS_ADDRESS) if "events" in engines else None
         steerings = {n: Steering(e) for n, e in engines.items()
                      if n in ("plugin", "variant", *OWN_ENGINE.values())}
         primary = next(n for n in ("plugin", "events", "projecting") if n in engines)
@@ -378,7 +430,8 @@ def main() -> None:
                 other.register_probe("bench", **bench)
         results: dict[str, Any] = {"device": torch.cuda.get_device_name(),
                                    "vllm": vllm.__version__, "startup_s": startup,
-                                   "reps": args.reps, "runs": {}}
+                                   "reps": args.reps, "own_compile": args.own_compile,
+                                   "autotune": choices.report(), "runs": {}}
         shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
         if not args.no_prefill:
             shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
@@ -457,6 +510,8 @@ def main() -> None:
         print(f"{shape:>14} gate on for {run['gate_on_fraction']:.0%} of monitored tokens")
     if "events" in results:
         print(f"events: {results['events']}")
+    for line in choices.summary_lines():
+        print(line)
     results["summary"] = summary
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.json").write_text(json.dumps(results, indent=2))

@@ -1,0 +1,117 @@
+"""``benchmarks/autotune_choices.py``: which engine's start wrote which autotune choice, and
+where engines tuned the same kernel differently; and ``overhead.py --own-compile``'s key, which
+must give an engine a compile cache of its own without changing what the plugin sees."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from autotune_choices import EngineChoices, describe, disagreements
+
+PERSISTENT_KERNEL = '''
+@triton_heuristics.reduction(size_hints={'x': 8192, 'r0_': 4096},
+    inductor_meta={'kernel_name': 'triton_red_fused_add_rms_norm_3', 'add_persistent_rblock': True})
+@triton.jit
+def triton_red_fused_add_rms_norm_3(in_ptr0, out_ptr0, xnumel, r0_numel):
+    pass
+'''
+PLAIN_KERNEL = '''
+@triton_heuristics.reduction(inductor_meta={'kernel_name': 'triton_red_fused_mean_1'})
+@triton.jit
+def triton_red_fused_mean_1(in_ptr0, out_ptr0, xnumel, r0_numel):
+    pass
+'''
+
+
+def _kernel(root: Path, folder: str, name: str, source: str, best: dict | None) -> Path:
+    """A kernel file as Inductor writes it, with its autotuner's choice beside it."""
+    directory = root / "inductor_cache" / folder
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"c{name}.py").write_text(source)
+    path = directory / f"{name}.best_config"
+    if best is not None:
+        path.write_text(json.dumps({**best, "configs_hash": "h", "found_by_coordesc": False,
+                                    "time_taken_ms": 7, "triton_cache_hash": "t"}))
+    return path
+
+
+def test_describe_reads_the_launch_config_and_the_kernels_beside_it(tmp_path):
+    path = _kernel(tmp_path, "ab", "abc1", PERSISTENT_KERNEL,
+                   {"XBLOCK": 1, "R0_BLOCK": 4096, "num_warps": 16, "num_stages": 1})
+    broken = tmp_path / "inductor_cache" / "ab" / "bad.best_config"
+    broken.write_text("{not json")
+    described = describe({path, broken})
+    assert described["ab/abc1.best_config"] == {
+        "path": str(path),
+        "config": {"XBLOCK": 1, "R0_BLOCK": 4096, "num_warps": 16, "num_stages": 1},
+        "time_taken_ms": 7,
+        "kernels_beside": {"triton_red_fused_add_rms_norm_3": True}}
+    assert "error" in described["ab/bad.best_config"]
+
+
+def test_disagreements_name_only_kernels_tuned_differently():
+    persistent = {"config": {"R0_BLOCK": 4096, "num_warps": 16}}
+    looped = {"config": {"R0_BLOCK": 2048, "num_warps": 16}}
+    by_engine = {"stock": {"ab/k1.best_config": looped, "cd/k2.best_config": looped},
+                 "plugin": {"ab/k1.best_config": persistent, "cd/k2.best_config": looped,
+                            "ef/k3.best_config": persistent},
+                 "variant": {"ab/k1.best_config": persistent, "x/bad.best_config": {"error": "e"}}}
+    assert disagreements(by_engine) == {"ab/k1.best_config": {
+        "stock": looped["config"], "plugin": persistent["config"],
+        "variant": persistent["config"]}}
+    assert disagreements({"stock": by_engine["stock"]}) == {}
+
+
+def test_engine_choices_attribute_each_start_its_new_files(tmp_path, monkeypatch):
+    """Files present before the first start belong to no engine; each start owns what
+    appeared since the one before it, in the folders the benchmark passes as well."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    _kernel(tmp_path / "vllm", "00", "old", PLAIN_KERNEL, {"XBLOCK": 1, "R0_BLOCK": 1024})
+    choices = EngineChoices([tmp_path / "own"])
+    _kernel(tmp_path / "vllm" / "hash1", "ab", "k1", PERSISTENT_KERNEL,
+            {"XBLOCK": 1, "R0_BLOCK": 2048, "num_warps": 16})
+    _kernel(tmp_path / "vllm" / "hash1", "cd", "k2", PLAIN_KERNEL, None)  # tuned nothing
+    choices.started("stock")
+    _kernel(tmp_path / "own" / "plugin", "ab", "k1", PERSISTENT_KERNEL,
+            {"XBLOCK": 1, "R0_BLOCK": 4096, "num_warps": 16})
+    choices.started("plugin")
+    choices.started("control")  # loaded everything from a shared cache: wrote nothing
+    assert list(choices.by_engine["stock"]) == ["ab/k1.best_config"]
+    assert list(choices.by_engine["plugin"]) == ["ab/k1.best_config"]
+    assert choices.by_engine["control"] == {}
+    report = choices.report()
+    assert report["disagreements"] == {"ab/k1.best_config": {
+        "stock": {"XBLOCK": 1, "R0_BLOCK": 2048, "num_warps": 16},
+        "plugin": {"XBLOCK": 1, "R0_BLOCK": 4096, "num_warps": 16}}}
+    assert str(tmp_path / "own") in report["roots"]
+    lines = choices.summary_lines()
+    assert lines[0] == ("autotune stock: 1 choices written; persistent-capable kernels "
+                        "(R0_BLOCK chosen): triton_red_fused_add_rms_norm_3=2048")
+    assert lines[2].startswith("autotune control: 0 choices written")
+    assert lines[-1].startswith("autotune disagreement ab/k1.best_config")
+
+
+def test_own_compile_key_gives_an_engine_its_own_compile_cache_and_nothing_else():
+    """The benchmark's instance key changes vLLM's compile-cache key (so an A/A engine
+    compiles and autotunes for itself), leaves a stock engine stock, and leaves the plugin's
+    options as they were."""
+    from overhead import INSTANCE_KEY
+    from vllm.config import VllmConfig
+
+    from dynsteer.engine_ext.options import options_from_additional_config
+    from dynsteer.engine_ext.plugin import register, requested
+
+    register()
+    plugin = {"dynsteer": {"max_rows": 8}}
+    own = {**plugin, INSTANCE_KEY: "variant"}
+    assert (VllmConfig(additional_config=own).compute_hash()
+            != VllmConfig(additional_config=plugin).compute_hash())
+    assert options_from_additional_config(own) == options_from_additional_config(plugin)
+    assert not requested({INSTANCE_KEY: "control"})
+    assert (VllmConfig(additional_config={INSTANCE_KEY: "control"}).compute_hash()
+            != VllmConfig().compute_hash())
