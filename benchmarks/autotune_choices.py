@@ -13,7 +13,7 @@ start; the new ones are that engine's choices. A file is named by a hash of its 
 (and torch's version), so the same name in two engines is the same kernel, and
 :func:`disagreements` lists the kernels two engines tuned differently. An engine that wrote no
 file for a kernel either tuned nothing there or reused a file another engine wrote into a shared
-cache (``overhead.py --own-compile`` gives every engine its own).
+cache (``overhead.py --autotune own`` gives every engine its own).
 """
 
 from __future__ import annotations

@@ -30,11 +30,21 @@ Scenarios, each request of a batch carrying its own spec:
 
 Every engine's start is followed by a look at the ``.best_config`` files it wrote: the launch
 configs Triton's autotuner chose for Inductor's kernels (:mod:`autotune_choices`), printed and in
-the JSON under ``autotune``, with the kernels two engines tuned differently. Engines with the
-same options share vLLM's compile cache (the second loads the first's kernels and choices), so a
-``--control`` engine cannot show what a fresh compile's choices vary by; ``--own-compile`` gives
-every engine a compile of its own, and with ``--control`` (stock) or ``--variant '{}'`` (the
-plugin) an A/A that includes them.
+the JSON under ``autotune``, with the kernels two engines tuned differently. A kernel with two
+candidate configs (the plain add + RMSNorm kernels of stock and plugin alike,
+``experiments/site_codegen.py``) is timed once per compile, at the profile run's size, and the
+choice holds at every batch. ``--autotune`` says where engines keep them:
+
+* ``vllm`` (default): as vLLM does. Engines with the same options share vLLM's compile cache
+  (the second loads the first's kernels and choices), so a ``--control`` engine cannot show
+  what a fresh compile's choices vary by;
+* ``own``: every engine compiles and autotunes for itself (a compile-cache key and an Inductor
+  folder of its own); with ``--control`` (stock) or ``--variant '{}'`` (the plugin), an A/A
+  that includes the choices;
+* ``shared``: one Inductor folder for all engines, with vLLM's AOT compile off (it would give
+  each compile-cache key a folder of its own): an engine takes the choice an earlier engine
+  made for a kernel of the same source, so plugin and stock differ only where their kernels
+  do.
 
 With ``--variant JSON`` a ``variant`` engine (the plugin with those engine options, e.g.
 ``'{"max_rows": 256}'``) runs every scenario the ``plugin`` engine runs, in the same
@@ -52,7 +62,8 @@ runs the worker's dynsteer host time per step: index fill + telemetry fold and r
 admitted request) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
-       [--scenarios idle gated ...] [--control --mem 0.28] [--variant JSON] [--own-compile]
+       [--scenarios idle gated ...] [--control --mem 0.28] [--variant JSON]
+       [--autotune vllm|own|shared]
 """
 
 from __future__ import annotations
@@ -84,10 +95,12 @@ DISTINCT = 32
 SCENARIOS = ["idle", "registered", "registered-null", "inline-32", "inline-32-b64", "gated",
              "gates-32", "latch", "python", "events", "ablate"]
 OWN_ENGINE = {"events": "events", "ablate": "projecting"}
-INSTANCE_KEY = "dynsteer_bench_instance"
-"""An ``additional_config`` key only this benchmark sets (``--own-compile``): vLLM hashes all of
-``additional_config`` into its compile-cache key, and nothing reads this key."""
 """Scenarios that run on an engine of their own (others run on ``plugin``)."""
+INSTANCE_KEY = "dynsteer_bench_instance"
+"""An ``additional_config`` key only this benchmark sets (``--autotune own``): vLLM hashes all
+of ``additional_config`` into its compile-cache key, and nothing reads this key."""
+AUTOTUNE_MODES = ("vllm", "own", "shared")
+"""Where each engine's Inductor kernels and autotune choices live (``--autotune``)."""
 EVENTS_ADDRESS = "tcp://127.0.0.1:5599"
 NULL_SCALE = 1e-30
 """The ``registered-null`` vector's scale: far below half a bf16 ulp of any residual value the
@@ -103,7 +116,7 @@ def make_model(folder: Path) -> Path:
 
 def start(path: Path, dynsteer: dict[str, Any] | None, mem: float,
           instance: str | None = None) -> Any:
-    """One engine; ``instance`` (``--own-compile``) goes into vLLM's compile-cache key beside
+    """One engine; ``instance`` (``--autotune own``) goes into vLLM's compile-cache key beside
     the plugin's options, so this engine compiles for itself even where an engine started
     before it has the same options (vLLM would otherwise load that engine's artifacts, and with
     them its autotune choices)."""
@@ -121,24 +134,18 @@ def start(path: Path, dynsteer: dict[str, Any] | None, mem: float,
 
 
 def start_engines(plan: list[tuple[str, dict[str, Any] | None]], path: Path, mem: float,
-                  own_compile: Path | None, choices: EngineChoices) -> dict[str, Any]:
-    """The engines of ``plan`` in order, each start's autotune choices recorded. With
-    ``own_compile`` (a folder) each engine gets a compile-cache key of its own (:func:`start`)
-    and an Inductor cache folder of its own (where vLLM does not point Inductor at one per
-    compile-cache key itself), so no engine reuses another's compiled kernels or choices."""
+                  autotune: str, folder: Path, choices: EngineChoices) -> dict[str, Any]:
+    """The engines of ``plan`` in order, each start's autotune choices recorded; ``autotune``
+    (one of :data:`AUTOTUNE_MODES`) says where their Inductor caches are, under ``folder``.
+    Engine cores inherit this process's environment when they start."""
+    if autotune == "shared":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "shared")
+        os.environ["VLLM_USE_AOT_COMPILE"] = "0"
     engines = {}
     for name, dynsteer in plan:
-        saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        if own_compile is not None:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(own_compile / name)
-        try:
-            engines[name] = start(path, dynsteer, mem,
-                                  instance=name if own_compile is not None else None)
-        finally:
-            if saved is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+        if autotune == "own":
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / name)
+        engines[name] = start(path, dynsteer, mem, instance=name if autotune == "own" else None)
         choices.started(name)
     return engines
 
@@ -380,10 +387,11 @@ def main() -> None:
     ap.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
                     help="engine options of a third engine that runs the plugin scenarios "
                          "too, compared with the plugin's (use --mem 0.28)")
-    ap.add_argument("--own-compile", action="store_true",
-                    help="every engine compiles and autotunes for itself (a compile-cache key "
-                         "and an Inductor cache of its own): with --control, or --variant '{}', "
-                         "an A/A that includes Triton's autotune choices")
+    ap.add_argument("--autotune", choices=AUTOTUNE_MODES, default="vllm",
+                    help="where engines keep Inductor's kernels and Triton's autotune choices: "
+                         "as vLLM does; 'own' (each compiles and tunes for itself: with "
+                         "--control or --variant '{}', an A/A that includes the choices); "
+                         "'shared' (a kernel of the same source takes the first engine's choice)")
     args = ap.parse_args()
     import numpy as np
     import torch
@@ -408,10 +416,10 @@ def main() -> None:
             plan.append(("control", None))
         if "events" in args.scenarios:
             plan.append(("events", {"events_address": EVENTS_ADDRESS, "events_every": 1}))
-        own_compile = Path(tmp) / "inductor" if args.own_compile else None
-        choices = EngineChoices([own_compile] if own_compile is not None else None)
+        inductor = Path(tmp) / "inductor"
+        choices = EngineChoices([inductor])
         t0 = time.time()
-        engines = start_engines(plan, path, args.mem, own_compile, choices)
+        engines = start_engines(plan, path, args.mem, args.autotune, inductor, choices)
         startup = time.time() - t0
         subscriber = Subscriber(EVENTS_ADDRESS) if "events" in engines else None
         steerings = {n: Steering(e) for n, e in engines.items()
@@ -430,7 +438,7 @@ def main() -> None:
                 other.register_probe("bench", **bench)
         results: dict[str, Any] = {"device": torch.cuda.get_device_name(),
                                    "vllm": vllm.__version__, "startup_s": startup,
-                                   "reps": args.reps, "own_compile": args.own_compile,
+                                   "reps": args.reps, "autotune_mode": args.autotune,
                                    "autotune": choices.report(), "runs": {}}
         shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
         if not args.no_prefill:

@@ -1,5 +1,5 @@
 """``benchmarks/autotune_choices.py``: which engine's start wrote which autotune choice, and
-where engines tuned the same kernel differently; and ``overhead.py --own-compile``'s key, which
+where engines tuned the same kernel differently; and ``overhead.py --autotune own``'s key, which
 must give an engine a compile cache of its own without changing what the plugin sees."""
 
 from __future__ import annotations
