@@ -100,6 +100,14 @@ def _with_spec(body: bytes) -> dict[str, Any] | None:
     """
     if _MARKER not in body:
         return None
+    data = _json_object(body)
+    return data if data is not None and SPEC_KEY in data else None
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """The body's JSON object; None when the body is not JSON or not an object (vLLM reports
+    it). :class:`SpecError` when it nests deeper than ``MAX_JSON_DEPTH`` (checked on the bytes
+    first, so a hostile depth never reaches the parser)."""
     check_json_depth(body, SPEC_KEY)
     try:
         data = json.loads(body)
@@ -107,7 +115,7 @@ def _with_spec(body: bytes) -> dict[str, Any] | None:
         raise SpecError(f"{SPEC_KEY}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError:
         return None
-    return data if isinstance(data, dict) and SPEC_KEY in data else None
+    return data if isinstance(data, dict) else None
 
 
 def _move_into_xargs(data: dict[str, Any]) -> bool:
@@ -172,14 +180,8 @@ def check_completion(body: bytes, frontend: FrontendState,
     ``dynsteer_capture`` would join an open capture pass). ``namespace`` puts the spec's
     ``session`` in the caller's namespace (:func:`.sessions.namespaced` of its key,
     :func:`.sessions.anonymous`); None (no keys configured) leaves it as given."""
-    check_json_depth(body, SPEC_KEY)
-    try:
-        data = json.loads(body)
-    except RecursionError:
-        raise SpecError(f"{SPEC_KEY}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError:
-        return body  # not JSON: vLLM reports it
-    if not isinstance(data, dict):
+    data = _json_object(body)
+    if data is None:
         return body
     changed = _move_into_xargs(data)
     xargs = data.get("vllm_xargs")
