@@ -52,6 +52,9 @@ alternation, and each of its rows is also compared with the ``plugin`` row of it
 (``vs plugin``): an engine option against the default in one run. Session 14 measured two
 experimental options this way (``l2_window`` at ``d4174db``, ``site_groups`` at ``b8c2921``).
 
+With ``--tp N`` every engine is tensor-parallel over N GPUs, started with the settings of
+:mod:`tp_settings` (issue 18's overhead table at TP=2).
+
 Shapes: decode-heavy (128 prompt + 128 generated tokens) at batches 1, 32, 256 and a
 prefill-heavy one (2048 prompt + 16 generated) at batch 32. Prints a table (tokens/s = generated
 tokens / wall time, median of the repetitions, ratio to stock in the same run, spread; the
@@ -63,7 +66,7 @@ admitted request) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
        [--scenarios idle gated ...] [--control --mem 0.28] [--variant JSON]
-       [--autotune vllm|own|shared]
+       [--autotune vllm|own|shared] [--tp 2]
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune_choices import EngineChoices
+from tp_settings import GPU_TP_ENV, GPU_TP_KWARGS
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -115,13 +119,18 @@ def make_model(folder: Path) -> Path:
 
 
 def start(path: Path, dynsteer: dict[str, Any] | None, mem: float,
-          instance: str | None = None) -> Any:
+          instance: str | None = None, tp: int = 1) -> Any:
     """One engine; ``instance`` (``--autotune own``) goes into vLLM's compile-cache key beside
     the plugin's options, so this engine compiles for itself even where an engine started
     before it has the same options (vLLM would otherwise load that engine's artifacts, and with
-    them its autotune choices)."""
+    them its autotune choices). ``tp`` > 1 starts it with the TP settings of :mod:`tp_settings`
+    (their environment is set in this process, which the workers inherit)."""
     from vllm import LLM
 
+    parallel: dict[str, Any] = {}
+    if tp > 1:
+        os.environ.update(GPU_TP_ENV)
+        parallel = {"tensor_parallel_size": tp, **GPU_TP_KWARGS}
     additional: dict[str, Any] = {}
     if dynsteer is not None:
         additional["dynsteer"] = dynsteer
@@ -130,11 +139,12 @@ def start(path: Path, dynsteer: dict[str, Any] | None, mem: float,
     extra = {"additional_config": additional} if additional else {}
     return LLM(str(path), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                max_model_len=PREFILL[0] + PREFILL[1] + 16, max_num_seqs=256,
-               gpu_memory_utilization=mem, seed=0, **extra)
+               gpu_memory_utilization=mem, seed=0, **parallel, **extra)
 
 
 def start_engines(plan: list[tuple[str, dict[str, Any] | None]], path: Path, mem: float,
-                  autotune: str, folder: Path, choices: EngineChoices) -> dict[str, Any]:
+                  autotune: str, folder: Path, choices: EngineChoices,
+                  tp: int = 1) -> dict[str, Any]:
     """The engines of ``plan`` in order, each start's autotune choices recorded; ``autotune``
     (one of :data:`AUTOTUNE_MODES`) says where their Inductor caches are, under ``folder``.
     Engine cores inherit this process's environment when they start."""
@@ -145,7 +155,8 @@ def start_engines(plan: list[tuple[str, dict[str, Any] | None]], path: Path, mem
     for name, dynsteer in plan:
         if autotune == "own":
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / name)
-        engines[name] = start(path, dynsteer, mem, instance=name if autotune == "own" else None)
+        engines[name] = start(path, dynsteer, mem, instance=name if autotune == "own" else None,
+                              tp=tp)
         choices.started(name)
     return engines
 
@@ -392,6 +403,8 @@ def main() -> None:
                          "as vLLM does; 'own' (each compiles and tunes for itself: with "
                          "--control or --variant '{}', an A/A that includes the choices); "
                          "'shared' (a kernel of the same source takes the first engine's choice)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel size of every engine (each spans that many GPUs)")
     args = ap.parse_args()
     import numpy as np
     import torch
@@ -419,7 +432,8 @@ def main() -> None:
         inductor = Path(tmp) / "inductor"
         choices = EngineChoices([inductor])
         t0 = time.time()
-        engines = start_engines(plan, path, args.mem, args.autotune, inductor, choices)
+        engines = start_engines(plan, path, args.mem, args.autotune, inductor, choices,
+                                tp=args.tp)
         startup = time.time() - t0
         subscriber = Subscriber(EVENTS_ADDRESS) if "events" in engines else None
         steerings = {n: Steering(e) for n, e in engines.items()
@@ -438,7 +452,8 @@ def main() -> None:
                 other.register_probe("bench", **bench)
         results: dict[str, Any] = {"device": torch.cuda.get_device_name(),
                                    "vllm": vllm.__version__, "startup_s": startup,
-                                   "reps": args.reps, "autotune_mode": args.autotune,
+                                   "reps": args.reps, "tp": args.tp,
+                                   "autotune_mode": args.autotune,
                                    "autotune": choices.report(), "runs": {}}
         shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
         if not args.no_prefill:
@@ -491,7 +506,8 @@ def main() -> None:
                                  **{k: v for k, v in steerings["events"].info()[0].items()
                                     if k.startswith("events_")}}
         results["controllers"] = steering.info()[0]["controllers"]
-    print(f"device: {results['device']}  vLLM {results['vllm']}  reps={args.reps}")
+    print(f"device: {results['device']}  vLLM {results['vllm']}  reps={args.reps}  "
+          f"tp={args.tp}")
     print(f"{'shape':>14} {'scenario':<22} {'tok/s':>9} {'ratio':>7} {'spread':>7} "
           f"{'step ms':>8} {'step ratio':>10} {'paired':>15} {'SM MHz':>7} {'cycles':>7} "
           f"{'host us/step':>13} {'us/request':>11}")

@@ -4,9 +4,12 @@ One tiny random Llama (fp32), the same requests on each layout, every layout in 
 process (a second engine in one process does not start reliably on GPUs): static steering at
 every hook and phase, gated steering (probe on the first PP stage, gated sites on both), the
 built-in ``latch`` and ``proportional`` controllers, global steering set then cleared, and
-activation capture at a site of each stage. Compared with the one-rank run: greedy tokens
-equal, logprobs within ``--atol``, capture within 2e-4, the cleared run equal to the
-unsteered one, and every rank's controller checksum and folded step count equal.
+activation capture at a site of each stage, and the prefix guard (prefix caching on: a
+follow-up of a request gated in decode hits exactly the blocks before the first position the
+gate steered, so the report of the rank that computes the gate reaches the scheduler).
+Compared with the one-rank run: greedy tokens equal, logprobs within ``--atol``, capture within
+2e-4, the cleared run equal to the unsteered one, the same prefix hits, and every rank's
+controller checksum and folded step count equal.
 
 On GPUs each layout starts with the TP settings of the README's GPU section (the host keeps
 NVLink multicast off: no IPC / symmetric-memory all-reduce, no all-reduce fusions); on the CPU
@@ -29,34 +32,101 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "benchmarks"))
+
+from tp_settings import GPU_TP_ENV, GPU_TP_KWARGS  # noqa: E402
 
 LAYOUTS: dict[str, dict[str, int]] = {
     "tp1": {},
     "tp2": {"tensor_parallel_size": 2},
     "pp2": {"pipeline_parallel_size": 2},
 }
-GPU_ENV = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
-           "VLLM_USE_NCCL_SYMM_MEM": "0"}
-GPU_KWARGS: dict[str, Any] = {
-    "gpu_memory_utilization": 0.3, "disable_custom_all_reduce": True,
-    "compilation_config": {"pass_config": {"fuse_allreduce_rms": False, "enable_sp": False,
-                                           "fuse_gemm_comms": False}},
-}
+GPU_KWARGS: dict[str, Any] = {"gpu_memory_utilization": 0.3, **GPU_TP_KWARGS}
 CAPTURE_SITES = "post_block@1,post_block@3"
 """Default monitor sites of the 4-layer model, one on each PP stage."""
+GUARD_BLOCK = 32
+"""The engines' KV block size (prefix caching on), for the prefix-guard check."""
+GUARD_PROMPT = [1, *range(300, 369)]
+"""70 tokens: two full blocks of prompt; decode tokens fill the third block and beyond."""
+GUARD_DECODE = 40
+MONITOR_SITES = "pre_attn@0,post_block@1,post_block@3"
+"""The guard's gate reads ``pre_attn@0`` (the token embedding); the others' gates and the
+capture read the default monitor sites."""
+
+
+def gate_spec(**extra: Any) -> dict[str, Any]:
+    """The probe at layer 1 (the first PP stage) gating a vector at layers 1 and 3 (both)."""
+    from tiny_models import vec
+
+    return {"probe": {"weights": vec(1, norm=1.0), "threshold": 0.0, "sharpness": 50.0},
+            "layer": 1, "steer": [{"vector": vec(31), "layers": [1, 3], **extra}]}
 
 
 def requests() -> tuple[list[list[int]], list[Any]]:
     """The prompts and specs every layout runs (tiny_models' shapes and vectors)."""
-    from tiny_models import STATIC_CASES, vec
+    from tiny_models import STATIC_CASES
 
-    gate = {"probe": {"weights": vec(1, norm=1.0), "threshold": 0.0, "sharpness": 50.0},
-            "layer": 1, "steer": [{"vector": vec(31), "layers": [1, 3]}]}
+    gate = gate_spec()
     specs = [None, *({"steer": e} for e in STATIC_CASES.values()), {"gate": gate},
              {"gate": gate, "controller": {"name": "latch", "k": 2}},
              {"gate": gate, "controller": {"name": "proportional", "gain": 3.0}}]
     prompts = [[1, 17, 42, 99, 7, 250, 3, 64], [1, 9, 8, 7]]
     return [prompts[i % 2] for i in range(len(specs))], specs
+
+
+def guard_run(llm: Any, steering: Any, model: str) -> dict[str, Any]:
+    """The prefix guard under one layout (as ``tests/test_prefix_cache.py`` checks it on one
+    rank). A gate whose probe is the embedding of a token the model first generates at decode
+    position ``pos`` (read at ``pre_attn@0``) steers layers 1 and 3 from ``pos`` on; a follow-up
+    whose prompt is that request's prompt + output, with the same gate, may hit only the blocks
+    before the one holding ``pos``: the rank that computes the gate reports it to the
+    scheduler."""
+    import numpy as np
+    from engine_utils import params, run
+    from safetensors.numpy import load_file
+    from tiny_models import vec
+
+    def one(tokens: list[int], spec: Any, max_tokens: int) -> Any:
+        return run(llm, [tokens], [params(max_tokens, spec=spec, prompt_logprobs=None)])[0]
+
+    plain = one(GUARD_PROMPT, None, GUARD_DECODE)
+    tokens = GUARD_PROMPT + list(plain.outputs[0].token_ids)
+    fresh = [t for t in range(len(GUARD_PROMPT), len(tokens) - 1)
+             if tokens[t] not in tokens[:t]]
+    pos = next((t for t in fresh if 2 * GUARD_BLOCK <= t < 3 * GUARD_BLOCK), fresh[0])
+    embeds = load_file(str(Path(model) / "model.safetensors"))["model.embed_tokens.weight"]
+    probe = embeds[tokens[pos]].astype(np.float64)
+    norm2 = float(probe @ probe)
+    spec = {"gate": {"probe": {"weights": probe.tolist(), "threshold": norm2 / 2,
+                               "sharpness": 50.0 / norm2},
+                     "layer": 0, "hook": "pre_attn", "trace": True,
+                     "steer": [{"vector": vec(31), "layers": [1, 3]}]}}
+    first = one(GUARD_PROMPT, spec, GUARD_DECODE)
+    generated = list(first.outputs[0].token_ids)
+    warm = one(GUARD_PROMPT + generated, spec, 4)
+    return {"pos": pos, "generated": generated, "gates": steering.telemetry(first)["gates"],
+            "warm_cached": warm.num_cached_tokens,
+            "blocks_withheld": steering.cache_stats()["blocks_withheld"]}
+
+
+def guard_checks(guard: dict[str, Any], one: dict[str, Any] | None) -> dict[str, bool]:
+    """The gate first fired at ``pos`` and the follow-up hit exactly the blocks before it
+    (and, beside a one-rank run, the same position, decode and hits as there)."""
+    from dynsteer.engine_ext.prefix_guard.guard import DYNAMIC_EPSILON
+
+    pos, gates = guard["pos"], guard["gates"]
+    checks = {
+        "prefix guard: gate first fires at the chosen position": gates[pos] > 0.5 and all(
+            g is None or g < DYNAMIC_EPSILON for g in gates[:pos]),
+        "prefix guard: follow-up hits only blocks before the first dynamic position":
+            guard["warm_cached"] == pos // GUARD_BLOCK * GUARD_BLOCK,
+        "prefix guard: blocks were withheld": guard["blocks_withheld"] > 0,
+    }
+    if one is not None:
+        checks["prefix guard: same position, decode and hits as one rank"] = (
+            (pos, guard["generated"], guard["warm_cached"])
+            == (one["pos"], one["generated"], one["warm_cached"]))
+    return checks
 
 
 def run_layout(layout: str, model: str, out: Path) -> None:
@@ -72,7 +142,8 @@ def run_layout(layout: str, model: str, out: Path) -> None:
         extra.update(GPU_KWARGS)
     prompts, specs = requests()
     started = time.monotonic()
-    llm = start_llm(model, dynsteer={"sites": ALL_SITES}, **extra)
+    llm = start_llm(model, dynsteer={"sites": ALL_SITES, "monitor_sites": MONITOR_SITES},
+                    enable_prefix_caching=True, block_size=GUARD_BLOCK, **extra)
     ready = time.monotonic() - started
     try:
         outs = run(llm, prompts, [params(8, spec=s) for s in specs])
@@ -82,6 +153,7 @@ def run_layout(layout: str, model: str, out: Path) -> None:
         steering.clear_global()
         (cleared,) = run(llm, prompts[:1], [params(8)])
         capture = steering.capture(prompts[1:3], CAPTURE_SITES, reduce="all")
+        guard = guard_run(llm, steering, model)
         info = steering.info()
     finally:
         stop_llm(llm)
@@ -95,6 +167,7 @@ def run_layout(layout: str, model: str, out: Path) -> None:
         "outputs": [tokens_and_logprobs(o) for o in outs],
         "global": tokens_and_logprobs(under_global), "cleared": tokens_and_logprobs(cleared),
         "capture": {site: [a.tolist() for a in arrays] for site, arrays in capture.items()},
+        "guard": guard,
         "ranks": [{k: rank[k] for k in ("controller_checksum", "controller_checked_steps",
                                         "rows_rejected")} for rank in info],
     }))
@@ -126,6 +199,7 @@ def compare(one: dict[str, Any], other: dict[str, Any], atol: float) -> dict[str
         and len({r["controller_checked_steps"] for r in ranks}) == 1
         and ranks[0]["controller_checked_steps"] > 0)
     checks["no rank ran out of rows"] = all(r["rows_rejected"] == 0 for r in ranks)
+    checks.update(guard_checks(other["guard"], one["guard"]))
     return checks
 
 
@@ -148,7 +222,7 @@ def main() -> int:
     model = args.out / "tiny_llama"
     if not (model / "config.json").exists():
         make_tiny_model("llama", model)
-    env = {**os.environ, **(GPU_ENV if torch.cuda.is_available() else
+    env = {**os.environ, **(GPU_TP_ENV if torch.cuda.is_available() else
                             {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})}
     layouts = ["tp1", *(x for x in args.layouts.split(",") if x)]
     results: dict[str, Any] = {}
@@ -161,7 +235,8 @@ def main() -> int:
         print(f"{layout}: rc {done.returncode} in {results[layout]['seconds']:.0f} s",
               flush=True)
     one = json.loads((args.out / "parallel_tp1.json").read_text())
-    failed = []
+    results["tp1"]["checks"] = guard_checks(one["guard"], None)
+    failed = [f"tp1: {k}" for k, v in results["tp1"]["checks"].items() if not v]
     for layout in layouts[1:]:
         path = args.out / f"parallel_{layout}.json"
         if results[layout]["rc"] != 0 or not path.exists():
