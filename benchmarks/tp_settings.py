@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 GPU_TP_ENV = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
-              "VLLM_USE_NCCL_SYMM_MEM": "0"}
-"""Environment of the engine's processes (set before the engine starts; workers inherit it)."""
+              "VLLM_USE_NCCL_SYMM_MEM": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+"""Environment of the engine's processes (set before the engine starts; workers inherit it).
+Workers are spawned: a forked worker fails where its parent has touched CUDA."""
 
 GPU_TP_KWARGS: dict[str, Any] = {
     "disable_custom_all_reduce": True,

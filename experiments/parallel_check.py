@@ -66,7 +66,7 @@ def requests() -> tuple[list[list[int]], list[Any]]:
     """The prompts and specs every layout runs (tiny_models' shapes and vectors)."""
     from tiny_models import STATIC_CASES
 
-    gate = gate_spec()
+    gate = {**gate_spec(), "trace": True}
     specs = [None, *({"steer": e} for e in STATIC_CASES.values()), {"gate": gate},
              {"gate": gate, "controller": {"name": "latch", "k": 2}},
              {"gate": gate, "controller": {"name": "proportional", "gain": 3.0}}]
@@ -147,6 +147,8 @@ def run_layout(layout: str, model: str, out: Path) -> None:
     ready = time.monotonic() - started
     try:
         outs = run(llm, prompts, [params(8, spec=s) for s in specs])
+        per_rank = [llm.collective_rpc("dynsteer_telemetry", args=(o.request_id,))
+                    for o, s in zip(outs, specs, strict=True) if s and "gate" in s]
         steering = Steering(llm)
         steering.set_global([{"vector": vec(41), "layers": [0, 3]}])
         (under_global,) = run(llm, prompts[:1], [params(8)])
@@ -168,6 +170,8 @@ def run_layout(layout: str, model: str, out: Path) -> None:
         "global": tokens_and_logprobs(under_global), "cleared": tokens_and_logprobs(cleared),
         "capture": {site: [a.tolist() for a in arrays] for site, arrays in capture.items()},
         "guard": guard,
+        "per_rank_telemetry": [[{k: t[k] for k in ("gates", "scores", "controller")}
+                                for t in ranks] for ranks in per_rank],
         "ranks": [{k: rank[k] for k in ("controller_checksum", "controller_checked_steps",
                                         "rows_rejected")} for rank in info],
     }))
@@ -199,6 +203,8 @@ def compare(one: dict[str, Any], other: dict[str, Any], atol: float) -> dict[str
         and len({r["controller_checked_steps"] for r in ranks}) == 1
         and ranks[0]["controller_checked_steps"] > 0)
     checks["no rank ran out of rows"] = all(r["rows_rejected"] == 0 for r in ranks)
+    checks["gates, scores and controller events equal on every rank"] = all(
+        all(t == tele[0] for t in tele) for tele in other["per_rank_telemetry"])
     checks.update(guard_checks(other["guard"], one["guard"]))
     return checks
 

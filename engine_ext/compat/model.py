@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -212,7 +213,8 @@ STAGE_GATE_KEY = "dynsteer_gate_score"
 """Key of the tokens' gates and scores in the tensors one pipeline stage hands the next."""
 
 
-def relay_between_stages(model: nn.Module, gate_score: torch.Tensor) -> None:
+def relay_between_stages(model: nn.Module, gate_score: torch.Tensor,
+                         made: Any = None) -> None:
     """Pipeline parallelism: a token's gate is computed at its monitor site, on one stage, and
     read by gated sites and controllers on later stages too, so it travels with the stream.
 
@@ -221,7 +223,10 @@ def relay_between_stages(model: nn.Module, gate_score: torch.Tensor) -> None:
     receives it straight into its own ``gate_score``: the runner copies incoming tensors into
     the persistent buffers ``make_empty_intermediate_tensors`` made, and the one made for this
     key is a view of ``gate_score``. A later stage's monitor sites overwrite their tokens'
-    gates, as on one GPU.
+    gates, as on one GPU. ``made`` is the runner's persistent buffers where its ``load_model``
+    already made them (the V2 runner does; the V1 and CPU runners make them on first use): the
+    key joins them too, since the V2 runner copies only the keys its buffers have (without it,
+    later stages read no gates: seen on two H100s, session 17).
     """
     from vllm.distributed import get_pp_group
 
@@ -238,6 +243,8 @@ def relay_between_stages(model: nn.Module, gate_score: torch.Tensor) -> None:
             return tensors
 
         model.make_empty_intermediate_tensors = make_empty_with_gates
+        if made is not None:
+            made.tensors[STAGE_GATE_KEY] = columns[: len(next(iter(made.tensors.values())))]
     if not stages.is_last_rank:
         outgoing = torch.zeros_like(columns, memory_format=torch.contiguous_format)
         forward = model.forward

@@ -105,6 +105,12 @@ def replies(worker: Any) -> bool:
     return bool(getattr(worker, "is_driver_worker", True))
 
 
+def stage_buffers(runner: Any) -> Any:
+    """The persistent buffers a pipeline stage receives the previous stage's tensors into,
+    where the runner made them when it loaded the model (V2 runner; None elsewhere)."""
+    return getattr(runner, "intermediate_tensors", None)
+
+
 def is_output_rank() -> bool:
     """Whether this worker's output is the one the scheduler sees: TP rank 0 of the last
     pipeline stage (the one that publishes controller events)."""

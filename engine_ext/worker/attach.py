@@ -77,7 +77,8 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
                                                      options.events_queue),
                                       options.events_every))
     installed = install_sites(facts.model, state.site_buffers())
-    vllm_model.relay_between_stages(facts.model, state.gate_score)
+    vllm_model.relay_between_stages(facts.model, state.gate_score,
+                                    vllm_worker.stage_buffers(runner))
     state.capture.installed = frozenset(installed)
     vllm_worker.set_runner_state(runner, state)
 
