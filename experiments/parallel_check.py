@@ -173,7 +173,8 @@ def run_layout(layout: str, model: str, out: Path) -> None:
         "per_rank_telemetry": [[{k: t[k] for k in ("gates", "scores", "controller")}
                                 for t in ranks] for ranks in per_rank],
         "ranks": [{k: rank[k] for k in ("controller_checksum", "controller_checked_steps",
-                                        "rows_rejected")} for rank in info],
+                                        "controller_checksum_log", "rows_rejected")}
+                  for rank in info],
     }))
 
 

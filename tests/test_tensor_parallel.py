@@ -7,6 +7,8 @@ stream between stages)."""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +25,9 @@ from engine_utils import (
 from tiny_models import STATIC_CASES, vec
 
 from dynsteer.engine_ext import Steering
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+from parallel_check import GUARD_BLOCK, MONITOR_SITES, guard_checks, guard_run
 
 pytestmark = [pytest.mark.engine, pytest.mark.tp2]
 
@@ -45,9 +50,10 @@ CAPTURE_SITES = "post_block@1,post_block@3"  # default monitor sites, one per PP
 
 
 def _outputs(path, **parallel: int):
-    """(outputs of SPECS, outputs under global steering then after clearing it, capture, info)
-    of one engine."""
-    llm = start_llm(path, dynsteer={"sites": ALL_SITES}, **parallel)
+    """(outputs of SPECS, outputs under global steering then after clearing it, capture, info,
+    the prefix guard's run) of one engine (prefix caching on)."""
+    llm = start_llm(path, dynsteer={"sites": ALL_SITES, "monitor_sites": MONITOR_SITES},
+                    enable_prefix_caching=True, block_size=GUARD_BLOCK, **parallel)
     try:
         outs = run(llm, PROMPTS, [params(spec=s) for s in SPECS])
         steering = Steering(llm)
@@ -56,7 +62,8 @@ def _outputs(path, **parallel: int):
         steering.clear_global()
         cleared = run(llm, PROMPTS[:1], [params()])
         capture = steering.capture(PROMPTS[2:4], CAPTURE_SITES, reduce="all")
-        return outs, [*under_global, *cleared], capture, steering.info()
+        guard = guard_run(llm, steering, str(path))
+        return outs, [*under_global, *cleared], capture, steering.info(), guard
     finally:
         stop_llm(llm)
 
@@ -148,3 +155,15 @@ def test_parallel_controller_checksums_agree(tp_outputs, layout):
         assert rank["controllers"]["pylatch"]["calls"] > 0
         assert rank["controllers"]["pylatch"]["errors"] == 0
     assert single[3][0]["controller_checked_steps"] > 0
+
+
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_parallel_prefix_guard(tp_outputs, layout):
+    """The prefix guard's report reaches the scheduler from the rank that computes the gate
+    (under PP=2 the first stage computes it, the last stage's output reaches the scheduler): a
+    follow-up of a gated request hits exactly the blocks before the position the gate first
+    steered, as at TP=1 (``experiments/parallel_check.py`` checks the same on GPUs)."""
+    single, parallel = tp_outputs
+    checks = guard_checks(parallel[layout][4], single[4])
+    assert all(checks.values()), checks
+    assert all(guard_checks(single[4], None).values())

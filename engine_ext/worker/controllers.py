@@ -49,6 +49,8 @@ logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
 
 MAX_EVENTS = 64
 """Events kept per request in its telemetry report (the first ones; a counter has them all)."""
+CHECKSUM_LOG = 64
+"""Folded steps whose per-step checksum ``info`` lists (``controller_checksum_log``)."""
 
 
 @dataclass
@@ -96,6 +98,9 @@ class ControllerRunner:
         self.stats: dict[str, _Stats] = {}
         self.checksum = 0
         self.checked_steps = 0
+        self.checksum_log: deque[tuple[int, str, list[int]]] = deque(maxlen=CHECKSUM_LOG)
+        """The last folded steps' (number, CRC of that step's controller state, rows with a
+        nonzero floor or scale): where two ranks' checksums part, the first step that differs."""
         self._instances: dict[str, Controller] = {}
         self._names: list[str] = []
         size = control.rows + 1
@@ -182,9 +187,11 @@ class ControllerRunner:
         if not mine.any():
             return
         recs, rows = records[mine], control_rows[mine]
-        state = control[:, CTL_FLOOR:CTL_SCALE + 1]
-        self.checksum = zlib.crc32(np.ascontiguousarray(state).tobytes(), self.checksum)
+        state = np.ascontiguousarray(control[:, CTL_FLOOR:CTL_SCALE + 1])
+        self.checksum = zlib.crc32(state.tobytes(), self.checksum)
         self.checked_steps += 1
+        self.checksum_log.append((number, f"{zlib.crc32(state.tobytes()):08x}",
+                                  np.flatnonzero(state.any(axis=1)).tolist()))
         first_recs, first = np.unique(recs, return_index=True)
         values = state[rows[first]]
         seen = self._seen[first_recs]
@@ -355,5 +362,6 @@ class ControllerRunner:
             "controllers": {name: vars(s).copy() for name, s in self.stats.items()},
             "controller_checksum": f"{self.checksum:08x}",
             "controller_checked_steps": self.checked_steps,
+            "controller_checksum_log": [list(entry) for entry in self.checksum_log],
         }
 
