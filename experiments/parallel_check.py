@@ -54,12 +54,12 @@ MONITOR_SITES = "pre_attn@0,post_block@1,post_block@3"
 capture read the default monitor sites."""
 
 
-def gate_spec(**extra: Any) -> dict[str, Any]:
+def gate_spec() -> dict[str, Any]:
     """The probe at layer 1 (the first PP stage) gating a vector at layers 1 and 3 (both)."""
     from tiny_models import vec
 
     return {"probe": {"weights": vec(1, norm=1.0), "threshold": 0.0, "sharpness": 50.0},
-            "layer": 1, "steer": [{"vector": vec(31), "layers": [1, 3], **extra}]}
+            "layer": 1, "steer": [{"vector": vec(31), "layers": [1, 3]}]}
 
 
 def requests() -> tuple[list[list[int]], list[Any]]:
@@ -84,7 +84,6 @@ def guard_run(llm: Any, steering: Any, model: str) -> dict[str, Any]:
     import numpy as np
     from engine_utils import params, run
     from safetensors.numpy import load_file
-    from tiny_models import vec
 
     def one(tokens: list[int], spec: Any, max_tokens: int) -> Any:
         return run(llm, [tokens], [params(max_tokens, spec=spec, prompt_logprobs=None)])[0]
@@ -100,7 +99,7 @@ def guard_run(llm: Any, steering: Any, model: str) -> dict[str, Any]:
     spec = {"gate": {"probe": {"weights": probe.tolist(), "threshold": norm2 / 2,
                                "sharpness": 50.0 / norm2},
                      "layer": 0, "hook": "pre_attn", "trace": True,
-                     "steer": [{"vector": vec(31), "layers": [1, 3]}]}}
+                     "steer": gate_spec()["steer"]}}
     first = one(GUARD_PROMPT, spec, GUARD_DECODE)
     generated = list(first.outputs[0].token_ids)
     warm = one(GUARD_PROMPT + generated, spec, 4)

@@ -98,9 +98,10 @@ class ControllerRunner:
         self.stats: dict[str, _Stats] = {}
         self.checksum = 0
         self.checked_steps = 0
-        self.checksum_log: deque[tuple[int, str, list[int]]] = deque(maxlen=CHECKSUM_LOG)
-        """The last folded steps' (number, CRC of that step's controller state, rows with a
-        nonzero floor or scale): where two ranks' checksums part, the first step that differs."""
+        self.checksum_log: deque[tuple[int, str, int]] = deque(maxlen=CHECKSUM_LOG)
+        """The last folded steps' (number, CRC of that step's controller state, how many rows
+        have a nonzero floor or scale): where two ranks' checksums part, the first step that
+        differs."""
         self._instances: dict[str, Controller] = {}
         self._names: list[str] = []
         size = control.rows + 1
@@ -188,10 +189,11 @@ class ControllerRunner:
             return
         recs, rows = records[mine], control_rows[mine]
         state = np.ascontiguousarray(control[:, CTL_FLOOR:CTL_SCALE + 1])
-        self.checksum = zlib.crc32(state.tobytes(), self.checksum)
+        data = state.tobytes()
+        self.checksum = zlib.crc32(data, self.checksum)
         self.checked_steps += 1
-        self.checksum_log.append((number, f"{zlib.crc32(state.tobytes()):08x}",
-                                  np.flatnonzero(state.any(axis=1)).tolist()))
+        self.checksum_log.append((number, f"{zlib.crc32(data):08x}",
+                                  int(np.count_nonzero(state.any(axis=1)))))
         first_recs, first = np.unique(recs, return_index=True)
         values = state[rows[first]]
         seen = self._seen[first_recs]
