@@ -84,6 +84,27 @@ def disagreements(by_engine: dict[str, dict[str, dict[str, Any]]]) -> dict[str, 
                                          for c in configs.values()}) > 1}
 
 
+def flip_rblock(files: dict[str, dict[str, Any]], name_part: str, persistent: int,
+                looped: int = 2048) -> dict[str, list[int]]:
+    """Rewrite the recorded choice of every kernel whose name contains ``name_part`` (and that
+    offered both configs) to the other of its two ``R0_BLOCK`` values, ``persistent`` (the
+    whole row) or ``looped``, in place: an engine that starts later on the same cache loads the
+    other config for those kernels. Returns ``{file: [before, after]}``. A benchmark-only tool
+    (``overhead.py --flip-site-rblock``) for an A/B of that one choice."""
+    flipped = {}
+    for key, choice in files.items():
+        offered = [n for n, both in choice.get("kernels_beside", {}).items() if both]
+        block = choice.get("config", {}).get("R0_BLOCK")
+        if block not in (persistent, looped) or not any(name_part in n for n in offered):
+            continue
+        path = Path(choice["path"])
+        recorded = json.loads(path.read_text())
+        recorded["R0_BLOCK"] = looped if block == persistent else persistent
+        path.write_text(json.dumps(recorded))
+        flipped[key] = [block, recorded["R0_BLOCK"]]
+    return flipped
+
+
 class EngineChoices:
     """The autotune choices each engine's start wrote (use around the starts, in order)."""
 
@@ -91,6 +112,8 @@ class EngineChoices:
         self._roots = cache_roots() + list(extra_roots or [])
         self._before = snapshot(self._roots)
         self.by_engine: dict[str, dict[str, dict[str, Any]]] = {}
+        self.flipped: dict[str, list[int]] = {}
+        """What :func:`flip_rblock` changed before a later engine's start, if it ran."""
 
     def started(self, engine: str) -> None:
         """Attribute the files written since the last call to ``engine``."""

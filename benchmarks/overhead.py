@@ -80,7 +80,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autotune_choices import EngineChoices
+from autotune_choices import EngineChoices, flip_rblock
 from tp_settings import GPU_TP_ENV, GPU_TP_KWARGS
 
 LLAMA_8B = {
@@ -105,6 +105,8 @@ INSTANCE_KEY = "dynsteer_bench_instance"
 of ``additional_config`` into its compile-cache key, and nothing reads this key."""
 AUTOTUNE_MODES = ("vllm", "own", "shared")
 """Where each engine's Inductor kernels and autotune choices live (``--autotune``)."""
+SITE_KERNEL = "steer"
+"""Part of the name Inductor gives the kernels that hold a fused site (``--flip-site-rblock``)."""
 EVENTS_ADDRESS = "tcp://127.0.0.1:5599"
 NULL_SCALE = 1e-30
 """The ``registered-null`` vector's scale: far below half a bf16 ulp of any residual value the
@@ -144,19 +146,30 @@ def start(path: Path, dynsteer: dict[str, Any] | None, mem: float,
 
 def start_engines(plan: list[tuple[str, dict[str, Any] | None]], path: Path, mem: float,
                   autotune: str, folder: Path, choices: EngineChoices,
-                  tp: int = 1) -> dict[str, Any]:
+                  tp: int = 1, flip_sites: bool = False) -> dict[str, Any]:
     """The engines of ``plan`` in order, each start's autotune choices recorded; ``autotune``
     (one of :data:`AUTOTUNE_MODES`) says where their Inductor caches are, under ``folder``.
-    Engine cores inherit this process's environment when they start."""
+    Engine cores inherit this process's environment when they start. ``flip_sites``
+    (``autotune == "shared"``): before the ``variant`` engine starts, the ``plugin`` engine's
+    choices for its site kernels are flipped to their other ``R0_BLOCK``, and the variant
+    compiles for itself, so it runs the plugin's kernels with that one choice changed."""
     if autotune == "shared":
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "shared")
         os.environ["VLLM_USE_AOT_COMPILE"] = "0"
     engines = {}
     for name, dynsteer in plan:
+        instance = name if autotune == "own" else None
         if autotune == "own":
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / name)
-        engines[name] = start(path, dynsteer, mem, instance=name if autotune == "own" else None,
-                              tp=tp)
+        if flip_sites and name == "variant":
+            choices.flipped = flip_rblock(choices.by_engine["plugin"], SITE_KERNEL, HIDDEN)
+            print(f"site kernels' R0_BLOCK flipped for the variant: {choices.flipped}")
+            instance = name
+            # Inductor generates the kernels again (a cached graph could bring its kernels'
+            # launch configs with it); each then reads its choice from the shared folder.
+            os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
+        engines[name] = start(path, dynsteer, mem, instance=instance, tp=tp)
+        os.environ.pop("TORCHINDUCTOR_FX_GRAPH_CACHE", None)
         choices.started(name)
     return engines
 
@@ -403,9 +416,15 @@ def main() -> None:
                          "as vLLM does; 'own' (each compiles and tunes for itself: with "
                          "--control or --variant '{}', an A/A that includes the choices); "
                          "'shared' (a kernel of the same source takes the first engine's choice)")
+    ap.add_argument("--flip-site-rblock", action="store_true",
+                    help="with --autotune shared and --variant '{}': the variant runs the "
+                         "plugin's kernels with the site kernels' autotune choice flipped "
+                         "(persistent R0_BLOCK <-> looped), an A/B of that one choice")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel size of every engine (each spans that many GPUs)")
     args = ap.parse_args()
+    if args.flip_site_rblock and (args.autotune != "shared" or args.variant is None):
+        ap.error("--flip-site-rblock needs --autotune shared and --variant")
     import numpy as np
     import torch
     import vllm
@@ -433,7 +452,7 @@ def main() -> None:
         choices = EngineChoices([inductor])
         t0 = time.time()
         engines = start_engines(plan, path, args.mem, args.autotune, inductor, choices,
-                                tp=args.tp)
+                                tp=args.tp, flip_sites=args.flip_site_rblock)
         startup = time.time() - t0
         subscriber = Subscriber(EVENTS_ADDRESS) if "events" in engines else None
         steerings = {n: Steering(e) for n, e in engines.items()
@@ -454,7 +473,8 @@ def main() -> None:
                                    "vllm": vllm.__version__, "startup_s": startup,
                                    "reps": args.reps, "tp": args.tp,
                                    "autotune_mode": args.autotune,
-                                   "autotune": choices.report(), "runs": {}}
+                                   "autotune": choices.report(),
+                                   "site_rblock_flipped": choices.flipped, "runs": {}}
         shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
         if not args.no_prefill:
             shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
