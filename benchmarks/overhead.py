@@ -52,6 +52,14 @@ alternation, and each of its rows is also compared with the ``plugin`` row of it
 (``vs plugin``): an engine option against the default in one run. Session 14 measured two
 experimental options this way (``l2_window`` at ``d4174db``, ``site_groups`` at ``b8c2921``).
 
+With ``--variant '{}' --control`` the engines start stock, plugin, variant (the plugin
+again), control (stock again), and each shape also gets a ``pooled`` row per scenario: both
+plugin instances against both stock instances (:func:`pooled`), the figure to read against a
+0.5% target at batch 1, where single instances of one build differ by up to 0.4-0.5%.
+``--flip-site-rblock`` (with ``--autotune shared --variant '{}'``) gives the variant the
+plugin's kernels with the site kernels' autotune choice flipped (session 18: no effect within
+0.05%, so its ``pooled`` row stays valid).
+
 With ``--tp N`` every engine is tensor-parallel over N GPUs, started with the settings of
 :mod:`tp_settings` (issue 18's overhead table at TP=2).
 
@@ -66,7 +74,7 @@ admitted request) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
        [--scenarios idle gated ...] [--control --mem 0.28] [--variant JSON]
-       [--autotune vllm|own|shared] [--tp 2]
+       [--autotune vllm|own|shared] [--flip-site-rblock] [--tp 2]
 """
 
 from __future__ import annotations
@@ -392,6 +400,23 @@ def summarize(run: dict[str, Any], key: str, host: dict[str, float] | None,
             "host_us_per_step": per_step, "host_us_per_request": per_request}
 
 
+def pooled(run: dict[str, Any], scenario: str) -> dict[str, Any] | None:
+    """The plugin's two instances against stock's two, for one scenario: per repetition, the
+    sum of stock's and control's decode steps over the sum of plugin's and variant's, and the
+    median and range over the repetitions. Engines start in the order stock, plugin, variant,
+    control (ABBA), so a bias by start order cancels, and each side's figure averages two
+    instances: session 18 measured two engines of one build 0.4% apart at batch 1, either
+    way round, which one instance per side cannot separate from a 0.5% effect. Needs
+    ``--control`` and ``--variant '{}'`` (None otherwise)."""
+    steps = run["decode_step_s"]
+    keys = ("stock/idle", "control/idle", f"plugin/{scenario}", f"variant/{scenario}")
+    if not all(k in steps for k in keys):
+        return None
+    ratios = [(a + b) / (c + d) for a, b, c, d in zip(*(steps[k] for k in keys), strict=True)]
+    return {"paired_step_ratio": statistics.median(ratios),
+            "paired_step_ratio_range": (min(ratios), max(ratios))}
+
+
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -551,6 +576,15 @@ def main() -> None:
                 print(f"{'':>14} {'  vs plugin/' + scenario:<22} {'':>9} {vs['ratio']:>7.4f} "
                       f"{'':>7} {'':>8} {vs['step_ratio']:>10.4f} {low:>7.4f}-{high:<7.4f} "
                       f"paired median {vs['paired_step_ratio']:.4f}")
+        if args.control and args.variant == {}:
+            for scenario in args.scenarios:
+                two = pooled(run, scenario)
+                if two is not None:
+                    summary[f"{shape}/pooled/{scenario}"] = two
+                    low, high = two["paired_step_ratio_range"]
+                    print(f"{shape:>14} {'pooled ' + scenario:<22} (plugin + variant vs stock "
+                          f"+ control) paired step ratio {two['paired_step_ratio']:.4f} "
+                          f"({low:.4f}-{high:.4f})")
         print(f"{shape:>14} gate on for {run['gate_on_fraction']:.0%} of monitored tokens")
     if "events" in results:
         print(f"events: {results['events']}")

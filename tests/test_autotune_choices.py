@@ -115,3 +115,41 @@ def test_own_compile_key_gives_an_engine_its_own_compile_cache_and_nothing_else(
     assert not requested({INSTANCE_KEY: "control"})
     assert (VllmConfig(additional_config={INSTANCE_KEY: "control"}).compute_hash()
             != VllmConfig().compute_hash())
+
+
+SITE_KERNEL_SOURCE = PERSISTENT_KERNEL.replace("add_rms_norm_3", "add_rms_norm_steer_0")
+
+
+def test_flip_rblock_rewrites_only_site_kernels_that_offered_both_configs(tmp_path):
+    """``overhead.py --flip-site-rblock``: a site kernel's choice becomes the other of its two
+    configs, in the file a later engine reads, bookkeeping kept; kernels without the name, or
+    that offered one config, are left alone."""
+    from autotune_choices import flip_rblock
+
+    site = _kernel(tmp_path, "ab", "site", SITE_KERNEL_SOURCE,
+                   {"XBLOCK": 1, "R0_BLOCK": 2048, "num_warps": 16})
+    plain = _kernel(tmp_path, "cd", "norm", PERSISTENT_KERNEL,
+                    {"XBLOCK": 1, "R0_BLOCK": 4096, "num_warps": 16})
+    single = _kernel(tmp_path, "ef", "one", PLAIN_KERNEL.replace("mean_1", "steer_1"),
+                     {"XBLOCK": 1, "R0_BLOCK": 2048})
+    before = {p: p.read_text() for p in (plain, single)}
+    files = describe({site, plain, single})
+    assert flip_rblock(files, "steer", 4096) == {"ab/site.best_config": [2048, 4096]}
+    flipped = json.loads(site.read_text())
+    assert flipped["R0_BLOCK"] == 4096 and flipped["configs_hash"] == "h"
+    assert {p: p.read_text() for p in (plain, single)} == before
+    assert flip_rblock(describe({site}), "steer", 4096) == {"ab/site.best_config": [4096, 2048]}
+
+
+def test_pooled_ratio_averages_two_instances_a_side():
+    """The ABBA estimate: per repetition, (stock + control) / (plugin + variant); None without
+    both second instances."""
+    from overhead import pooled
+
+    steps = {"stock/idle": [1.0, 1.0], "control/idle": [0.98, 1.02],
+             "plugin/idle": [1.01, 1.01], "variant/idle": [0.99, 1.03]}
+    two = pooled({"decode_step_s": steps}, "idle")
+    assert two["paired_step_ratio_range"] == (1.98 / 2.0, 2.02 / 2.04)
+    assert abs(two["paired_step_ratio"] - (1.98 / 2.0 + 2.02 / 2.04) / 2) < 1e-12
+    del steps["control/idle"]
+    assert pooled({"decode_step_s": steps}, "idle") is None
