@@ -6,7 +6,9 @@ times them at its first launch, which in vLLM is the profile run at thousands of
 stores the winner beside the kernel's source as a ``.best_config`` file that every later start
 with the same cache reuses. A choice made on timing noise at that size would move a batch-1
 decode step at every site that shares the kernel, one way or the other per compile: session 15's
-lead for batch-1 ratios that took one of two values per engine start (``benchmarks/RESULTS.md``).
+lead for batch-1 ratios that took one of two values per engine start. Session 18 flipped the site
+kernel's choice both ways (:func:`flip_rblock`) and found no effect within 0.05%: the spread is
+between engine instances (``benchmarks/RESULTS.md``).
 
 A benchmark snapshots the ``.best_config`` files under the caches before and after each engine's
 start; the new ones are that engine's choices. A file is named by a hash of its kernel's source
