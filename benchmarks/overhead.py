@@ -52,13 +52,17 @@ alternation, and each of its rows is also compared with the ``plugin`` row of it
 (``vs plugin``): an engine option against the default in one run. Session 14 measured two
 experimental options this way (``l2_window`` at ``d4174db``, ``site_groups`` at ``b8c2921``).
 
-With ``--variant '{}' --control`` the engines start stock, plugin, variant (the plugin
-again), control (stock again), and each shape also gets a ``pooled`` row per scenario: both
-plugin instances against both stock instances (:func:`pooled`), the figure to read against a
-0.5% target at batch 1, where single instances of one build differ by up to 0.4-0.5%.
-``--flip-site-rblock`` (with ``--autotune shared --variant '{}'``) gives the variant the
-plugin's kernels with the site kernels' autotune choice flipped (session 18: no effect within
-0.05%, so its ``pooled`` row stays valid).
+Two engines of one build differ by up to 0.4-0.5% of a batch-1 decode step, either way round
+(session 18), as much as a 0.5% target's margin. ``--instances K`` starts stock, plugin and
+variant K times each, every other round in reverse order (ABBA for K=2, so a bias by start
+order cancels; later instances are named ``plugin#2`` and so on), runs every instance, and adds
+a ``pooled`` row per scenario: the mean decode step of the stock instances over that of the
+plugin's (:func:`pooled`; also the variant's against the stock's and the plugin's). With
+``--variant '{}' --control`` (one instance each) the variant counts as a second plugin
+instance and the control as a second stock one, in the same order.
+``--flip-site-rblock`` (with ``--autotune shared --variant '{}'``, one instance) gives the
+variant the plugin's kernels with the site kernels' autotune choice flipped (session 18: no
+effect within 0.05%).
 
 With ``--tp N`` every engine is tensor-parallel over N GPUs, started with the settings of
 :mod:`tp_settings` (issue 18's overhead table at TP=2).
@@ -74,7 +78,7 @@ admitted request) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
        [--scenarios idle gated ...] [--control --mem 0.28] [--variant JSON]
-       [--autotune vllm|own|shared] [--flip-site-rblock] [--tp 2]
+       [--autotune vllm|own|shared] [--flip-site-rblock] [--instances 2] [--tp 2]
 """
 
 from __future__ import annotations
@@ -108,6 +112,8 @@ SCENARIOS = ["idle", "registered", "registered-null", "inline-32", "inline-32-b6
              "gates-32", "latch", "python", "events", "ablate"]
 OWN_ENGINE = {"events": "events", "ablate": "projecting"}
 """Scenarios that run on an engine of their own (others run on ``plugin``)."""
+REPEATED = ("stock", "plugin", "variant")
+"""The engines ``--instances`` starts more than once."""
 INSTANCE_KEY = "dynsteer_bench_instance"
 """An ``additional_config`` key only this benchmark sets (``--autotune own``): vLLM hashes all
 of ``additional_config`` into its compile-cache key, and nothing reads this key."""
@@ -400,21 +406,71 @@ def summarize(run: dict[str, Any], key: str, host: dict[str, float] | None,
             "host_us_per_step": per_step, "host_us_per_request": per_request}
 
 
-def pooled(run: dict[str, Any], scenario: str) -> dict[str, Any] | None:
-    """The plugin's two instances against stock's two, for one scenario: per repetition, the
-    sum of stock's and control's decode steps over the sum of plugin's and variant's, and the
-    median and range over the repetitions. Engines start in the order stock, plugin, variant,
-    control (ABBA), so a bias by start order cancels, and each side's figure averages two
-    instances: session 18 measured two engines of one build 0.4% apart at batch 1, either
-    way round, which one instance per side cannot separate from a 0.5% effect. Needs
-    ``--control`` and ``--variant '{}'`` (None otherwise)."""
+def kind(engine: str, variant_is_plugin: bool = False) -> str:
+    """What an engine instance is an instance of: ``plugin#2`` of ``plugin``; the A/A
+    ``control`` of ``stock``; with ``variant_is_plugin`` (``--variant '{}'``), the variant of
+    ``plugin``."""
+    base = engine.split("#")[0]
+    if base == "control":
+        return "stock"
+    return "plugin" if variant_is_plugin and base == "variant" else base
+
+
+def instance_plan(plan: list[tuple[str, dict[str, Any] | None]],
+                  instances: int) -> list[tuple[str, dict[str, Any] | None]]:
+    """``plan`` with its :data:`REPEATED` engines started ``instances`` times, every other
+    round in reverse order (ABBA...), later rounds named ``name#2``...; the others (control,
+    engines of their own) once, after the rounds."""
+    rounds = [(n, o) for n, o in plan if n in REPEATED]
+    out = list(rounds)
+    for r in range(1, instances):
+        out += [(f"{n}#{r + 1}", o) for n, o in (rounds[::-1] if r % 2 else rounds)]
+    return out + [(n, o) for n, o in plan if n not in REPEATED]
+
+
+def engine_runs(engines: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
+    """The (engine, scenario) runs of one repetition: stock instances run idle; plugin and
+    variant instances every scenario but those with an engine of their own, which run there."""
+    runs = []
+    for engine in engines:
+        base = kind(engine)
+        if base == "stock":
+            runs.append((engine, "idle"))
+        elif base in ("plugin", "variant"):
+            runs += [(engine, s) for s in scenarios if s not in OWN_ENGINE]
+        else:
+            runs += [(engine, s) for s in scenarios if OWN_ENGINE.get(s) == base]
+    return runs
+
+
+def pooled(run: dict[str, Any], base: list[str], keys: list[str]) -> dict[str, Any]:
+    """Instances pooled: per repetition, the mean decode step of the ``base`` runs over the
+    mean of the ``keys`` runs (> 1: ``keys`` faster), and the median and range over the
+    repetitions."""
     steps = run["decode_step_s"]
-    keys = ("stock/idle", "control/idle", f"plugin/{scenario}", f"variant/{scenario}")
-    if not all(k in steps for k in keys):
-        return None
-    ratios = [(a + b) / (c + d) for a, b, c, d in zip(*(steps[k] for k in keys), strict=True)]
+    ratios = [statistics.mean(steps[b][i] for b in base)
+              / statistics.mean(steps[k][i] for k in keys) for i in range(len(steps[base[0]]))]
     return {"paired_step_ratio": statistics.median(ratios),
-            "paired_step_ratio_range": (min(ratios), max(ratios))}
+            "paired_step_ratio_range": (min(ratios), max(ratios)), "base": base, "keys": keys}
+
+
+def pooled_rows(run: dict[str, Any], variant_is_plugin: bool) -> dict[str, dict[str, Any]]:
+    """The ``pooled`` rows of one shape: every scenario of plugin (and of a variant with other
+    options) against stock, and such a variant against the plugin, where a side has more than
+    one instance."""
+    by_kind: dict[tuple[str, str], list[str]] = {}
+    for key in run["decode_step_s"]:
+        engine, scenario = key.split("/", 1)
+        by_kind.setdefault((kind(engine, variant_is_plugin), scenario), []).append(key)
+    stock = by_kind.get(("stock", "idle"), [])
+    rows = {}
+    for (name, scenario), keys in by_kind.items():
+        if name in ("plugin", "variant") and max(len(stock), len(keys)) > 1:
+            rows[f"{name}/{scenario}"] = pooled(run, stock, keys)
+            plugin = by_kind.get(("plugin", scenario), [])
+            if name == "variant" and max(len(plugin), len(keys)) > 1:
+                rows[f"variant/{scenario} vs plugin"] = pooled(run, plugin, keys)
+    return rows
 
 
 def _fmt(value: float | None) -> str:
@@ -445,11 +501,17 @@ def main() -> None:
                     help="with --autotune shared and --variant '{}': the variant runs the "
                          "plugin's kernels with the site kernels' autotune choice flipped "
                          "(persistent R0_BLOCK <-> looped), an A/B of that one choice")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="start stock, plugin (and variant) this many times each, in ABBA "
+                         "order, and pool each side's instances (engines of one build differ "
+                         "by up to 0.5%% at batch 1); set --mem to fit them all")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel size of every engine (each spans that many GPUs)")
     args = ap.parse_args()
     if args.flip_site_rblock and (args.autotune != "shared" or args.variant is None):
         ap.error("--flip-site-rblock needs --autotune shared and --variant")
+    if args.flip_site_rblock and args.instances > 1:
+        ap.error("--flip-site-rblock flips the one plugin's choices: use --instances 1")
     import numpy as np
     import torch
     import vllm
@@ -476,12 +538,13 @@ def main() -> None:
         inductor = Path(tmp) / "inductor"
         choices = EngineChoices([inductor])
         t0 = time.time()
-        engines = start_engines(plan, path, args.mem, args.autotune, inductor, choices,
-                                tp=args.tp, flip_sites=args.flip_site_rblock)
+        engines = start_engines(instance_plan(plan, args.instances), path, args.mem,
+                                args.autotune, inductor, choices, tp=args.tp,
+                                flip_sites=args.flip_site_rblock)
         startup = time.time() - t0
         subscriber = Subscriber(EVENTS_ADDRESS) if "events" in engines else None
         steerings = {n: Steering(e) for n, e in engines.items()
-                     if n in ("plugin", "variant", *OWN_ENGINE.values())}
+                     if kind(n) in ("plugin", "variant", *OWN_ENGINE.values())}
         primary = next(n for n in ("plugin", "events", "projecting") if n in engines)
         steering = steerings[primary]
         vector = np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32) * 0.01
@@ -503,10 +566,7 @@ def main() -> None:
         shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
         if not args.no_prefill:
             shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
-        runs = [("stock", "idle"), *((OWN_ENGINE.get(s, "plugin"), s) for s in args.scenarios),
-                *(("variant", s) for s in args.scenarios
-                  if args.variant is not None and s not in OWN_ENGINE),
-                *([("control", "idle")] if args.control else [])]
+        runs = engine_runs(list(engines), args.scenarios)
         seed = 0
         clocks = {name: StepClock(llm) for name, llm in engines.items()}
         sm = SmClock()
@@ -561,7 +621,7 @@ def main() -> None:
         for key in run["samples"]:
             engine, scenario = key.split("/", 1)
             row = summarize(run, key, run["host_time"].get(key))
-            if engine == "variant":
+            if kind(engine) == "variant":
                 row["vs_plugin"] = summarize(run, key, None, base=f"plugin/{scenario}")
             summary[f"{shape}/{key}"] = row
             low, high = row["paired_step_ratio_range"]
@@ -576,15 +636,12 @@ def main() -> None:
                 print(f"{'':>14} {'  vs plugin/' + scenario:<22} {'':>9} {vs['ratio']:>7.4f} "
                       f"{'':>7} {'':>8} {vs['step_ratio']:>10.4f} {low:>7.4f}-{high:<7.4f} "
                       f"paired median {vs['paired_step_ratio']:.4f}")
-        if args.control and args.variant == {}:
-            for scenario in args.scenarios:
-                two = pooled(run, scenario)
-                if two is not None:
-                    summary[f"{shape}/pooled/{scenario}"] = two
-                    low, high = two["paired_step_ratio_range"]
-                    print(f"{shape:>14} {'pooled ' + scenario:<22} (plugin + variant vs stock "
-                          f"+ control) paired step ratio {two['paired_step_ratio']:.4f} "
-                          f"({low:.4f}-{high:.4f})")
+        for name, row in pooled_rows(run, args.variant == {}).items():
+            summary[f"{shape}/pooled/{name}"] = row
+            low, high = row["paired_step_ratio_range"]
+            print(f"{shape:>14} pooled {name:<26} {len(row['keys'])} instance(s) vs "
+                  f"{len(row['base'])}: paired step ratio {row['paired_step_ratio']:.4f} "
+                  f"({low:.4f}-{high:.4f})")
         print(f"{shape:>14} gate on for {run['gate_on_fraction']:.0%} of monitored tokens")
     if "events" in results:
         print(f"events: {results['events']}")

@@ -141,15 +141,43 @@ def test_flip_rblock_rewrites_only_site_kernels_that_offered_both_configs(tmp_pa
     assert flip_rblock(describe({site}), "steer", 4096) == {"ab/site.best_config": [4096, 2048]}
 
 
-def test_pooled_ratio_averages_two_instances_a_side():
-    """The ABBA estimate: per repetition, (stock + control) / (plugin + variant); None without
-    both second instances."""
-    from overhead import pooled
+def test_instances_start_abba_and_run_every_instance():
+    """``overhead.py --instances``: stock, plugin and variant once per round, every other round
+    reversed; control and engines of their own once, after the rounds; each instance runs its
+    kind's scenarios."""
+    from overhead import engine_runs, instance_plan
 
-    steps = {"stock/idle": [1.0, 1.0], "control/idle": [0.98, 1.02],
-             "plugin/idle": [1.01, 1.01], "variant/idle": [0.99, 1.03]}
-    two = pooled({"decode_step_s": steps}, "idle")
-    assert two["paired_step_ratio_range"] == (1.98 / 2.0, 2.02 / 2.04)
-    assert abs(two["paired_step_ratio"] - (1.98 / 2.0 + 2.02 / 2.04) / 2) < 1e-12
+    plan = [("stock", None), ("plugin", {}), ("projecting", {"max_projections": 1}),
+            ("control", None)]
+    names = [n for n, _ in instance_plan(plan, 3)]
+    assert names == ["stock", "plugin", "plugin#2", "stock#2", "stock#3", "plugin#3",
+                     "projecting", "control"]
+    assert instance_plan(plan, 1) == [plan[0], plan[1], plan[2], plan[3]]
+    runs = engine_runs([*names[:4], "projecting", "control"], ["idle", "gated", "ablate"])
+    assert runs == [("stock", "idle"), ("plugin", "idle"), ("plugin", "gated"),
+                    ("plugin#2", "idle"), ("plugin#2", "gated"), ("stock#2", "idle"),
+                    ("projecting", "ablate"), ("control", "idle")]
+
+
+def test_pooled_rows_average_the_instances_of_each_side():
+    """Per repetition, mean stock step / mean plugin step; a variant with other options is also
+    pooled against the plugin; with ``--variant '{}'`` it is a plugin instance, and the control
+    a stock one. No row where each side has one instance."""
+    from overhead import pooled_rows
+
+    steps = {"stock/idle": [1.0, 1.0], "plugin/idle": [1.01, 1.01], "variant/idle": [0.99, 1.03],
+             "control/idle": [0.98, 1.02]}
+    rows = pooled_rows({"decode_step_s": steps}, variant_is_plugin=True)
+    assert list(rows) == ["plugin/idle"]
+    assert rows["plugin/idle"]["paired_step_ratio_range"] == (0.99 / 1.0, 1.01 / 1.02)
+    assert rows["plugin/idle"]["base"] == ["stock/idle", "control/idle"]
+    other = pooled_rows({"decode_step_s": steps}, variant_is_plugin=False)
+    assert sorted(other) == ["plugin/idle", "variant/idle"]  # plugin: 1 vs 2 stock instances
+    assert other["variant/idle"]["keys"] == ["variant/idle"]
     del steps["control/idle"]
-    assert pooled({"decode_step_s": steps}, "idle") is None
+    steps["variant#2/idle"] = [1.0, 1.0]
+    rows = pooled_rows({"decode_step_s": steps}, variant_is_plugin=False)
+    assert sorted(rows) == ["variant/idle", "variant/idle vs plugin"]
+    assert rows["variant/idle vs plugin"]["base"] == ["plugin/idle"]
+    assert pooled_rows({"decode_step_s": {"stock/idle": [1.0], "plugin/idle": [1.0]}},
+                       variant_is_plugin=False) == {}
