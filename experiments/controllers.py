@@ -117,9 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- the server and the async controller ----------------------------------------------
 @contextmanager
-def served_with_controller_sockets(out: Path) -> Iterator[tuple[Any, str, str]]:
-    """:func:`safety_loop.served` that also publishes controller events and takes commands,
-    and the two addresses: ``(server, events, commands)``.
+def served_with_controller_sockets(out: Path, dtype: str = "auto"
+                                   ) -> Iterator[tuple[Any, str, str]]:
+    """:func:`safety_loop.served` (in ``dtype``) that also publishes controller events and
+    takes commands, and the two addresses: ``(server, events, commands)``.
 
     The addresses are fixed local (ipc) sockets, not free TCP ports: the engine options are
     part of vLLM's compile-cache key, so a new port per run would recompile the model at
@@ -135,7 +136,8 @@ def served_with_controller_sockets(out: Path) -> Iterator[tuple[Any, str, str]]:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RuntimeError(f"another run holds {lock.name}: one run per host") from None
-        with served(out, {"events_address": events, "commands_address": commands}) as server:
+        with served(out, {"events_address": events, "commands_address": commands},
+                    dtype) as server:
             yield server, events, commands
 
 
@@ -396,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = load_tokenizer()
     rows: list[dict[str, Any]] = []
     timing: dict[str, dict[str, Any]] = {}
-    with served_with_controller_sockets(args.out) as (server, events, commands), \
+    with served_with_controller_sockets(args.out, args.dtype) as (server, events, commands), \
             guarding(steer_entries(args.scale), events, commands) as guard:
         client = DynsteerClient(server.url)
         model = client.info().model

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[demo] training on {len(train_set)} prompts, evaluating {len(test_set)} held out",
           flush=True)
     tokenizer = load_tokenizer()
-    with served(args.out) as server:
+    with served(args.out, dtype=args.dtype) as server:
         client = DynsteerClient(server.url)
         model = client.info().model
         artifacts: Artifacts = prepare(client, model, tokenizer, train_set, args)

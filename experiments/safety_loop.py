@@ -82,6 +82,10 @@ def add_common_args(ap: argparse.ArgumentParser, *, train: int = 128, test: int 
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=cache_root() / "demo",
                     help="where data, probes and directions are cached")
+    ap.add_argument("--dtype", default="auto",
+                    help="the served model's dtype (vLLM's --dtype; auto: vLLM's choice, "
+                    "bfloat16 for the embedded model). float32 is several times faster on a "
+                    "CPU without bfloat16 instructions (AVX2 only); the tests use it")
 
 
 def progress(items: Any, desc: str, total: int | None = None) -> Any:
@@ -128,10 +132,11 @@ def shared_suffix(ids: Sequence[Sequence[int]]) -> int:
 
 
 @contextmanager
-def served(out: Path, options: dict[str, Any] | None = None) -> Iterator[Any]:
+def served(out: Path, options: dict[str, Any] | None = None,
+           dtype: str = "auto") -> Iterator[Any]:
     """A ready `dynsteer serve` of the embedded model whose monitor sites cover the probe and
-    the steered layers, with more engine ``options`` if given (vLLM's log goes to
-    ``out/serve.log``)."""
+    the steered layers, with more engine ``options`` if given, in ``dtype`` (``--dtype``;
+    auto: vLLM's choice). vLLM's log goes to ``out/serve.log``."""
     from tqdm import tqdm
 
     from dynsteer.controller.launch import ServerProcess
@@ -139,6 +144,8 @@ def served(out: Path, options: dict[str, Any] | None = None) -> Iterator[Any]:
     sites = f"post_block@{min(LAYER, *STEER_LAYERS)}-{max(LAYER, *STEER_LAYERS)}"
     config = {"dynsteer": {"monitor_sites": sites, **(options or {})}}
     args = ["--max-model-len", "1024", "--additional-config", json.dumps(config)]
+    if dtype != "auto":
+        args += ["--dtype", dtype]
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with ServerProcess(args, out / "serve.log") as server:
@@ -260,10 +267,12 @@ def prepare(client: Any, model: str, tokenizer: Any, train_set: Sequence[Example
     it)."""
     from dynsteer.probes import Probe
 
-    key = hashlib.sha256(json.dumps([ARTIFACTS_VERSION, [[e.text, e.label] for e in train_set],
-                                     LAYER, STEER_LAYERS, args.fpr, args.sharpness, args.seed,
-                                     args.max_tokens],
-                                    sort_keys=True).encode()).hexdigest()[:16]
+    settings = [ARTIFACTS_VERSION, [[e.text, e.label] for e in train_set], LAYER, STEER_LAYERS,
+                args.fpr, args.sharpness, args.seed, args.max_tokens]
+    dtype = getattr(args, "dtype", "auto")
+    if dtype != "auto":  # the served dtype changes the activations (auto keeps older keys)
+        settings.append(dtype)
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     folder = args.cache / key
     if (folder / "probe.safetensors").exists():
         targets = json.loads((folder / "targets.json").read_text())

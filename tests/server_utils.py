@@ -7,9 +7,12 @@ import os
 import shutil
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from tiny_models import make_tiny_model
 
 from dynsteer.controller.launch import ServerProcess
@@ -63,3 +66,20 @@ def http(method: str, url: str, body: Any = None, *, raw: bytes | None = None,
         return status, json.loads(payload)
     except ValueError:
         return status, payload.decode(errors="replace")
+
+
+SAFETY_ARTIFACTS = "safety-artifacts"
+"""The ``--cache`` of the probe and refusal directions, one folder per test session: the tests
+of the safety experiments (demo, steering, controllers) train them with the same arguments, so
+the first of them to run trains them and the others load them."""
+
+
+@contextmanager
+def safety_experiment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """Settings for running a safety experiment's ``main`` in a test: the server's KV cache as
+    every test server's, and the arguments the three tests share (the session's artifact cache,
+    float32, which is several times faster than bfloat16 on CPUs without bfloat16 instructions)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        yield ["--cache", str(tmp_path_factory.getbasetemp() / SAFETY_ARTIFACTS),
+               "--dtype", "float32"]

@@ -1,9 +1,10 @@
 """The controllers experiment (`experiments/controllers.py`) end to end in a reduced
-configuration (a real `dynsteer serve` of the embedded model, the planted prompts, 8 tokens per
-reply): its JSON is well formed with every arm, the gate fires on the planted harmful requests
-and on few of the planted benign ones, each controller does what it promises on the same
-traffic (latch, budget, hysteresis), and the asynchronous session guard steers the follow-ups of
-the sessions whose first request was gated, and only those."""
+configuration (a real `dynsteer serve` of the embedded model in float32, the planted prompts, 8
+tokens per reply; the probe and the refusal direction are trained once per session for the three
+safety experiments' tests): its JSON is well formed with every arm, the gate fires on the
+planted harmful requests and on few of the planted benign ones, each controller does what it
+promises on the same traffic (latch, budget, hysteresis), and the asynchronous session guard
+steers the follow-ups of the sessions whose first request was gated, and only those."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+from server_utils import safety_experiment
 
 pytestmark = pytest.mark.engine
 
@@ -27,10 +30,10 @@ def results(tmp_path_factory):
     import controllers
 
     out = tmp_path_factory.mktemp("controllers")
-    controllers.main(["--prompts", str(PLANTED), "--train-per-label", "16",
-                      "--test-per-label", str(PER_LABEL), "--max-tokens", "8",
-                      "--budget", str(BUDGET), "--out", str(out),
-                      "--cache", str(out / "cache")])
+    with safety_experiment(tmp_path_factory) as common:
+        controllers.main(["--prompts", str(PLANTED), "--train-per-label", "16",
+                          "--test-per-label", str(PER_LABEL), "--max-tokens", "8",
+                          "--budget", str(BUDGET), "--out", str(out), *common])
     return json.loads((out / "controllers.json").read_text())
 
 

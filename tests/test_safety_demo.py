@@ -1,7 +1,9 @@
 """The safety demo (`make demo`) end to end in a reduced configuration (a real `dynsteer serve`
-of the embedded model, a few planted prompts): its outputs are well formed, the gate fires on
-the planted harmful requests and on few of the planted benign ones, benign requests it does not
-fire on are answered exactly as unsteered, and always-on steering changes the replies."""
+of the embedded model in float32, a few planted prompts; the probe and the refusal direction are
+trained once per session for the three safety experiments' tests): its outputs are well formed,
+the gate fires on the planted harmful requests and on few of the planted benign ones, benign
+requests it does not fire on are answered exactly as unsteered, and always-on steering changes
+the replies."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
+from server_utils import safety_experiment
+
 pytestmark = pytest.mark.engine
 
 PLANTED = Path(__file__).parent / "data" / "planted_prompts.jsonl"
@@ -23,9 +27,10 @@ def demo(tmp_path_factory):
     import safety_demo
 
     out = tmp_path_factory.mktemp("demo")
-    safety_demo.main(["--prompts", str(PLANTED), "--train-per-label", "16",
-                      "--test-per-label", "6", "--max-tokens", "8", "--out", str(out),
-                      "--cache", str(out / "cache")])
+    with safety_experiment(tmp_path_factory) as common:
+        safety_demo.main(["--prompts", str(PLANTED), "--train-per-label", "16",
+                          "--test-per-label", "6", "--max-tokens", "8", "--out", str(out),
+                          *common])
     return out, json.loads((out / "results.json").read_text())
 
 

@@ -1,9 +1,11 @@
 """`experiments/safety_steering.py` in a reduced configuration (a real `dynsteer serve` of the
-embedded model, the planted prompts, one tiny sweep): its JSON and plot are well formed, the
-gate fires on the planted harmful requests and on few of the planted benign ones, benign
-requests it does not fire on are answered and scored exactly as unsteered (adding the refusal
-direction or clamping the stream's projection on it), and the teacher-forced perplexities are
-finite with the unsteered arm as their baseline."""
+embedded model in float32, the planted prompts, the reply probe read after 8 training requests
+per label, one tiny sweep; the probe and the refusal direction are trained once per session for
+the three safety experiments' tests): its JSON and plot are well formed, the gate fires on the
+planted harmful requests and on few of the planted benign ones, benign requests it does not fire
+on are answered and scored exactly as unsteered (adding the refusal direction or clamping the
+stream's projection on it), and the teacher-forced perplexities are finite with the unsteered
+arm as their baseline."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+from server_utils import safety_experiment
 
 pytestmark = pytest.mark.engine
 
@@ -29,10 +33,12 @@ def run(tmp_path_factory):
     import safety_steering
 
     out = tmp_path_factory.mktemp("steering")
-    safety_steering.main(["--prompts", str(PLANTED), "--train-per-label", "16",
-                          "--test-per-label", "6", "--max-tokens", "8", "--out", str(out),
-                          "--cache", str(out / "cache"), "--sweeps", "threshold",
-                          "--sweep-per-label", "3", "--threshold-offsets=-40,0"])
+    with safety_experiment(tmp_path_factory) as common:
+        safety_steering.main(["--prompts", str(PLANTED), "--train-per-label", "16",
+                              "--test-per-label", "6", "--max-tokens", "8", "--out", str(out),
+                              *common,
+                              "--reply-prompts", "8", "--sweeps", "threshold",
+                              "--sweep-per-label", "3", "--threshold-offsets=-40,0"])
     results = json.loads((out / "safety_steering.json").read_text())
     return out, results, {arm["name"]: arm for arm in results["arms"]}
 
