@@ -175,15 +175,20 @@ def start_engines(plan: list[tuple[str, dict[str, Any] | None]], path: Path, mem
         instance = name if autotune == "own" else None
         if autotune == "own":
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / name)
-        if flip_sites and name == "variant":
+        flip = flip_sites and name == "variant"
+        if flip:
             choices.flipped = flip_rblock(choices.by_engine["plugin"], SITE_KERNEL, HIDDEN)
             print(f"site kernels' R0_BLOCK flipped for the variant: {choices.flipped}")
             instance = name
             # Inductor generates the kernels again (a cached graph could bring its kernels'
             # launch configs with it); each then reads its choice from the shared folder.
+            saved = os.environ.get("TORCHINDUCTOR_FX_GRAPH_CACHE")
             os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
         engines[name] = start(path, dynsteer, mem, instance=instance, tp=tp)
-        os.environ.pop("TORCHINDUCTOR_FX_GRAPH_CACHE", None)
+        if flip:  # the later engines start as the user's environment says
+            os.environ.pop("TORCHINDUCTOR_FX_GRAPH_CACHE")
+            if saved is not None:
+                os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = saved
         choices.started(name)
     return engines
 

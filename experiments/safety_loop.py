@@ -269,9 +269,8 @@ def prepare(client: Any, model: str, tokenizer: Any, train_set: Sequence[Example
 
     settings = [ARTIFACTS_VERSION, [[e.text, e.label] for e in train_set], LAYER, STEER_LAYERS,
                 args.fpr, args.sharpness, args.seed, args.max_tokens]
-    dtype = getattr(args, "dtype", "auto")
-    if dtype != "auto":  # the served dtype changes the activations (auto keeps older keys)
-        settings.append(dtype)
+    if args.dtype != "auto":  # the served dtype changes the activations (auto keeps older keys)
+        settings.append(args.dtype)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     folder = args.cache / key
     if (folder / "probe.safetensors").exists():
