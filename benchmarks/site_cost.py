@@ -99,12 +99,12 @@ def gate_masked_add(x, h, index, gate_score, table, dyn, *_):
     from dynsteer.engine_ext.worker import ops
 
     n = x.shape[0]
-    rows = index[ops.INDEX_ROW, :n].to(torch.long)
+    rows = (index[ops.INDEX_ROW, :n] & ops.ROW_MASK).to(torch.long)
     gate = gate_score[ops.GATE, :n]
     x32 = x.to(torch.float32)
     delta = (ops._row_of(table, rows)
              + gate[:, None] * ops._row_of(dyn, torch.where(gate != 0, rows, 0)))
-    return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
+    return (x32 + ops._within_limit(x32, h, delta, x.dtype)).to(x.dtype)
 
 
 def interleaved_us(fns: dict, calls: int, rounds: int = 30) -> dict[str, list[float]]:
@@ -177,7 +177,7 @@ def main() -> None:
 
     def gather_add(x: torch.Tensor, b: ops.SteerBuffers) -> torch.Tensor:
         n = x.shape[0]
-        r = b.index[ops.INDEX_ROW, :n].to(torch.long)
+        r = (b.index[ops.INDEX_ROW, :n] & ops.ROW_MASK).to(torch.long)
         g = b.gate_score[ops.GATE, :n, None]
         x32 = x.float()
         y = x32 + b.table[r] + g * b.dyn[r]
@@ -190,7 +190,7 @@ def main() -> None:
             return torch.ops.dynsteer.steer(x, None, *b, layer)
         if variant == "fused":
             return ops.steer_add(x, None, b.index, b.gate_score, b.table, b.dyn, b.proj_dir,
-                                 b.proj_par, b.proj_gram)
+                                 b.proj_par, b.proj_gram, ops.site_bit(layer, LAYERS))
         if variant == "gather":
             return gather_add(x, b)
         if variant == "gate_masked":
@@ -223,7 +223,9 @@ def main() -> None:
                     graphs[variant + suffix] = graph_of(compiled, x, h, stream, dump)
             torch._dynamo.reset()
         for traffic in TRAFFIC:  # the same graphs: only the index they read changes
-            index[ops.INDEX_ROW] = int(traffic != "idle")
+            # the steered row at every site (every site-group bit set), as the gather reads it
+            index[ops.INDEX_ROW] = (ops.row_entry(1, range(LAYERS), LAYERS)
+                                    if traffic != "idle" else 0)
             gate_score[ops.GATE] = float(traffic == "gated")
             us = interleaved_us({name: g.replay for name, g in graphs.items()}, 20)
             results.setdefault(traffic, {})[str(tokens)] = {

@@ -58,6 +58,11 @@ class EngineOptions(BaseModel):
     row. 0 (the default) turns the two ops off and costs nothing; each slot costs
     ``sites * (max_rows + 1) * (hidden + 4) * 4`` bytes of device memory, and a steered token
     reads its row's slots at every site (one dot product per slot)."""
+    site_groups: bool = True
+    """Whether a fused site (no monitor) skips the row of a token whose row steers no site of
+    its group of consecutive sites (a row steering layer 16 is read at one or two sites, not
+    at every one). False compiles the form before the groups (a steered token's row read at
+    every site, zeros included), kept to measure them against."""
     max_gates: int = Field(default=128, ge=1, le=65536)
     """Distinct probes (with their threshold, sharpness and monitor site) gating requests in
     flight; each costs ``hidden * 4`` bytes of device memory."""

@@ -6,7 +6,9 @@ batch 32 on an H100; the three monitor kernels cost ~7 us of it). This runs the 
 measurement with :func:`dynsteer.engine_ext.worker.ops.steer_add` replaced by a variant, to
 tell the parts apart. Variants (none steers anything here: every token is on row 0):
 
-* ``current``: the shipped form;
+* ``current``: the shipped form (site groups tied to ``h``, session 19);
+* ``every-site``: the form shipped in sessions 14-18 (engine option ``site_groups: false``):
+  a steered token's row read at every site;
 * ``where-sum``: the form before (``where(|y| <= limit, y, x)`` on the steered sum ``y``);
 * ``no-guard``: without the ``where`` that keeps a steered element within the stream limit;
 * ``static``: the static tier only (no gate, no ``dyn`` row);
@@ -99,7 +101,7 @@ def _site_groups(x, h, index, gate_score, table, dyn, *_):
     gate = gate_score[ops.GATE, :x.shape[0]]
     x32 = x.to(torch.float32)
     delta = ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
-    return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
+    return (x32 + ops._within_limit(x32, None, delta, x.dtype)).to(x.dtype)
 
 
 def _site_groups_tied(x, h, index, gate_score, table, dyn, *_):
@@ -114,8 +116,12 @@ def _site_groups_tied(x, h, index, gate_score, table, dyn, *_):
     return (x32 + torch.where(keep, delta, 0.0)).to(x.dtype)
 
 
-VARIANTS = {"current": ops.steer_add, "gate-mask": gate_masked_add, "site-groups": _site_groups,
-            "site-groups-tied": _site_groups_tied,
+def _every_site(*args):
+    return ops.steer_add(*args[:9], 0)
+
+
+VARIANTS = {"current": ops.steer_add, "every-site": _every_site, "gate-mask": gate_masked_add,
+            "site-groups": _site_groups, "site-groups-tied": _site_groups_tied,
             "where-sum": _where_sum, "no-guard": _no_guard, "static": _static,
             "gather": _gather, "index": _index}
 

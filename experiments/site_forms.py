@@ -72,7 +72,7 @@ class Buffers:
 
 def _finish(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     x32 = x.float()
-    return (x32 + ops._within_limit(x32, delta, x.dtype)).to(x.dtype)
+    return (x32 + ops._within_limit(x32, None, delta, x.dtype)).to(x.dtype)
 
 
 def site(form: str, b: Buffers, x: torch.Tensor, s: int) -> torch.Tensor:

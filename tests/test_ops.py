@@ -149,10 +149,13 @@ CASES = [(1, 64), (7, 576), (33, 2048), (256, 4096), (4096, 64), (1024, 4096)]
 @pytest.mark.parametrize("device", DEVICES)
 def test_steer_matches_float64(tokens, hidden, dtype, device):
     """Monitor, gate and both tiers against float64; row-0 tokens are untouched; columns of the
-    per-token buffers past the step's tokens are neither read nor written."""
+    per-token buffers past the step's tokens are neither read nor written. The op reads a
+    token's row under the site-group bits of its index entry (they are for fused sites)."""
     x, h, b = make_inputs(tokens, hidden, dtype, seed=tokens * hidden)
     want, gates, scores = reference(x, h, b)
     want_capture = capture_reference(x, h, b)
+    untouched = b.index[ops.INDEX_ROW, :tokens] == 0
+    b.index[ops.INDEX_ROW] |= ops.site_bit(tokens % 8, 8)
     stale = b.gate_score[:, tokens:].clone()
     xd, hd, bd = on(device, x, h, b)
     out = steer(xd, hd, bd).cpu()
@@ -165,7 +168,6 @@ def test_steer_matches_float64(tokens, hidden, dtype, device):
                                rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(score[:tokens][monitored].double(), scores[:tokens][monitored],
                                rtol=1e-4, atol=1e-3)
-    untouched = b.index[ops.INDEX_ROW, :tokens] == 0
     assert torch.equal(out[untouched], x[untouched])
     torch.testing.assert_close(bd.capture.cpu().double(), want_capture, rtol=1e-6, atol=1e-5)
     assert torch.equal(gate_score[:, tokens:], stale)
@@ -266,8 +268,13 @@ def test_compiled_graph_reads_buffers_in_place():
     rows, probe_rows, capture_rows = (b.index[i] for i in (ops.INDEX_ROW, ops.INDEX_PROBE,
                                                            ops.INDEX_CAPTURE))
     capture, dyn, probes, params = b.capture, b.dyn, b.probes, b.params
-    first, second = SiteOp(SiteBuffers(SITE, True, b)), SiteOp(SiteBuffers(SITE + 1, True, b))
-    fused = SiteOp(SiteBuffers(SITE - 1, False, b))  # no probe monitors here, no lane
+    sites = SITE + 2
+
+    def site_op(position: int, monitor: bool) -> SiteOp:
+        return SiteOp(SiteBuffers(position, monitor, ops.site_bit(position, sites), b))
+
+    first, second = site_op(SITE, True), site_op(SITE + 1, True)
+    fused = site_op(SITE - 1, False)  # no probe monitors here, no lane
 
     @torch.compile(fullgraph=True, dynamic=True)
     def f(x, h):
@@ -276,7 +283,7 @@ def test_compiled_graph_reads_buffers_in_place():
     x, h = x0[:5], h0[:5]
     assert torch.equal(f(x, h), x)
     assert (capture == SENTINEL).all()
-    rows[1] = 2  # dynamic-only row: only the gate decides
+    rows[1] = ops.row_entry(2, range(sites), sites)  # dynamic-only row: only the gate decides
     probe_rows[1] = 1
     out = f(x, h)
     s = ((x[1] + h[1]) * probes[1]).sum()
@@ -295,12 +302,18 @@ def test_compiled_graph_reads_buffers_in_place():
 def test_steer_add_matches_float64(tokens, hidden, dtype, device):
     """A site without monitor (:func:`ops.steer_add`): both tiers with the gate earlier sites
     wrote (closed, 0, on every third token), eager and compiled, against float64; an element
-    the steering would push past the stream limit (or to NaN) keeps its value."""
+    the steering would push past the stream limit (or to NaN) keeps its value. Every fourth
+    token's row steers another group of sites only (its entry lacks this site's bit): it is
+    not steered here."""
     x, h, b = make_inputs(tokens, hidden, dtype, seed=tokens + hidden)
     b.table[3, 0] = float("inf")
     b.table[4, 1] = 2 * ops.stream_limit(dtype)
-    b.gate_score[ops.GATE, ::3] = 0.0  # closed gates: the dynamic row is not read, adds 0
-    rows = b.index[ops.INDEX_ROW, :tokens].long()
+    b.gate_score[ops.GATE, ::3] = 0.0  # closed gates: the dynamic row adds 0
+    here, elsewhere = ops.site_bit(3, 8), ops.site_bit(6, 8)
+    entries = b.index[ops.INDEX_ROW]
+    steered_here = torch.arange(entries.numel()) % 4 != 1
+    rows = torch.where(steered_here, entries, 0)[:tokens].long()
+    entries |= torch.where(steered_here, here, elsewhere).to(torch.int32)
     gate = b.gate_score[ops.GATE, :tokens, None].double()
     want = x.double() + b.table[rows].double() + gate * b.dyn[rows].double()
     for t in range(tokens):
@@ -310,9 +323,52 @@ def test_steer_add_matches_float64(tokens, hidden, dtype, device):
     want[over] = x.double()[over]
     xd, hd, bd = on(device, x, h, b)
     args = (xd, hd, bd.index, bd.gate_score, bd.table, bd.dyn, bd.proj_dir, bd.proj_par,
-            bd.proj_gram)
+            bd.proj_gram, here)
     compiled = torch.compile(ops.steer_add, fullgraph=True, dynamic=True)
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 0.1}
     for out in (ops.steer_add(*args), compiled(*args)):
         assert out.dtype == dtype and torch.isfinite(out).all()
         torch.testing.assert_close(out.cpu().double(), want, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steer_add_leaves_x_where_h_is_nan(device):
+    """Where ``h`` is NaN the stream is NaN whatever a site adds: a fused site leaves ``x``
+    there (what ties its arithmetic to ``h``, see ``ops._within_limit``) and steers every
+    other element, eager and compiled."""
+    x, h, b = make_inputs(4, 64, torch.float32, seed=11)
+    b = b._replace(proj_dir=b.proj_dir[:, :0], proj_par=b.proj_par[:, :0],
+                   proj_gram=b.proj_gram[:, :0, :0])  # no slots (they read the whole stream)
+    here = ops.site_bit(0, 1)
+    b.index[ops.INDEX_ROW] = 1 | here  # static-only row
+    h[2, 5] = float("nan")
+    want = x + b.table[1]
+    want[2, 5] = x[2, 5]
+    xd, hd, bd = on(device, x, h, b)
+    args = (xd, hd, bd.index, bd.gate_score, bd.table, bd.dyn, bd.proj_dir, bd.proj_par,
+            bd.proj_gram, here)
+    compiled = torch.compile(ops.steer_add, fullgraph=True, dynamic=True)
+    for out in (ops.steer_add(*args), compiled(*args)):
+        torch.testing.assert_close(out.cpu(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steer_add_without_site_groups_reads_plain_rows(device):
+    """``site_bit`` 0 (engine option ``site_groups: false``, the form before the groups): the
+    entries are plain rows, every steered token is steered at the site, and the site is not
+    tied to ``h`` (a NaN there leaves the steered element as it is), eager and compiled."""
+    x, h, b = make_inputs(4, 64, torch.float32, seed=12)
+    b = b._replace(proj_dir=b.proj_dir[:, :0], proj_par=b.proj_par[:, :0],
+                   proj_gram=b.proj_gram[:, :0, :0])
+    b.index[ops.INDEX_ROW] = torch.tensor([1, 0, 1, 2] + [0] * (b.index.shape[1] - 4),
+                                          dtype=torch.int32)
+    b.gate_score[ops.GATE] = 0.5
+    h[2, 5] = float("nan")
+    rows = b.index[ops.INDEX_ROW, :4].long()
+    want = x + b.table[rows] + 0.5 * b.dyn[rows]
+    xd, hd, bd = on(device, x, h, b)
+    args = (xd, hd, bd.index, bd.gate_score, bd.table, bd.dyn, bd.proj_dir, bd.proj_par,
+            bd.proj_gram, 0)
+    compiled = torch.compile(ops.steer_add, fullgraph=True, dynamic=True)
+    for out in (ops.steer_add(*args), compiled(*args)):
+        torch.testing.assert_close(out.cpu(), want)

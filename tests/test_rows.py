@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from dynsteer.controller.spec import parse_entries, parse_spec
 from dynsteer.controller.wire import GLOBAL_KEY, WIRE_KEY, entry_to_wire, spec_to_wire
 from dynsteer.engine_ext.worker import ops
-from dynsteer.engine_ext.worker.rows import RowTable
+from dynsteer.engine_ext.worker.rows import Projection, RowTable
 from dynsteer.engine_ext.worker.state import GLOBAL_HISTORY, SteeringState
 from dynsteer.engine_ext.worker.token_rows import TokenRows
 
@@ -52,6 +52,32 @@ def test_identical_contents_share_a_row():
     assert a == b != 0 and rows.in_use == 1
     np.testing.assert_array_equal(site_rows(rows, ("post_block", 1))[a].numpy(), v)
     assert not site_rows(rows, ("post_block", 0))[a].any()
+
+
+def test_a_rows_index_entry_names_the_site_groups_it_steers():
+    """A row's token-index entry is the row plus the group bits of the sites its contents
+    occupy (static, dynamic or projections); rewritten contents rewrite them. Without site
+    groups an entry is the plain row (the fused sites' form before the groups reads it at
+    every site)."""
+    n = len(SITES)
+    rows = RowTable(SITES, hidden_size=4, max_rows=2, device=torch.device("cpu"),
+                    max_projections=1)
+    v = np.ones(4, np.float32)
+    a = rows.acquire({("post_block", 1): v})
+    b = rows.acquire({}, {("pre_attn", 0): v})
+    assert rows.entries[0] == 0
+    assert rows.entries[a] == a | ops.site_bit(2, n)
+    assert rows.entries[b] == b | ops.site_bit(0, n)
+    assert ops.site_bit(1, n) & (rows.entries[a] | rows.entries[b]) == 0
+    rows.release(a)
+    c = rows.acquire({}, projections={("post_block", 0): (Projection(v, 1.0, 0.0, 0.0),)})
+    assert c == a and rows.entries[c] == c | ops.site_bit(1, n)
+    every = RowTable(SITES, hidden_size=4, max_rows=2, device=torch.device("cpu"),
+                     site_groups=False)
+    d = every.acquire({("post_block", 1): v})
+    assert every.entries[d] == d
+    groups = {ops.site_bit(i, 32) for i in range(32)}
+    assert len(groups) == ops.SITE_GROUPS and max(groups) < 2**31 and min(groups) > ops.ROW_MASK
 
 
 def test_empty_contents_use_row_zero():
@@ -127,10 +153,16 @@ def test_fill_captures_prompt_positions_only(reqs):
     assert not index.buffer.numpy()[:, len(want):].any(), "padding tokens must map to 0"
 
 
+def token_row(state: SteeringState, token: int = 0) -> int:
+    """The steering row of a token of the last filled step (its entry without the site-group
+    bits)."""
+    return int(state.token_rows.rows[token]) & ops.ROW_MASK
+
+
 def _post_block_1(state, slot):
     """The ``post_block@1`` row contents of a request's first token (None: row 0)."""
     state.fill(np.array([slot]), np.array([0]), np.array([1]))
-    row = int(state.token_rows.rows[0])
+    row = token_row(state)
     return site_rows(state.rows, ("post_block", 1))[row].tolist() if row else None
 
 
@@ -284,7 +316,7 @@ def test_specs_with_equal_contents_share_one_row():
     info = state.info()
     assert (info["rows_in_use"], info["rows_rejected"], info["probe_rows_in_use"]) == (1, 0, 32)
     state.fill(np.arange(1, 33), np.zeros(32, np.int64), np.full(32, 2))
-    rows = state.token_rows.rows[:64].tolist()
+    rows = (state.token_rows.rows[:64] & ops.ROW_MASK).tolist()
     assert len(set(rows)) == 1 and rows[0] != 0
     state.remove_request("r0")
     state.add_request("again", 1, {WIRE_KEY: spec_to_wire(parse_spec(spec))}, 3)
@@ -309,7 +341,7 @@ def test_projections_fill_their_slots_in_order():
                  "steer": [{"vector": [0, 0, 0, -2], "layers": [1], "op": "ablate"}]}})
     state.add_request("a", 1, under("g", spec), prompt_len=2)
     state.fill(np.array([1]), np.array([0]), np.array([2]))
-    row = int(state.token_rows.rows[0])
+    row = token_row(state)
     i = state.rows.site_index(("post_block", 1))
     assert int(state.rows.flags[i, row]) & ops.PROJECT_FLAG
     directions = state.rows.proj_dir[i, row].numpy()
@@ -334,7 +366,7 @@ def test_projections_past_the_slots_leave_the_request_unsteered():
                                                               "layers": [1], "op": "ablate"}]})),
                       prompt_len=2)
     state.fill(np.array([1]), np.array([0]), np.array([2]))
-    assert int(state.token_rows.rows[0]) == 0
+    assert token_row(state) == 0
 
 
 def test_gated_projections_count_as_dynamic_steering():

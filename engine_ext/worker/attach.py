@@ -65,6 +65,7 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         max_rows=options.max_rows,
         max_gates=options.max_gates,
         max_projections=options.max_projections,
+        site_groups=options.site_groups,
         max_tokens=facts.max_tokens,
         max_slots=facts.max_requests + 1,
         device=facts.device,

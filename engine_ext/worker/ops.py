@@ -4,7 +4,8 @@ For every token ``t`` of the step (``x`` is the tensor steered, ``h`` the other 
 residual stream, so the stream is ``x + h``; ``h`` is None where ``x`` is the whole stream;
 ``gate``/``score`` are the rows ``GATE``/``SCORE`` of ``gate_score``):
 
-    r, p, c = index[INDEX_ROW, t], index[INDEX_PROBE, t], index[INDEX_CAPTURE, t]  (0: none)
+    r = index[INDEX_ROW, t] & ROW_MASK                  (0: none; the high bits: site groups)
+    p, c = index[INDEX_PROBE, t], index[INDEX_CAPTURE, t]  (0: none)
     k = index[INDEX_CONTROL, t]                         (0: no controller)
     if p and params[p, PARAM_SITE] == site:             (this is t's monitor site)
         score[t] = (x[t] + h[t]) · probes[p]            (fp32 accumulate)
@@ -50,6 +51,8 @@ checked when it entered, see :mod:`dynsteer.controller.limits`): ``limit`` is
 steered element ever leaves the op as NaN, inf or large enough to overflow the next norm. Such
 activations would otherwise reach KV blocks that vLLM later hands to other requests, and
 corrupt *their* outputs. An element the model itself made non-finite is passed through as is.
+A fused site (:func:`steer_add`) also adds nothing where ``h`` is NaN (the stream is NaN there
+whatever is added): that ties its arithmetic to the kernel that adds ``h``.
 
 Capture (activations for probe training, see :mod:`.capture_buffers`) stores the same
 pre-steering stream into ``capture[K, C + 1, H]``: ``site_lane[S]`` maps each site to one of
@@ -83,6 +86,7 @@ CUDA runs the Triton kernel in :mod:`.triton_kernels`; other devices run torch.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -106,6 +110,15 @@ PARAMS = 3
 INDEX_ROW, INDEX_PROBE, INDEX_CAPTURE, INDEX_CONTROL = 0, 1, 2, 3
 """Rows of ``index``: steering row, probe row, capture row, controller row of each token."""
 INDEX_ROWS = 4
+ROW_BITS = 13
+"""Low bits of an ``INDEX_ROW`` entry: the token's steering row (``max_rows`` <= 4096)."""
+ROW_MASK = (1 << ROW_BITS) - 1
+SITE_GROUPS = 18
+"""Bits of an ``INDEX_ROW`` entry above the row (below the sign bit): one per group of
+consecutive sites, set where the token's row steers at a site of that group (see
+:func:`site_bit`). A site without monitor reads the row only where its group's bit is set, so
+a row that steers a few layers costs the other sites no row load, and the bits cost no load of
+their own: they arrive with the row."""
 CTL_KIND, CTL_FLOOR, CTL_SCALE, CTL_COUNT, CTL_P0, CTL_P1, CTL_P2 = range(7)
 CTL_COLS = 8
 """Columns of ``control[k]``: the controller's kind (0: Python, run on the host; else a
@@ -114,6 +127,20 @@ KIND_LATCH, KIND_HYSTERESIS, KIND_PROPORTIONAL, KIND_BUDGET = 1, 2, 3, 4
 """The built-in controllers' kinds (:mod:`dynsteer.controller.controllers`)."""
 GATE, SCORE = 0, 1
 """Rows of ``gate_score``."""
+
+
+def site_bit(position: int, sites: int) -> int:
+    """The ``INDEX_ROW`` bit of the group of the site at ``position`` of ``sites`` (groups of
+    consecutive sites in forward order: a layer range is a few groups)."""
+    return 1 << (ROW_BITS + position * SITE_GROUPS // sites)
+
+
+def row_entry(row: int, positions: Iterable[int], sites: int) -> int:
+    """The ``INDEX_ROW`` entry of ``row`` for contents at the sites at ``positions``."""
+    entry = row
+    for position in positions:
+        entry |= site_bit(position, sites)
+    return entry
 
 
 class SteerBuffers(NamedTuple):
@@ -200,7 +227,7 @@ def steer_torch(x: torch.Tensor, h: torch.Tensor | None, b: SteerBuffers,
     _capture(x, h, index[INDEX_CAPTURE], b.capture, b.site_lane, site)
     _monitor(x, h, index[INDEX_PROBE], index[INDEX_CONTROL], b.probes, b.params, b.control,
              gate, score, site)
-    r = index[INDEX_ROW].to(torch.long)
+    r = (index[INDEX_ROW] & ROW_MASK).to(torch.long)
     delta = b.table.index_select(0, r)
     flags = b.flags.index_select(0, r)
     if bool(((flags & DYNAMIC_FLAG) != 0).any()):
@@ -222,15 +249,26 @@ def steer_torch(x: torch.Tensor, h: torch.Tensor | None, b: SteerBuffers,
 def steer_add(x: torch.Tensor, h: torch.Tensor | None, index: torch.Tensor,
               gate_score: torch.Tensor, table: torch.Tensor, dyn: torch.Tensor,
               proj_dir: torch.Tensor, proj_par: torch.Tensor,
-              proj_gram: torch.Tensor) -> torch.Tensor:
+              proj_gram: torch.Tensor, site_bit: int) -> torch.Tensor:
     """Static + gated steering of a site without monitor or capture: the op's last lines in
     tensor ops (see the module docstring), so the compiler fuses them into the kernels
     around the site. A row's unused tier is zero, so reading it adds exactly nothing; the
     gate is the token's, written at its monitor site earlier in the forward. Projection
     slots are read only when the engine has them (``max_projections``), and then by every
-    steered token (unused slots are zero)."""
+    steered token (unused slots are zero).
+
+    With site groups (``site_bit`` nonzero, the default) a token whose entry lacks this
+    site's bit (its row steers no site of this group) reads no row, and the site is tied to
+    ``h`` (:func:`_within_limit`). ``site_bit`` 0 is the form before the groups (engine option
+    ``site_groups: false``, kept to measure them against): entries are plain rows, and a
+    steered token reads its row at every site."""
     n = x.shape[0]
-    rows = index[INDEX_ROW, :n].to(torch.long)
+    entry = index[INDEX_ROW, :n]
+    if site_bit:
+        rows = torch.where((entry & site_bit) != 0, entry & ROW_MASK, 0).to(torch.long)
+        tie = h
+    else:
+        rows, tie = entry.to(torch.long), None
     gate = gate_score[GATE, :n]
     x32 = x.to(torch.float32)
     delta = _row_of(table, rows) + gate[:, None] * _row_of(dyn, rows)
@@ -238,17 +276,30 @@ def steer_add(x: torch.Tensor, h: torch.Tensor | None, index: torch.Tensor,
         stream = x32 if h is None else x32 + h.to(torch.float32)
         delta = delta + projection_change(stream, gate, rows, proj_dir, proj_par, proj_gram,
                                           _row_of)
-    return (x32 + _within_limit(x32, delta, x.dtype)).to(x.dtype)
+    return (x32 + _within_limit(x32, tie, delta, x.dtype)).to(x.dtype)
 
 
-def _within_limit(x32: torch.Tensor, delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _within_limit(x32: torch.Tensor, h: torch.Tensor | None, delta: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
     """``delta`` where ``x32 + delta`` is within the stream limit, else 0: the op's last line
     (``where(|y| <= limit, y, x)``), written so that the steered sum has one user. As
     ``where(|y| <= limit, y, x32)`` the sum had two; Inductor then stored it as a buffer of its
     own, split the site over two kernels and read the buffer back (idle sites cost +77 us per
     decode step of an 8B shape at batch 32 on an H100, against +43 us without the check;
-    ``experiments/idle_variants.py``)."""
-    return torch.where((x32 + delta).abs() <= stream_limit(dtype), delta, 0.0)
+    ``experiments/idle_variants.py``).
+
+    Where ``h`` (the stream's other half) is NaN, ``delta`` is dropped too: the stream there is
+    NaN whatever is added, so this changes no value the model sees, but it ties the site to
+    ``h``. Without that tie the site's arithmetic needs only ``x``, which the norm *before*
+    the MLP already reads, and Inductor may compute it there, store ``delta`` as an fp32
+    ``[T, H]`` buffer and read it back in the next norm: with the site-group test in the
+    expression it did, +50 us per decode step of an 8B shape at batch 32 on an H100 (0.75%,
+    ``experiments/codegen_diff.sh``). Tied to ``h``, it can only join the kernel that adds
+    ``h``."""
+    keep = (x32 + delta).abs() <= stream_limit(dtype)
+    if h is not None:
+        keep = keep & ~torch.isnan(h)
+    return torch.where(keep, delta, 0.0)
 
 
 def projection_change(stream: torch.Tensor, gate: torch.Tensor, rows: torch.Tensor,

@@ -40,7 +40,9 @@ from .ops import (
     PROJ_STATIC,
     PROJ_VALUE,
     PROJECT_FLAG,
+    ROW_MASK,
     STATIC_FLAG,
+    row_entry,
 )
 
 Contents = dict[Site, np.ndarray]
@@ -192,8 +194,13 @@ class RowTable:
 
     def __init__(
         self, sites: tuple[Site, ...], hidden_size: int, max_rows: int, device: torch.device,
-        max_projections: int = 0,
+        max_projections: int = 0, site_groups: bool = True,
     ) -> None:
+        """``site_groups=False`` keeps plain rows as entries (no group bits), for the fused
+        sites' form before the groups (:func:`.ops.steer_add` with ``site_bit`` 0), kept to
+        measure the groups against (``benchmarks/overhead.py --variant``)."""
+        if max_rows > ROW_MASK:
+            raise ValueError(f"max_rows={max_rows} exceeds the index's {ROW_MASK}")
         self.sites = sites
         self.hidden_size = hidden_size
         self.max_rows = max_rows
@@ -212,6 +219,10 @@ class RowTable:
         self._slots = _Slots(max_rows)
         self._written: dict[int, frozenset[int]] = {}
         """Per row: the site indices its current contents occupy (the rest are zero)."""
+        self.site_groups = site_groups
+        self.entries = np.arange(max_rows + 1, dtype=np.int32)
+        """Per row: its token-index entry, the row and the bits of the site groups its
+        contents occupy (:func:`.ops.row_entry`); row 0's is 0."""
 
     def site_index(self, site: Site) -> int:
         return self._site_index[site]
@@ -278,6 +289,7 @@ class RowTable:
         used = frozenset(self._site_index[s] for s in (*static, *dynamic, *projections))
         sites = sorted(used | self._written.get(row, frozenset()))
         self._written[row] = used
+        self.entries[row] = row_entry(row, used, len(self.sites)) if self.site_groups else row
         position = {i: k for k, i in enumerate(sites)}
         device = self.table.device
         host = _host_buffer((2, len(sites), self.hidden_size), torch.float32, device)

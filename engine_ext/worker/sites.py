@@ -35,6 +35,9 @@ class SiteBuffers:
     """Position of the site in forward order (what probe params store as the monitor site)."""
     monitor: bool
     """Whether probes read (and capture records) the stream here."""
+    site_bit: int
+    """This site's group bit in a token's ``INDEX_ROW`` entry (see :func:`.ops.site_bit`;
+    0: the engine runs without site groups)."""
     buffers: SteerBuffers
     """The op's buffers; ``table``, ``dyn`` and ``flags`` are this site's."""
 
@@ -46,6 +49,7 @@ class SiteOp(nn.Module):
         super().__init__()
         self.position = site.position
         self.monitor = site.monitor
+        self.site_bit = site.site_bit
         for name, buffer in site.buffers._asdict().items():
             self.register_buffer(name, buffer, persistent=False)
 
@@ -54,7 +58,7 @@ class SiteOp(nn.Module):
         The per-token buffers go in whole: the op reads their first ``x.shape[0]`` columns."""
         if not self.monitor and x.is_cuda:
             return steer_add(x, h, self.index, self.gate_score, self.table, self.dyn,
-                             self.proj_dir, self.proj_par, self.proj_gram)
+                             self.proj_dir, self.proj_par, self.proj_gram, self.site_bit)
         buffers = [getattr(self, name) for name in SteerBuffers._fields]
         return torch.ops.dynsteer.steer(x, h, *buffers, self.position)
 

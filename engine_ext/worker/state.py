@@ -41,7 +41,7 @@ from .control import ControlTable
 from .controllers import ControllerRunner
 from .events import EngineEvents
 from .host_time import HostTime
-from .ops import GATE, SCORE, SteerBuffers
+from .ops import GATE, SCORE, SteerBuffers, site_bit
 from .rows import (
     Contents,
     ProbeRow,
@@ -160,12 +160,13 @@ class SteeringState:
         max_gates: int | None = None,
         monitor_sites: frozenset[Site] | None = None,
         max_projections: int = 0,
+        site_groups: bool = True,
     ) -> None:
         self.sites = sites
         self.monitor_sites = frozenset(sites) if monitor_sites is None else monitor_sites
         """Sites whose op monitors and captures (None: every site)."""
         self.hidden_size = hidden_size
-        self.rows = RowTable(sites, hidden_size, max_rows, device, max_projections)
+        self.rows = RowTable(sites, hidden_size, max_rows, device, max_projections, site_groups)
         self.probe_table = ProbeTable(sites, hidden_size, max_gates or max_rows, device)
         self.token_rows = TokenRows(max_tokens, device)
         self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
@@ -415,9 +416,10 @@ class SteeringState:
                 np.flatnonzero(mine), np.asarray(slots)[request[mine]], positions[mine], tokens,
                 np.repeat(control_rows, counts)[mine] if controlled else None)
         self.control.before_step(tokens)
+        entries = self.rows.entries
         self.token_rows.fill(
-            self._prefill_row[slots],
-            self._decode_row[slots],
+            entries[self._prefill_row[slots]],
+            entries[self._decode_row[slots]],
             probe_rows,
             self._prompt_len[slots],
             num_computed,
@@ -616,6 +618,8 @@ class SteeringState:
         for site in self.sites:
             i = self.rows.site_index(site)
             out[site] = SiteBuffers(position=i, monitor=site in self.monitor_sites,
+                                    site_bit=(site_bit(i, len(self.sites))
+                                              if self.rows.site_groups else 0),
                                     buffers=SteerBuffers(
                 index=self.token_rows.buffer, gate_score=self.gate_score,
                 table=self.rows.table[i], dyn=self.rows.dyn[i], flags=self.rows.flags[i],

@@ -30,6 +30,7 @@ PARAM_THRESHOLD = tl.constexpr(ops.PARAM_THRESHOLD)
 PARAM_SHARPNESS = tl.constexpr(ops.PARAM_SHARPNESS)
 PARAM_SITE = tl.constexpr(ops.PARAM_SITE)
 INDEX_ROW = tl.constexpr(ops.INDEX_ROW)
+ROW_MASK = tl.constexpr(ops.ROW_MASK)
 INDEX_PROBE = tl.constexpr(ops.INDEX_PROBE)
 INDEX_CAPTURE = tl.constexpr(ops.INDEX_CAPTURE)
 INDEX_CONTROL = tl.constexpr(ops.INDEX_CONTROL)
@@ -61,7 +62,7 @@ def _steer_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     c = tl.load(index_ptr + INDEX_CAPTURE * index_stride + t)
-    row = tl.load(index_ptr + INDEX_ROW * index_stride + t).to(tl.int64)
+    row = (tl.load(index_ptr + INDEX_ROW * index_stride + t) & ROW_MASK).to(tl.int64)
     flags = tl.load(flags_ptr + row)
     p = tl.load(index_ptr + INDEX_PROBE * index_stride + t).to(tl.int64)
     gate_ptr = gate_score_ptr + GATE * gate_score_stride + t
