@@ -261,6 +261,9 @@ class StepClock:
 
     def __init__(self, llm: Any) -> None:
         self._stamps: list[tuple[float, int]] = []
+        self.intervals: list[float] = []
+        """The last run's decode-step intervals (its tail tells host stalls from a slower
+        GPU: a stall lengthens some steps, a slower kernel all of them)."""
         client = llm.llm_engine.engine_core
         get_output = client.get_output
 
@@ -278,7 +281,15 @@ class StepClock:
         """Median wall time of the run's steps that gave every request a token."""
         pairs = zip(self._stamps, self._stamps[1:], strict=False)
         intervals = [t - t_prev for (t_prev, n_prev), (t, n) in pairs if n == n_prev == batch]
+        self.intervals = intervals
         return statistics.median(intervals) if intervals else float("nan")
+
+    def deciles(self) -> tuple[float, float]:
+        """The 10th and 90th percentile of the last run's decode steps (seconds)."""
+        if len(self.intervals) < 2:
+            return float("nan"), float("nan")
+        cuts = statistics.quantiles(self.intervals, n=10)
+        return cuts[0], cuts[-1]
 
 
 class SmClock:
@@ -585,6 +596,7 @@ def main() -> None:
             samples: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
             steps: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
             mhz: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
+            tails: dict[str, list[tuple[float, float]]] = {f"{e}/{s}": [] for e, s in runs}
             host: dict[str, dict[str, float]] = {}
             for rep in range(args.reps):
                 for engine, scenario in runs if rep % 2 == 0 else runs[::-1]:
@@ -597,6 +609,7 @@ def main() -> None:
                     samples[f"{engine}/{scenario}"].append(tok_s)
                     steps[f"{engine}/{scenario}"].append(step_s)
                     mhz[f"{engine}/{scenario}"].append(run_mhz)
+                    tails[f"{engine}/{scenario}"].append(clocks[engine].deciles())
                     if own is not None:
                         add_host_time(host.setdefault(f"{engine}/{scenario}", {}), start_time,
                                       own.info()[0]["host_time"])
@@ -606,7 +619,7 @@ def main() -> None:
                          - before["tokens_monitored"].get(site, 0))
             gated = after["tokens_gated"].get(site, 0) - before["tokens_gated"].get(site, 0)
             results["runs"][shape] = {"samples": samples, "decode_step_s": steps, "sm_mhz": mhz,
-                                      "host_time": host,
+                                      "decode_step_p10_p90_s": tails, "host_time": host,
                                       "gate_on_fraction": gated / max(monitored, 1)}
             args.out.mkdir(parents=True, exist_ok=True)  # what is done survives a time limit
             (args.out / "overhead.json").write_text(json.dumps(results, indent=2))
