@@ -50,7 +50,8 @@ With ``--variant JSON`` a ``variant`` engine (the plugin with those engine optio
 ``'{"max_rows": 256}'``) runs every scenario the ``plugin`` engine runs, in the same
 alternation, and each of its rows is also compared with the ``plugin`` row of its scenario
 (``vs plugin``): an engine option against the default in one run. Session 14 measured two
-experimental options this way (``l2_window`` at ``d4174db``, ``site_groups`` at ``b8c2921``).
+experimental options this way (``l2_window`` at ``d4174db``, ``site_groups`` at ``b8c2921``);
+session 19 the shipped site groups against the form before (``'{"site_groups": false}'``).
 
 Two engines of one build differ by up to 0.4-0.5% of a batch-1 decode step, either way round
 (session 18), as much as a 0.5% target's margin. ``--instances K`` starts stock, plugin and
