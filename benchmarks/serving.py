@@ -10,6 +10,7 @@ server: time to first token and inter-token latency (p50 / p99, ms), and complet
 per second. Prints a table and writes ``serving.json``.
 
 Usage: python benchmarks/serving.py --out DIR --tokenizer DIR [--rate 16] [--requests 400]
+       [--dynsteer-first]
 """
 
 from __future__ import annotations
@@ -187,20 +188,29 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=16.0, help="requests per second")
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--mem", type=float, default=0.85)
+    ap.add_argument("--dynsteer-first", action="store_true",
+                    help="serve with dynsteer first (default: plain vLLM first); one pair of "
+                         "runs each way tells the order's effect from the plugin's")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "llama8b", args.tokenizer)
-        results = {
-            "vllm": run_plain(model, args.out / "serve_vllm.log",
-                              requests(args.requests, steered=False), args.rate, args.mem),
-            "dynsteer": run_dynsteer(model, args.out / "serve_dynsteer.log",
-                                     requests(args.requests, steered=True), args.rate,
-                                     args.mem),
+        runs = {
+            "vllm": lambda: run_plain(model, args.out / "serve_vllm.log",
+                                      requests(args.requests, steered=False), args.rate,
+                                      args.mem),
+            "dynsteer": lambda: run_dynsteer(model, args.out / "serve_dynsteer.log",
+                                             requests(args.requests, steered=True), args.rate,
+                                             args.mem),
         }
+        order = ["dynsteer", "vllm"] if args.dynsteer_first else ["vllm", "dynsteer"]
+        done = {name: runs[name]() for name in order}
+        results: dict[str, Any] = {"vllm": done["vllm"], "dynsteer": done["dynsteer"],
+                                   "order": order}
     print(f"{'server':<10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
           f"{'req/s':>7} {'errors':>6}")
-    for name, r in results.items():
+    for name in ("vllm", "dynsteer"):
+        r = results[name]
         print(f"{name:<10} {r['ttft_ms_p50']:>9.1f} {r['ttft_ms_p99']:>9.1f} "
               f"{r['itl_ms_p50']:>8.2f} {r['itl_ms_p99']:>8.2f} {r['requests_per_s']:>7.2f} "
               f"{r['errors']:>6}")
