@@ -99,15 +99,29 @@ async def drive(url: str, bodies: list[dict[str, Any]], rate: float) -> dict[str
         results = await asyncio.gather(*tasks)
     errors = [r["error"] for r in results if "error" in r]
     done = [r for r in results if "error" not in r]
+    span = max(r["end"] for r in done) - t0
+    kinds = [kind_of(b) for b, r in zip(bodies, results, strict=True) if "error" not in r]
+    by_kind = {k: latencies([r for r, rk in zip(done, kinds, strict=True) if rk == k])
+               for k in sorted(set(kinds))}
+    return {"requests": len(bodies), "errors": len(errors), "first_errors": errors[:3],
+            **latencies(done), "requests_per_s": len(done) / span, "by_kind": by_kind}
+
+
+def kind_of(body: dict[str, Any]) -> str:
+    """``plain``, ``static`` or ``gated``: what the dynsteer server was asked for (plain vLLM
+    gets every body as ``plain``)."""
+    spec = body.get("dynsteer")
+    return "plain" if spec is None else ("gated" if "gate" in spec else "static")
+
+
+def latencies(done: list[dict[str, Any]]) -> dict[str, float]:
+    """TTFT and inter-token latency p50 / p99 (ms) of the requests ``done``."""
     ttft = np.array([r["ttft"] for r in done]) * 1e3
     itl = np.array([x for r in done for x in r["itl"]]) * 1e3
-    span = max(r["end"] for r in done) - t0
-    return {"requests": len(bodies), "errors": len(errors), "first_errors": errors[:3],
-            "ttft_ms_p50": float(np.percentile(ttft, 50)),
+    return {"ttft_ms_p50": float(np.percentile(ttft, 50)),
             "ttft_ms_p99": float(np.percentile(ttft, 99)),
             "itl_ms_p50": float(np.percentile(itl, 50)),
-            "itl_ms_p99": float(np.percentile(itl, 99)),
-            "requests_per_s": len(done) / span}
+            "itl_ms_p99": float(np.percentile(itl, 99))}
 
 
 def wait_health(url: str, proc: subprocess.Popen, timeout: float = 480.0) -> None:
@@ -219,6 +233,9 @@ def main() -> None:
                          ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
                           "requests_per_s")}
     print("dynsteer / vllm:", {k: round(v, 4) for k, v in results["ratios"].items()})
+    for kind, r in ours["by_kind"].items():
+        print(f"dynsteer, {kind} requests: TTFT p50 {r['ttft_ms_p50']:.1f} ms, "
+              f"ITL p50 {r['itl_ms_p50']:.2f} / p99 {r['itl_ms_p99']:.2f} ms")
     (args.out / "serving.json").write_text(json.dumps(results, indent=2))
 
 
