@@ -43,6 +43,7 @@ from .ops import (
     ROW_MASK,
     STATIC_FLAG,
     row_entry,
+    site_bit,
 )
 
 Contents = dict[Site, np.ndarray]
@@ -226,6 +227,11 @@ class RowTable:
 
     def site_index(self, site: Site) -> int:
         return self._site_index[site]
+
+    def site_bit(self, index: int) -> int:
+        """The group bit the fused site at ``index`` tests in a token's entry (0: no site
+        groups, entries are plain rows); the counterpart of :attr:`entries`."""
+        return site_bit(index, len(self.sites)) if self.site_groups else 0
 
     @property
     def in_use(self) -> int:

@@ -41,7 +41,7 @@ from .control import ControlTable
 from .controllers import ControllerRunner
 from .events import EngineEvents
 from .host_time import HostTime
-from .ops import GATE, SCORE, SteerBuffers, site_bit
+from .ops import GATE, SCORE, SteerBuffers
 from .rows import (
     Contents,
     ProbeRow,
@@ -618,8 +618,7 @@ class SteeringState:
         for site in self.sites:
             i = self.rows.site_index(site)
             out[site] = SiteBuffers(position=i, monitor=site in self.monitor_sites,
-                                    site_bit=(site_bit(i, len(self.sites))
-                                              if self.rows.site_groups else 0),
+                                    site_bit=self.rows.site_bit(i),
                                     buffers=SteerBuffers(
                 index=self.token_rows.buffer, gate_score=self.gate_score,
                 table=self.rows.table[i], dyn=self.rows.dyn[i], flags=self.rows.flags[i],
