@@ -5,12 +5,15 @@ embedded SmolLM2, so the server can detokenize), then the same stream of streami
 ``/v1/completions`` requests at a fixed arrival rate: 128 random prompt tokens, 128 generated
 (``ignore_eos``). The dynsteer server gets a mix: 50% plain, 25% static (32 distinct inline
 vectors, base64), 25% gated (a registered probe at layer 16 gating a registered vector at
-layers 16-23); plain vLLM gets the same requests without the ``dynsteer`` field. Reported per
-server: time to first token and inter-token latency (p50 / p99, ms), and completed requests
-per second. Prints a table and writes ``serving.json``.
+layers 16-23); plain vLLM gets the same requests without the ``dynsteer`` field, and so does
+the ``dynsteer-plain`` run (the plugin enabled, nothing steered). Reported per server: time to
+first token and inter-token latency (p50 / p99, ms), completed requests per second and, for
+the dynsteer servers, the workers' dynsteer host time per hook call (from ``/metrics``).
+Prints a table and writes ``serving.json``; with ``--py-spy`` also each server's stacks, which
+``benchmarks/stacks.py`` compares.
 
 Usage: python benchmarks/serving.py --out DIR --tokenizer DIR [--rate 16] [--requests 400]
-       [--dynsteer-first]
+       [--runs vllm,dynsteer[,dynsteer-plain]] [--py-spy BIN]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import GATED_LAYERS, HIDDEN, LLAMA_8B, MONITOR
 
 from dynsteer.controller.contract import encode_f32
-from dynsteer.controller.launch import ServerProcess, free_port
+from dynsteer.controller.launch import free_port
 
 PROMPT_LEN, GEN_LEN = 128, 128
 VOCAB = 49152
@@ -125,6 +129,7 @@ def latencies(done: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def wait_health(url: str, proc: subprocess.Popen, timeout: float = 480.0) -> None:
+    """Until ``url`` answers 200 (raises when ``proc`` exits or ``timeout`` passes)."""
     import urllib.request
 
     deadline = time.monotonic() + timeout
@@ -132,7 +137,7 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float = 480.0) -> Non
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            with urllib.request.urlopen(url, timeout=5) as r:
                 if r.status == 200:
                     return
         except OSError:
@@ -149,50 +154,99 @@ def serve_args(model: Path, mem: float) -> list[str]:
 
 
 @contextlib.contextmanager
-def plain_vllm(args: list[str], log: Path, env: dict[str, str] | None = None,
-               timeout: float = 480.0) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Plain vLLM's OpenAI server (``--model ARGS``) on a free loopback port, its log in
-    ``log``: yields (its URL, the process) once ``/health`` answers; stopped on exit. ``env``
-    is added to this process's environment (e.g. ``VLLM_PLUGINS=""``: no plugin at all)."""
+def server_process(cmd: list[str], health: str, log: Path, env: dict[str, str] | None = None,
+                   timeout: float = 480.0, py_spy: Path | None = None,
+                   stacks: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``cmd`` (a server taking ``--port`` and ``--host``) on a free loopback port, its log in
+    ``log``: yields (its URL, the process) once ``health`` answers; stopped on exit. ``env``
+    is added to this process's environment. With ``py_spy`` the server runs under
+    ``py-spy record`` (every process of it, 100 Hz, without pausing them), which writes raw
+    stacks to ``stacks`` when interrupted at the end."""
     port = free_port()
+    cmd = [*cmd, "--port", str(port), "--host", "127.0.0.1"]
+    if py_spy is not None:
+        cmd = [str(py_spy), "record", "--nonblocking", "--subprocesses", "--threads",
+               "--rate", "100", "--format", "raw", "--output", str(stacks), "--", *cmd]
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                                 "--model", *args, "--port", str(port),
-                                 "--host", "127.0.0.1"], stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True,
                                 env=None if env is None else {**os.environ, **env})
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_health(url, proc, timeout)
+            wait_health(url + health, proc, timeout)
             yield url, proc
         finally:
-            proc.terminate()
+            if py_spy is not None:  # py-spy writes its stacks on SIGINT, then the server goes
+                proc.send_signal(signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=120)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.terminate()
             proc.wait(timeout=120)
 
 
-def run_plain(model: Path, log: Path, bodies: list[dict[str, Any]], rate: float,
-              mem: float) -> dict[str, Any]:
-    with plain_vllm(serve_args(model, mem), log) as (url, _):
+def plain_vllm(args: list[str], log: Path, env: dict[str, str] | None = None,
+               timeout: float = 480.0, py_spy: Path | None = None,
+               stacks: Path | None = None) -> contextlib.AbstractContextManager[
+                   tuple[str, subprocess.Popen]]:
+    """Plain vLLM's OpenAI server (``--model ARGS``), as :func:`server_process` runs it
+    (``env``: e.g. ``VLLM_PLUGINS=""``, no plugin at all)."""
+    return server_process([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                           "--model", *args], "/health", log, env, timeout, py_spy, stacks)
+
+
+def run_plain(model: Path, out: Path, name: str, bodies: list[dict[str, Any]], rate: float,
+              mem: float, py_spy: Path | None) -> dict[str, Any]:
+    with plain_vllm(serve_args(model, mem), out / f"serve_{name}.log", py_spy=py_spy,
+                    stacks=out / f"{name}.pyspy.txt") as (url, _):
         return asyncio.run(drive(url, bodies, rate))
 
 
-def run_dynsteer(model: Path, log: Path, bodies: list[dict[str, Any]], rate: float,
-                 mem: float) -> dict[str, Any]:
+def run_dynsteer(model: Path, out: Path, name: str, bodies: list[dict[str, Any]], rate: float,
+                 mem: float, py_spy: Path | None) -> dict[str, Any]:
     from dynsteer.controller.client import DynsteerClient
     from dynsteer.probes import Probe, ProbeSite
 
-    server = ServerProcess([*serve_args(model, mem), "--dynsteer-api-key", KEY], log)
-    try:
-        server.wait_ready(timeout=480)
-        client = DynsteerClient(server.url, api_key=KEY)
+    cmd = [sys.executable, "-m", "dynsteer.engine_ext.cli", "serve", *serve_args(model, mem),
+           "--dynsteer-api-key", KEY]
+    with server_process(cmd, "/v1/dynsteer/health", out / f"serve_{name}.log", py_spy=py_spy,
+                        stacks=out / f"{name}.pyspy.txt") as (url, _):
+        client = DynsteerClient(url, api_key=KEY)
         rng = np.random.default_rng(3)
         client.register_vector("bench", rng.standard_normal(HIDDEN) * 0.01)
         client.upload_probe(Probe(name="bench",
                                   weights=rng.standard_normal(HIDDEN).astype(np.float32)
                                   / HIDDEN**0.5, site=ProbeSite(layer=MONITOR)))
-        return asyncio.run(drive(server.url, bodies, rate))
-    finally:
-        server.stop()
+        before = worker_host_time(url)
+        result = asyncio.run(drive(url, bodies, rate))
+        after = worker_host_time(url)
+    result["worker_host_us_per_call"] = {
+        hook: (after[hook][0] - before[hook][0]) / max(1.0, after[hook][1] - before[hook][1])
+        * 1e6 for hook in after}
+    return result
+
+
+def worker_host_time(url: str) -> dict[str, tuple[float, float]]:
+    """(seconds, calls) of each dynsteer worker hook, from the server's ``/metrics``."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    found: dict[str, list[float]] = {}
+    for kind, index in (("seconds", 0), ("calls", 1)):
+        for hook, value in re.findall(
+                rf'^dynsteer_worker_host_{kind}_total{{hook="(\w+)"}} (\S+)$', text,
+                re.MULTILINE):
+            found.setdefault(hook, [0.0, 0.0])[index] = float(value)
+    return {hook: (v[0], v[1]) for hook, v in found.items()}
+
+
+RUNS = ("vllm", "dynsteer", "dynsteer-plain")
+"""Plain vLLM; dynsteer serving the mixed stream; dynsteer serving plain vLLM's (unsteered)
+stream, which tells the enabled plugin's own cost from the steered traffic's."""
 
 
 def main() -> None:
@@ -202,40 +256,55 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=16.0, help="requests per second")
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--mem", type=float, default=0.85)
-    ap.add_argument("--dynsteer-first", action="store_true",
-                    help="serve with dynsteer first (default: plain vLLM first); one pair of "
-                         "runs each way tells the order's effect from the plugin's")
+    ap.add_argument("--runs", default="vllm,dynsteer",
+                    help=f"servers in the order to run them, from {', '.join(RUNS)}; one "
+                         "order and its reverse tell the order's effect from the plugin's")
+    ap.add_argument("--py-spy", type=Path, default=None,
+                    help="a py-spy binary: record each server's processes into "
+                         "OUT/<run>.pyspy.txt (raw stacks; see benchmarks/stacks.py)")
     args = ap.parse_args()
+    order = args.runs.split(",")
+    if "vllm" not in order or not set(order) <= set(RUNS):
+        ap.error(f"--runs: a comma list from {', '.join(RUNS)} with vllm in it")
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "llama8b", args.tokenizer)
+        steered = requests(args.requests, steered=True)
+        plain = requests(args.requests, steered=False)
         runs = {
-            "vllm": lambda: run_plain(model, args.out / "serve_vllm.log",
-                                      requests(args.requests, steered=False), args.rate,
-                                      args.mem),
-            "dynsteer": lambda: run_dynsteer(model, args.out / "serve_dynsteer.log",
-                                             requests(args.requests, steered=True), args.rate,
-                                             args.mem),
+            "vllm": lambda: run_plain(model, args.out, "vllm", plain, args.rate, args.mem,
+                                      args.py_spy),
+            "dynsteer": lambda: run_dynsteer(model, args.out, "dynsteer", steered, args.rate,
+                                             args.mem, args.py_spy),
+            "dynsteer-plain": lambda: run_dynsteer(model, args.out, "dynsteer-plain", plain,
+                                                   args.rate, args.mem, args.py_spy),
         }
-        order = ["dynsteer", "vllm"] if args.dynsteer_first else ["vllm", "dynsteer"]
-        done = {name: runs[name]() for name in order}
-        results: dict[str, Any] = {"vllm": done["vllm"], "dynsteer": done["dynsteer"],
-                                   "order": order}
-    print(f"{'server':<10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+        results: dict[str, Any] = {"order": order}
+        for name in order:  # each run kept as it ends (a run cut short keeps the others)
+            results[name] = runs[name]()
+            (args.out / "serving.json").write_text(json.dumps(results, indent=2))
+    print(f"{'server':<15} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
           f"{'req/s':>7} {'errors':>6}")
-    for name in ("vllm", "dynsteer"):
+    for name in order:
         r = results[name]
-        print(f"{name:<10} {r['ttft_ms_p50']:>9.1f} {r['ttft_ms_p99']:>9.1f} "
+        print(f"{name:<15} {r['ttft_ms_p50']:>9.1f} {r['ttft_ms_p99']:>9.1f} "
               f"{r['itl_ms_p50']:>8.2f} {r['itl_ms_p99']:>8.2f} {r['requests_per_s']:>7.2f} "
               f"{r['errors']:>6}")
-    base, ours = results["vllm"], results["dynsteer"]
-    results["ratios"] = {k: ours[k] / base[k] for k in
-                         ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
-                          "requests_per_s")}
-    print("dynsteer / vllm:", {k: round(v, 4) for k, v in results["ratios"].items()})
-    for kind, r in ours["by_kind"].items():
-        print(f"dynsteer, {kind} requests: TTFT p50 {r['ttft_ms_p50']:.1f} ms, "
-              f"ITL p50 {r['itl_ms_p50']:.2f} / p99 {r['itl_ms_p99']:.2f} ms")
+    base = results["vllm"]
+    results["ratios"] = {}
+    for name in order:
+        if name == "vllm":
+            continue
+        ours = results[name]
+        results["ratios"][name] = {k: ours[k] / base[k] for k in
+                                   ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
+                                    "requests_per_s")}
+        print(f"{name} / vllm:", {k: round(v, 4) for k, v in results["ratios"][name].items()})
+        print(f"{name}, worker host µs per call:",
+              {k: round(v, 1) for k, v in ours["worker_host_us_per_call"].items()})
+        for kind, r in ours["by_kind"].items():
+            print(f"{name}, {kind} requests: TTFT p50 {r['ttft_ms_p50']:.1f} ms, "
+                  f"ITL p50 {r['itl_ms_p50']:.2f} / p99 {r['itl_ms_p99']:.2f} ms")
     (args.out / "serving.json").write_text(json.dumps(results, indent=2))
 
 

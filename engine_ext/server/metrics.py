@@ -81,6 +81,7 @@ class DynsteerCollector(Collector):
         yield CounterMetricFamily(
             "dynsteer_prefix_guarded_requests", "Gated requests whose blocks were cached only "
             "once reported free of dynamic steering", value=guard.get("guarded_requests", 0))
+        yield from _host_time_metrics(stats.get("host_time", {}))
         yield from _controller_metrics(stats, self.server.commands)
         yield GaugeMetricFamily("dynsteer_vectors_registered", "Named vectors",
                                 value=len(self.server.frontend.vectors))
@@ -88,6 +89,23 @@ class DynsteerCollector(Collector):
                                 value=len(self.server.frontend.probes))
         yield GaugeMetricFamily("dynsteer_global_entries", "Global steering entries",
                                 value=len(self.server.frontend.global_entries))
+
+
+def _host_time_metrics(host_time: dict[str, dict[str, float]]) -> Iterator[Metric]:
+    """Host time dynsteer's hooks spent in TP rank 0's worker (see
+    :mod:`..worker.host_time`): with the calls of each hook, the host cost per step and per
+    request that a dashboard divides out."""
+    seconds = CounterMetricFamily(
+        "dynsteer_worker_host_seconds", "Host time in dynsteer's worker hooks (TP rank 0), by "
+        "hook: admit and finish once per request, step (index fill) and output (telemetry "
+        "fold, prefix-guard report) once per forward", labels=["hook"])
+    calls = CounterMetricFamily("dynsteer_worker_host_calls", "Calls of dynsteer's worker "
+                                "hooks (TP rank 0), by hook", labels=["hook"])
+    for hook, values in sorted(host_time.items()):
+        seconds.add_metric([hook], values["us"] / 1e6)
+        calls.add_metric([hook], values["calls"])
+    yield seconds
+    yield calls
 
 
 def _controller_metrics(stats: dict, commands: Any) -> Iterator[Metric]:
