@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gzip
 import json
 import os
 import shutil
@@ -185,6 +186,10 @@ def server_process(cmd: list[str], health: str, log: Path, env: dict[str, str] |
             else:
                 proc.terminate()
             proc.wait(timeout=120)
+            if stacks is not None and stacks.exists():  # a few MiB of text, a tenth gzipped
+                with open(stacks, "rb") as raw, gzip.open(f"{stacks}.gz", "wb") as packed:
+                    shutil.copyfileobj(raw, packed)
+                stacks.unlink()
 
 
 def plain_vllm(args: list[str], log: Path, env: dict[str, str] | None = None,
@@ -221,27 +226,50 @@ def run_dynsteer(model: Path, out: Path, name: str, bodies: list[dict[str, Any]]
                                   / HIDDEN**0.5, site=ProbeSite(layer=MONITOR)))
         before = worker_host_time(url)
         result = asyncio.run(drive(url, bodies, rate))
-        after = worker_host_time(url)
-    result["worker_host_us_per_call"] = {
-        hook: (after[hook][0] - before[hook][0]) / max(1.0, after[hook][1] - before[hook][1])
-        * 1e6 for hook in after}
+        result["worker_host"] = host_time_delta(before, worker_host_time(url))
     return result
 
 
-def worker_host_time(url: str) -> dict[str, tuple[float, float]]:
-    """(seconds, calls) of each dynsteer worker hook, from the server's ``/metrics``."""
+def worker_host_time(url: str) -> dict[str, dict[str, float]]:
+    """Per dynsteer worker hook: ``sum`` (s), ``count`` and the cumulative bucket counts by
+    upper bound (``le``, s) of its histogram on the server's ``/metrics``."""
     import re
     import urllib.request
 
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    found: dict[str, list[float]] = {}
-    for kind, index in (("seconds", 0), ("calls", 1)):
-        for hook, value in re.findall(
-                rf'^dynsteer_worker_host_{kind}_total{{hook="(\w+)"}} (\S+)$', text,
-                re.MULTILINE):
-            found.setdefault(hook, [0.0, 0.0])[index] = float(value)
-    return {hook: (v[0], v[1]) for hook, v in found.items()}
+    found: dict[str, dict[str, float]] = {}
+    name = "dynsteer_worker_host_seconds"
+    for hook, le, value in re.findall(rf'^{name}_bucket{{hook="(\w+)",le="([^"]+)"}} (\S+)$',
+                                      text, re.MULTILINE):
+        found.setdefault(hook, {})[le] = float(value)
+    for kind in ("sum", "count"):
+        for hook, value in re.findall(rf'^{name}_{kind}{{hook="(\w+)"}} (\S+)$', text,
+                                      re.MULTILINE):
+            found.setdefault(hook, {})[kind] = float(value)
+    return found
+
+
+def host_time_delta(before: dict[str, dict[str, float]],
+                    after: dict[str, dict[str, float]]) -> dict[str, dict[str, float | None]]:
+    """Per hook over the load: calls, mean µs per call, the bound (µs) 99% of calls stayed
+    within and the bound of the slowest call (None: above the last bound)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for hook, values in after.items():
+        old = before.get(hook, {})
+        delta = {k: v - old.get(k, 0.0) for k, v in values.items()}
+        calls = delta.get("count", 0.0)
+        bounds = sorted((float(k), v) for k, v in delta.items() if k not in ("sum", "count"))
+
+        def within(share: float, bounds: list[tuple[float, float]] = bounds,
+                   calls: float = calls) -> float | None:
+            bound = next(b for b, n in bounds if n >= share * calls)
+            return None if bound == float("inf") else bound * 1e6
+
+        out[hook] = {"calls": calls, "mean_us": delta.get("sum", 0.0) / max(calls, 1.0) * 1e6,
+                     "p99_le_us": within(0.99) if calls else None,
+                     "max_le_us": within(1.0) if calls else None}
+    return out
 
 
 RUNS = ("vllm", "dynsteer", "dynsteer-plain")
@@ -261,7 +289,7 @@ def main() -> None:
                          "order and its reverse tell the order's effect from the plugin's")
     ap.add_argument("--py-spy", type=Path, default=None,
                     help="a py-spy binary: record each server's processes into "
-                         "OUT/<run>.pyspy.txt (raw stacks; see benchmarks/stacks.py)")
+                         "OUT/<run>.pyspy.txt.gz (raw stacks; see benchmarks/stacks.py)")
     args = ap.parse_args()
     order = args.runs.split(",")
     if "vllm" not in order or not set(order) <= set(RUNS):
@@ -300,8 +328,10 @@ def main() -> None:
                                    ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
                                     "requests_per_s")}
         print(f"{name} / vllm:", {k: round(v, 4) for k, v in results["ratios"][name].items()})
-        print(f"{name}, worker host µs per call:",
-              {k: round(v, 1) for k, v in ours["worker_host_us_per_call"].items()})
+        for hook, h in ours["worker_host"].items():
+            print(f"{name}, worker hook {hook}: {h['calls']:.0f} calls, mean "
+                  f"{h['mean_us']:.1f} µs, 99% within {h['p99_le_us']} µs, all within "
+                  f"{h['max_le_us']} µs")
         for kind, r in ours["by_kind"].items():
             print(f"{name}, {kind} requests: TTFT p50 {r['ttft_ms_p50']:.1f} ms, "
                   f"ITL p50 {r['itl_ms_p50']:.2f} / p99 {r['itl_ms_p99']:.2f} ms")

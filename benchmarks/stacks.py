@@ -1,6 +1,6 @@
 """Where two servers' processes spent their time: py-spy raw stacks side by side.
 
-``serving.py --py-spy BIN`` records every process of each server (``OUT/<run>.pyspy.txt``:
+``serving.py --py-spy BIN`` records every process of each server (``OUT/<run>.pyspy.txt.gz``:
 one line per distinct stack, ``frame;frame;... samples``). This folds each file into seconds
 per (process, thread, function), a function counted once per stack it is on (inclusive time),
 and prints the functions whose time grew most from the first file to the second, per process
@@ -9,12 +9,13 @@ request stream, so equal work reads as equal seconds; start-up (compile, graph c
 both and cancels only roughly, so read the steady-state functions (the engine core's step,
 the API server's request and output handlers).
 
-Usage: python benchmarks/stacks.py BASE.pyspy.txt OTHER.pyspy.txt [--rate 100] [--top 40]
+Usage: python benchmarks/stacks.py BASE.pyspy.txt.gz OTHER.pyspy.txt.gz [--rate 100] [--top 40]
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 from collections import Counter
 from pathlib import Path
@@ -38,7 +39,9 @@ def process_label(cmdline: str) -> str:
 def fold(path: Path, rate: float) -> Counter[tuple[str, str, str]]:
     """Seconds per (process, thread, function) in one raw stack file (inclusive)."""
     seconds: Counter[tuple[str, str, str]] = Counter()
-    for line in path.read_text(errors="replace").splitlines():
+    data = path.read_bytes()
+    text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode(errors="replace")
+    for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue

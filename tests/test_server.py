@@ -187,10 +187,11 @@ def test_metrics_move(openai_client, server):
     for name, labels in (("dynsteer_requests_steered_total", 'kind="gated"'),
                          ("dynsteer_requests_steered_total", 'kind="static"'),
                          ("dynsteer_tokens_monitored_total", 'site="post_block@1"'),
-                         ("dynsteer_worker_host_calls_total", 'hook="admit"'),
-                         ("dynsteer_worker_host_calls_total", 'hook="step"'),
-                         ("dynsteer_worker_host_seconds_total", 'hook="step"'),
-                         ("dynsteer_worker_host_seconds_total", 'hook="output"')):
+                         ("dynsteer_worker_host_seconds_count", 'hook="admit"'),
+                         ("dynsteer_worker_host_seconds_count", 'hook="step"'),
+                         ("dynsteer_worker_host_seconds_sum", 'hook="step"'),
+                         ("dynsteer_worker_host_seconds_sum", 'hook="output"'),
+                         ("dynsteer_worker_host_seconds_bucket", 'hook="step",le="+Inf"')):
         assert _metric(after, name, labels) > _metric(before, name, labels), (name, labels)
     assert "dynsteer_rows_capacity 64.0" in after
     assert "dynsteer_prefix_guarded_requests_total" in after

@@ -16,11 +16,13 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
 
+from ..worker.host_time import BUCKETS_US
 from .runtime import DynsteerServer
 
 logger = logging.getLogger("vllm.dynsteer.metrics")
@@ -91,21 +93,21 @@ class DynsteerCollector(Collector):
                                 value=len(self.server.frontend.global_entries))
 
 
-def _host_time_metrics(host_time: dict[str, dict[str, float]]) -> Iterator[Metric]:
-    """Host time dynsteer's hooks spent in TP rank 0's worker (see
-    :mod:`..worker.host_time`): with the calls of each hook, the host cost per step and per
-    request that a dashboard divides out."""
-    seconds = CounterMetricFamily(
-        "dynsteer_worker_host_seconds", "Host time in dynsteer's worker hooks (TP rank 0), by "
-        "hook: admit and finish once per request, step (index fill) and output (telemetry "
-        "fold, prefix-guard report) once per forward", labels=["hook"])
-    calls = CounterMetricFamily("dynsteer_worker_host_calls", "Calls of dynsteer's worker "
-                                "hooks (TP rank 0), by hook", labels=["hook"])
+def _host_time_metrics(host_time: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Host time of single calls of dynsteer's worker hooks on TP rank 0 (see
+    :mod:`..worker.host_time`): ``_sum / _count`` of ``step`` is the host cost per forward,
+    the buckets show the tail (a slow admission stretches the step it runs in)."""
+    family = HistogramMetricFamily(
+        "dynsteer_worker_host_seconds", "Host time of one call of a dynsteer worker hook "
+        "(TP rank 0), by hook: admit and finish once per request, step (index fill) and "
+        "output (telemetry fold, prefix-guard report) once per forward", labels=["hook"])
     for hook, values in sorted(host_time.items()):
-        seconds.add_metric([hook], values["us"] / 1e6)
-        calls.add_metric([hook], values["calls"])
-    yield seconds
-    yield calls
+        cumulative, buckets = 0, []
+        for bound, count in zip((*BUCKETS_US, None), values["buckets"], strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound is None else str(bound / 1e6), cumulative))
+        family.add_metric([hook], buckets, sum_value=values["us"] / 1e6)
+    yield family
 
 
 def _controller_metrics(stats: dict, commands: Any) -> Iterator[Metric]:
