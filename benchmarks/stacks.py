@@ -20,14 +20,15 @@ import re
 from collections import Counter
 from pathlib import Path
 
-_PROCESS = re.compile(r'^process \d+:"(.*)"$')
+_PROCESS = re.compile(r'process \d+:"([^"]*)";?')  # a command line may hold ';'
 _THREAD = re.compile(r"^thread \(\w+\)(?:: (.*))?$")
 _LINE = re.compile(r" \(([^():]*):\d+\)$")
 
 
 def process_label(cmdline: str) -> str:
     """A short, run-independent name of a process from its command line."""
-    for marker, label in (("EngineCore", "engine-core"), ("Worker", "worker"),
+    for marker, label in (("EngineCore", "engine-core"), ("multiprocessing.spawn", "engine-core"),
+                          ("Worker", "worker"),
                           ("APIServer", "api-server"), ("api_server", "api-server"),
                           ("cli serve", "api-server"),
                           ("compile_worker", "compile-worker")):
@@ -36,26 +37,27 @@ def process_label(cmdline: str) -> str:
     return cmdline.split(" ")[0][-40:] or "launcher"
 
 
-def fold(path: Path, rate: float) -> Counter[tuple[str, str, str]]:
-    """Seconds per (process, thread, function) in one raw stack file (inclusive)."""
-    seconds: Counter[tuple[str, str, str]] = Counter()
+def fold(path: Path, rate: float, under: str | None = None) -> Counter[tuple[str, str, str]]:
+    """Seconds per (process, thread, function) in one raw stack file (inclusive); with
+    ``under``, only stacks through a function whose name contains it."""
     data = path.read_bytes()
     text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode(errors="replace")
+    seconds: Counter[tuple[str, str, str]] = Counter()
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        process, thread, functions = "launcher", "?", set()
-        for frame in stack.split(";"):
-            found = _PROCESS.match(frame)
-            if found:
-                process = process_label(found.group(1))
-                continue
+        processes = _PROCESS.findall(stack)
+        process = process_label(processes[-1]) if processes else "launcher"
+        thread, functions = "?", set()
+        for frame in _PROCESS.sub("", stack).split(";"):
             found = _THREAD.match(frame)
             if found:
                 thread = found.group(1) or "thread"
-                continue
-            functions.add(_LINE.sub(r" (\1)", frame))  # one function, whatever its line
+            elif frame:
+                functions.add(_LINE.sub(r" (\1)", frame))  # one function, whatever its line
+        if under is not None and not any(under in f for f in functions):
+            continue
         for function in functions:
             seconds[process, thread, function] += int(count) / rate
         seconds[process, thread, "(all)"] += int(count) / rate
@@ -68,8 +70,11 @@ def main() -> None:
     ap.add_argument("other", type=Path)
     ap.add_argument("--rate", type=float, default=100.0, help="py-spy's samples per second")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--under", default=None,
+                    help="only stacks through a function whose name contains this (e.g. "
+                         "run_busy_loop: the engine core's steady state)")
     args = ap.parse_args()
-    base, other = fold(args.base, args.rate), fold(args.other, args.rate)
+    base, other = fold(args.base, args.rate, args.under), fold(args.other, args.rate, args.under)
     print(f"{'process':<14} {'thread':<22} {args.base.name:>14} {args.other.name:>14}")
     for key in sorted({k[:2] for k in base} | {k[:2] for k in other}):
         print(f"{key[0]:<14} {key[1][:22]:<22} {base[(*key, '(all)')]:>13.1f}s "

@@ -11,6 +11,7 @@ from dynsteer.controller.spec import (
     MAX_JSON_DEPTH,
     MAX_LAYERS,
     SpecError,
+    check_json_depth,
     json_depth,
     parse_entries,
     parse_spec,
@@ -64,6 +65,22 @@ def test_too_many_layers():
 def test_json_depth(text, depth):
     assert json_depth(text) == depth
     assert json_depth(text.encode()) == depth
+
+
+@pytest.mark.parametrize("text", [
+    "[" * 8 + "]" * 8, "[" * 9 + "]" * 9, '["[[[[[[[[[[", ' + "[" * 7 + "]" * 7 + "]",
+    '{"a": [' + ", ".join(["[]"] * 40) + "]}",
+])
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_check_json_depth(text, as_bytes):
+    """The opener count lets shallow text through at once; text with more openers than the
+    limit gets the scan, which still tells depth from count (strings, siblings)."""
+    data = text.encode() if as_bytes else text
+    if json_depth(text) > 8:
+        with pytest.raises(SpecError, match=r"^dynsteer: JSON nested deeper than 8 levels"):
+            check_json_depth(data, "dynsteer", limit=8)
+    else:
+        check_json_depth(data, "dynsteer", limit=8)
 
 
 def test_json_depth_stops_past_the_limit():
