@@ -13,7 +13,7 @@ Prints a table and writes ``serving.json``; with ``--py-spy`` also each server's
 ``benchmarks/stacks.py`` compares.
 
 Usage: python benchmarks/serving.py --out DIR --tokenizer DIR [--rate 16] [--requests 400]
-       [--runs vllm,dynsteer[,dynsteer-plain]] [--py-spy BIN]
+       [--runs vllm,dynsteer[,dynsteer-plain]] [--repeat N] [--py-spy BIN]
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ async def drive(url: str, bodies: list[dict[str, Any]], rate: float) -> dict[str
     by_kind = {k: latencies([r for r, rk in zip(done, kinds, strict=True) if rk == k])
                for k in sorted(set(kinds))}
     return {"requests": len(bodies), "errors": len(errors), "first_errors": errors[:3],
-            **latencies(done), "requests_per_s": len(done) / span, "by_kind": by_kind}
+            **latencies(done), "requests_per_s": len(done) / span, "by_kind": by_kind,
+            "_done": done}
 
 
 def kind_of(body: dict[str, Any]) -> str:
@@ -287,6 +288,9 @@ def main() -> None:
     ap.add_argument("--runs", default="vllm,dynsteer",
                     help=f"servers in the order to run them, from {', '.join(RUNS)}; one "
                          "order and its reverse tell the order's effect from the plugin's")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the --runs order this many times (servers restarted each time); "
+                         "pooled latencies and the run-to-run spread of the ratios")
     ap.add_argument("--py-spy", type=Path, default=None,
                     help="a py-spy binary: record each server's processes into "
                          "OUT/<run>.pyspy.txt.gz (raw stacks; see benchmarks/stacks.py)")
@@ -307,35 +311,60 @@ def main() -> None:
             "dynsteer-plain": lambda: run_dynsteer(model, args.out, "dynsteer-plain", plain,
                                                    args.rate, args.mem, args.py_spy),
         }
-        results: dict[str, Any] = {"order": order}
+        order = order * args.repeat
+        results: dict[str, Any] = {"order": order, "runs": []}
+        done: dict[str, list[dict[str, Any]]] = {}
+        raw: dict[str, np.ndarray] = {}
         for name in order:  # each run kept as it ends (a run cut short keeps the others)
-            results[name] = runs[name]()
+            run = runs[name]()
+            run_done = run.pop("_done")
+            done.setdefault(name, []).extend(run_done)
+            results["runs"].append({"name": name, **run})
             (args.out / "serving.json").write_text(json.dumps(results, indent=2))
+            at = f"{len(results['runs']) - 1}_{name}"
+            raw[f"{at}_ttft_s"] = np.array([r["ttft"] for r in run_done])
+            raw[f"{at}_itl_s"] = np.concatenate([r["itl"] for r in run_done])
+    report(results, done)
+    (args.out / "serving.json").write_text(json.dumps(results, indent=2))
+    np.savez_compressed(args.out / "latencies.npz", **raw)  # to pool runs of several calls
+
+
+def report(results: dict[str, Any], done: dict[str, list[dict[str, Any]]]) -> None:
+    """Print each run, then each server's latencies pooled over its runs against plain
+    vLLM's (``results["pooled"]``, ``results["ratios"]``) and the spread of the ratio over
+    the repetitions (the i-th run of a server against vLLM's i-th, ``results["pair_ratios"]``):
+    a difference inside that spread is the servers' start-to-start variation, not the plugin."""
+    keys = ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "requests_per_s")
     print(f"{'server':<15} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
           f"{'req/s':>7} {'errors':>6}")
-    for name in order:
-        r = results[name]
-        print(f"{name:<15} {r['ttft_ms_p50']:>9.1f} {r['ttft_ms_p99']:>9.1f} "
+    for r in results["runs"]:
+        print(f"{r['name']:<15} {r['ttft_ms_p50']:>9.1f} {r['ttft_ms_p99']:>9.1f} "
               f"{r['itl_ms_p50']:>8.2f} {r['itl_ms_p99']:>8.2f} {r['requests_per_s']:>7.2f} "
               f"{r['errors']:>6}")
-    base = results["vllm"]
-    results["ratios"] = {}
-    for name in order:
+    results["pooled"] = {name: latencies(d) for name, d in done.items()}
+    results["ratios"], results["pair_ratios"] = {}, {}
+    base = results["pooled"]["vllm"]
+    mine = {name: [r for r in results["runs"] if r["name"] == name] for name in done}
+    for name in done:
         if name == "vllm":
             continue
-        ours = results[name]
-        results["ratios"][name] = {k: ours[k] / base[k] for k in
-                                   ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
-                                    "requests_per_s")}
-        print(f"{name} / vllm:", {k: round(v, 4) for k, v in results["ratios"][name].items()})
-        for hook, h in ours["worker_host"].items():
-            print(f"{name}, worker hook {hook}: {h['calls']:.0f} calls, mean "
-                  f"{h['mean_us']:.1f} µs, 99% within {h['p99_le_us']} µs, all within "
-                  f"{h['max_le_us']} µs")
-        for kind, r in ours["by_kind"].items():
-            print(f"{name}, {kind} requests: TTFT p50 {r['ttft_ms_p50']:.1f} ms, "
-                  f"ITL p50 {r['itl_ms_p50']:.2f} / p99 {r['itl_ms_p99']:.2f} ms")
-    (args.out / "serving.json").write_text(json.dumps(results, indent=2))
+        ours = results["pooled"][name]
+        results["ratios"][name] = {k: ours[k] / base[k] for k in keys if k in ours}
+        results["pair_ratios"][name] = {
+            k: [a[k] / b[k] for a, b in zip(mine[name], mine["vllm"], strict=False)]
+            for k in keys}
+        print(f"{name} / vllm, pooled:",
+              {k: round(v, 4) for k, v in results["ratios"][name].items()})
+        print(f"{name} / vllm, run by run:",
+              {k: [round(v, 4) for v in vs] for k, vs in results["pair_ratios"][name].items()})
+        for r in mine[name]:
+            for hook, h in r["worker_host"].items():
+                print(f"{name}, worker hook {hook}: {h['calls']:.0f} calls, mean "
+                      f"{h['mean_us']:.1f} µs, 99% within {h['p99_le_us']} µs, all within "
+                      f"{h['max_le_us']} µs")
+            for kind, k in r["by_kind"].items():
+                print(f"{name}, {kind} requests: TTFT p50 {k['ttft_ms_p50']:.1f} ms, "
+                      f"ITL p50 {k['itl_ms_p50']:.2f} / p99 {k['itl_ms_p99']:.2f} ms")
 
 
 if __name__ == "__main__":
