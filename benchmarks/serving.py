@@ -6,7 +6,8 @@ embedded SmolLM2, so the server can detokenize), then the same stream of streami
 (``ignore_eos``). The dynsteer server gets a mix: 50% plain, 25% static (32 distinct inline
 vectors, base64), 25% gated (a registered probe at layer 16 gating a registered vector at
 layers 16-23); plain vLLM gets the same requests without the ``dynsteer`` field, and so does
-the ``dynsteer-plain`` run (the plugin enabled, nothing steered). Reported per server: time to
+the ``dynsteer-plain`` run (the plugin enabled, nothing steered); ``dynsteer-static`` and
+``dynsteer-gated`` get half plain requests and half of that kind. Reported per server: time to
 first token and inter-token latency (p50 / p99, ms), completed requests per second and, for
 the dynsteer servers, the workers' dynsteer host time per hook call (from ``/metrics``).
 Prints a table and writes ``serving.json``; with ``--py-spy`` also each server's stacks, which
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gzip
 import json
 import os
@@ -56,21 +58,28 @@ def make_model(folder: Path, tokenizer: Path) -> Path:
     return folder
 
 
-def requests(n: int, steered: bool) -> list[dict[str, Any]]:
+MIXES = {"mixed": ("plain", "plain", "static", "gated"), "plain": ("plain",),
+         "static": ("plain", "static"), "gated": ("plain", "gated")}
+"""Streams by the kind of every i-th request (``i % len``): the mixed stream, plain vLLM's,
+and half plain with half of one steered kind (which tells the kinds' costs apart)."""
+
+
+def requests(n: int, mix: str) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((32, HIDDEN)).astype(np.float32) * 0.01
     gate = {"probe": "bench", "layer": MONITOR,
             "steer": [{"vector": "bench", "layers": GATED_LAYERS}]}
+    kinds = MIXES[mix]
     out = []
     for i in range(n):
         body: dict[str, Any] = {
             "model": "bench", "prompt": rng.integers(100, VOCAB - 100, PROMPT_LEN).tolist(),
             "max_tokens": GEN_LEN, "temperature": 0.0, "ignore_eos": True, "stream": True}
-        kind = ("plain", "plain", "static", "gated")[i % 4]
-        if steered and kind == "static":
+        kind = kinds[i % len(kinds)]
+        if kind == "static":
             body["dynsteer"] = {"steer": [{"vector_b64": encode_f32(vectors[i % 32]),
                                            "layers": [MONITOR]}]}
-        elif steered and kind == "gated":
+        elif kind == "gated":
             body["dynsteer"] = {"gate": gate}
         out.append(body)
     return out
@@ -273,9 +282,10 @@ def host_time_delta(before: dict[str, dict[str, float]],
     return out
 
 
-RUNS = ("vllm", "dynsteer", "dynsteer-plain")
+RUNS = ("vllm", "dynsteer", "dynsteer-plain", "dynsteer-static", "dynsteer-gated")
 """Plain vLLM; dynsteer serving the mixed stream; dynsteer serving plain vLLM's (unsteered)
-stream, which tells the enabled plugin's own cost from the steered traffic's."""
+stream, which tells the enabled plugin's own cost from the steered traffic's; dynsteer
+serving half plain, half static (or gated) requests, which tells the kinds' costs apart."""
 
 
 def main() -> None:
@@ -301,15 +311,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "llama8b", args.tokenizer)
-        steered = requests(args.requests, steered=True)
-        plain = requests(args.requests, steered=False)
+        streams = {mix: requests(args.requests, mix) for mix in MIXES}
         runs = {
-            "vllm": lambda: run_plain(model, args.out, "vllm", plain, args.rate, args.mem,
-                                      args.py_spy),
-            "dynsteer": lambda: run_dynsteer(model, args.out, "dynsteer", steered, args.rate,
-                                             args.mem, args.py_spy),
-            "dynsteer-plain": lambda: run_dynsteer(model, args.out, "dynsteer-plain", plain,
-                                                   args.rate, args.mem, args.py_spy),
+            "vllm": lambda: run_plain(model, args.out, "vllm", streams["plain"], args.rate,
+                                      args.mem, args.py_spy),
+            **{name: functools.partial(run_dynsteer, model, args.out, name,
+                                       streams[name.partition("-")[2] or "mixed"], args.rate,
+                                       args.mem, args.py_spy)
+               for name in RUNS if name != "vllm"},
         }
         order = order * args.repeat
         results: dict[str, Any] = {"order": order, "runs": []}
