@@ -97,7 +97,8 @@ async def one(session: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
                 stamps.append(time.perf_counter())
     if not stamps:
         return {"error": "no tokens"}
-    return {"ttft": stamps[0] - t0, "itl": np.diff(stamps).tolist(), "end": stamps[-1]}
+    return {"ttft": stamps[0] - t0, "itl": np.diff(stamps).tolist(), "end": stamps[-1],
+            "sent": t0, "stamps": stamps}
 
 
 async def drive(url: str, bodies: list[dict[str, Any]], rate: float) -> dict[str, Any]:
@@ -117,6 +118,8 @@ async def drive(url: str, bodies: list[dict[str, Any]], rate: float) -> dict[str
     kinds = [kind_of(b) for b, r in zip(bodies, results, strict=True) if "error" not in r]
     by_kind = {k: latencies([r for r, rk in zip(done, kinds, strict=True) if rk == k])
                for k in sorted(set(kinds))}
+    for r, kind in zip(done, kinds, strict=True):  # the run's clock starts at its first send
+        r["sent"], r["stamps"], r["kind"] = r["sent"] - t0, np.array(r["stamps"]) - t0, kind
     return {"requests": len(bodies), "errors": len(errors), "first_errors": errors[:3],
             **latencies(done), "requests_per_s": len(done) / span, "by_kind": by_kind,
             "_done": done}
@@ -333,6 +336,12 @@ def main() -> None:
             at = f"{len(results['runs']) - 1}_{name}"
             raw[f"{at}_ttft_s"] = np.array([r["ttft"] for r in run_done])
             raw[f"{at}_itl_s"] = np.concatenate([r["itl"] for r in run_done])
+            # Every chunk's arrival, to line the steps up across requests (which kind of
+            # admission made a slow step); request i's chunks follow those of requests < i.
+            raw[f"{at}_sent_s"] = np.array([r["sent"] for r in run_done])
+            raw[f"{at}_chunks"] = np.array([len(r["stamps"]) for r in run_done])
+            raw[f"{at}_stamps_s"] = np.concatenate([r["stamps"] for r in run_done])
+            raw[f"{at}_kind"] = np.array([r["kind"] for r in run_done])
     report(results, done)
     (args.out / "serving.json").write_text(json.dumps(results, indent=2))
     np.savez_compressed(args.out / "latencies.npz", **raw)  # to pool runs of several calls
