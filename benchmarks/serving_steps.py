@@ -1,14 +1,18 @@
-"""Engine steps as clients saw them: which admissions make a step slow (from serving.py's data).
+"""The steps around each admission, as the running requests saw them (serving.py's data).
 
-``serving.py`` keeps every streamed chunk's arrival (``latencies.npz``). The chunks of one
-engine step reach the clients as a burst, the bursts of consecutive steps a step apart, so
-sorting all chunks of a run and cutting where the gap exceeds ``--burst-gap`` recovers the
-steps: a step's time is from the previous burst's first chunk to its own. A step in which a
-request's first chunk arrives ran that request's prefill. Printed per run: the decode steps'
-duration, and the prefill steps' by the kind of request admitted (plain, static, gated), as
-median / p90 / p99 ms and count; ``--json`` writes the same.
+``serving.py`` keeps every streamed chunk's arrival (``latencies.npz``). Every running request
+gets one chunk per engine step, and the chunks of one step arrive together. So when request
+``j``'s first chunk arrives, each other running request has a chunk within a fraction of a
+step of it, and that request's gaps just before and after that chunk are the steps around
+``j``'s admission. The median over the running requests gives one value per admission and
+offset. Offset 0 is the gap that ends with the burst holding ``j``'s first chunk; -1 the one
+before (with async scheduling, the step that ran ``j``'s prefill shows there); -2 and +1 are
+the decode steps around them.
 
-Usage: python benchmarks/serving_steps.py latencies.npz [--burst-gap 1.5] [--json FILE]
+Printed per run and kind of request admitted (plain, static, gated): p50 / p90 / p99 ms of each
+offset's gap over the admissions. ``--json`` writes the same.
+
+Usage: python benchmarks/serving_steps.py latencies.npz [--json FILE]
 """
 
 from __future__ import annotations
@@ -20,24 +24,30 @@ from typing import Any
 
 import numpy as np
 
+OFFSETS = (-2, -1, 0, 1)
+"""Gaps (in steps) relative to the one ending with the admitted request's first chunk."""
+MARGIN_S = 0.03
+"""A request counts as running at an admission when it streamed this long before and after."""
 
-def steps_of(stamps: np.ndarray, chunks: np.ndarray, kinds: np.ndarray,
-             burst_gap_s: float) -> dict[str, np.ndarray]:
-    """Step durations (s) of one run by what the step admitted: ``decode`` (nothing) or the
-    kind of the request whose first chunk it produced (several: the first one's)."""
-    first = np.cumsum(chunks) - chunks  # index of each request's first chunk
-    order = np.argsort(stamps, kind="stable")
-    times = stamps[order]
-    starts = np.flatnonzero(np.diff(times, prepend=-np.inf) > burst_gap_s)  # burst starts
-    burst = np.cumsum(np.isin(np.arange(len(times)), starts)) - 1  # burst of each sorted chunk
-    duration = np.diff(times[starts], prepend=np.nan)
-    admitted = np.full(len(starts), "decode", dtype=object)
-    where = np.empty(len(stamps), dtype=np.int64)
-    where[order] = burst
-    for request in np.argsort(stamps[first])[::-1]:  # earliest admission of a burst wins
-        admitted[where[first[request]]] = str(kinds[request])
-    keep = ~np.isnan(duration)
-    return {kind: duration[keep & (admitted == kind)] for kind in sorted(set(admitted[keep]))}
+
+def around_admissions(stamps: np.ndarray, chunks: np.ndarray, kinds: np.ndarray
+                      ) -> dict[str, np.ndarray]:
+    """Per kind of request admitted: ``[admissions, len(OFFSETS)]`` gaps (s), each the
+    median over the requests running then (admissions with none are left out)."""
+    starts = np.cumsum(chunks) - chunks
+    times = [stamps[s:s + n] for s, n in zip(starts, chunks, strict=True)]
+    out: dict[str, list[np.ndarray]] = {}
+    for j, mine in enumerate(times):
+        first, rows = mine[0], []
+        for i, theirs in enumerate(times):
+            if i == j or theirs[0] > first - MARGIN_S or theirs[-1] < first + MARGIN_S:
+                continue
+            k = int(np.argmin(np.abs(theirs - first)))
+            if -min(OFFSETS) < k < len(theirs) - max(OFFSETS):
+                rows.append([theirs[k + o] - theirs[k + o - 1] for o in OFFSETS])
+        if rows:
+            out.setdefault(str(kinds[j]), []).append(np.median(np.array(rows), axis=0))
+    return {kind: np.array(v) for kind, v in sorted(out.items())}
 
 
 def runs_of(npz: Any) -> list[str]:
@@ -49,22 +59,20 @@ def runs_of(npz: Any) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("npz", type=Path)
-    ap.add_argument("--burst-gap", type=float, default=1.5,
-                    help="ms between chunks that starts a new step's burst")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     npz = np.load(args.npz)
     out: dict[str, Any] = {}
     for run in runs_of(npz):
-        steps = steps_of(npz[f"{run}_stamps_s"], npz[f"{run}_chunks"], npz[f"{run}_kind"],
-                         args.burst_gap / 1e3)
-        out[run] = {kind: {"steps": len(d), "p50_ms": float(np.percentile(d, 50) * 1e3),
-                           "p90_ms": float(np.percentile(d, 90) * 1e3),
-                           "p99_ms": float(np.percentile(d, 99) * 1e3)}
-                    for kind, d in steps.items() if len(d)}
-        print(run, "  ".join(f"{kind}: {v['p50_ms']:.2f} / {v['p90_ms']:.2f} / "
-                             f"{v['p99_ms']:.2f} ms ({v['steps']})"
-                             for kind, v in out[run].items()))
+        gaps = around_admissions(npz[f"{run}_stamps_s"], npz[f"{run}_chunks"],
+                                 npz[f"{run}_kind"])
+        out[run] = {}
+        for kind, g in gaps.items():
+            row = {f"{o:+d}": [float(np.percentile(g[:, n], q) * 1e3) for q in (50, 90, 99)]
+                   for n, o in enumerate(OFFSETS)}
+            out[run][kind] = {"admissions": len(g), "p50_p90_p99_ms": row}
+            print(f"{run} {kind} ({len(g)}): " + "  ".join(
+                f"{o}: {'/'.join(f'{v:.2f}' for v in vs)}" for o, vs in row.items()))
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2))
 
