@@ -283,8 +283,8 @@ def check_json_depth(text: str | bytes, prefix: str, limit: int = MAX_JSON_DEPTH
     Text with no more opening brackets than ``limit`` cannot nest deeper, and counting them
     is a memchr pass: the usual request (a prompt list, a spec, a base64 vector of tens of
     kB) never pays :func:`json_depth`'s string scan (about 150 µs for such a vector)."""
-    if text.count("[" if isinstance(text, str) else b"[") + text.count(
-            "{" if isinstance(text, str) else b"{") <= limit:
+    openers = ("[", "{") if isinstance(text, str) else (b"[", b"{")
+    if sum(text.count(c) for c in openers) <= limit:
         return
     if json_depth(text, limit) > limit:
         raise SpecError(f"{prefix}: JSON nested deeper than {limit} levels")

@@ -1,7 +1,7 @@
 """Host time dynsteer spends in one worker, per hook: what the serving-scale benchmark reports
 as host work per step, and what the info RPC and ``/metrics`` expose for production dashboards.
 
-Each hook keeps its calls, its total and a histogram of single calls (the tail is what
+Each hook keeps its total and a histogram of single calls (the tail is what
 stretches a step: a mean hides one slow admission among hundreds of cheap steps). Wrapping
 costs two clock reads and a bisection per call (well under a microsecond); nothing here
 allocates per call.
@@ -22,18 +22,17 @@ BUCKETS_US = (10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 50
 
 
 class HostTime:
-    """Cumulative calls, nanoseconds and a histogram of calls per hook."""
+    """Cumulative nanoseconds and a histogram of calls per hook (its calls are its sum)."""
 
     def __init__(self) -> None:
         self.ns = dict.fromkeys(HOOKS, 0)
-        self.calls = dict.fromkeys(HOOKS, 0)
         self.buckets = {hook: [0] * (len(BUCKETS_US) + 1) for hook in HOOKS}
         """Calls per bucket (not cumulative): ``buckets[hook][i]`` took at most
         ``BUCKETS_US[i]`` and more than the bound before it."""
 
     def timed(self, hook: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` with its time added to ``hook``."""
-        ns, calls, counts, clock = self.ns, self.calls, self.buckets[hook], time.perf_counter_ns
+        ns, counts, clock = self.ns, self.buckets[hook], time.perf_counter_ns
         bounds = tuple(b * 1_000 for b in BUCKETS_US)
 
         def timed_call(*args: Any) -> Any:
@@ -43,11 +42,10 @@ class HostTime:
             finally:
                 elapsed = clock() - start
                 ns[hook] += elapsed
-                calls[hook] += 1
                 counts[bisect_left(bounds, elapsed)] += 1
 
         return timed_call
 
     def summary(self) -> dict[str, dict[str, Any]]:
-        return {hook: {"calls": self.calls[hook], "us": self.ns[hook] / 1e3,
+        return {hook: {"calls": sum(self.buckets[hook]), "us": self.ns[hook] / 1e3,
                        "buckets": list(self.buckets[hook])} for hook in HOOKS}
