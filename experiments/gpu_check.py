@@ -15,6 +15,8 @@
    (benchmarks/bench_controllers.py, through its entry point) in the engine under graphs, their
    gates and logprobs against the step-by-step reference of tests/test_controllers_engine.py
    and HF steered with those decisions.
+   The gate statistics' fold (issue 12): compiled Triton vs numpy, and the CUDA GateStats
+   (graph replays, staging) vs the CPU one.
 4. Input safety (issue 10): the kernel never writes NaN/inf/overflowing steered values
    (poisoned rows of tests/test_ops.py), and overflowing rows written straight into the workers
    (bypassing validation) change neither those requests nor the ones after them, under graphs.
@@ -102,6 +104,64 @@ def control_kernel_check() -> list[dict[str, Any]]:
         got = control.cpu()
         same = torch.isclose(got, want, atol=1e-5, equal_nan=True).all()
         results.append({"seed": seed, "equal": bool(same)})
+    return results
+
+
+def stats_kernel_check() -> list[dict[str, Any]]:
+    """The gate statistics (issue 12): the compiled Triton fold vs the numpy fold of
+    tests/test_gate_stats.py, and :class:`GateStats` on CUDA (folds as CUDA-graph replays with
+    their read-backs, column writes and finish read-outs through pinned staging) vs the same
+    calls on CPU."""
+    import numpy as np
+    import torch
+    from test_gate_stats import _initial, _numpy_run, _steps
+
+    from dynsteer.engine_ext.worker import gate_stats as gs
+    from dynsteer.engine_ext.worker.triton_kernels import stats_fold_triton
+
+    results: list[dict[str, Any]] = []
+    for seed in (0, 1, 2):
+        stats, max_score, sites = (torch.from_numpy(a).cuda() for a in _initial())
+        for index, gate_score in _steps(seed):
+            stats_fold_triton(torch.from_numpy(index).cuda(),
+                              torch.from_numpy(gate_score).cuda(), stats, max_score, sites)
+        want = _numpy_run(seed)
+        results.append({"what": f"kernel seed {seed}", "equal": bool(
+            np.array_equal(stats.cpu().numpy(), want[0])
+            and np.array_equal(max_score.cpu().numpy(), want[1])
+            and np.array_equal(sites.cpu().numpy(), want[2]))})
+
+    def run(device: str) -> dict[str, Any]:
+        steps = _steps(3) + _steps(4)
+        width = steps[0][0].shape[1]
+        index = torch.zeros(steps[0][0].shape, dtype=torch.int32, device=device)
+        gate_score = torch.zeros(2, width, device=device)
+        stats = gs.GateStats(index, gate_score, 3, 6)
+        initial = _initial()[0]
+        for slot in range(1, 5):
+            stats.write(slot, initial[:, slot].copy())
+        seen, taken = [], []
+        for i, (ix, gsc) in enumerate(steps):
+            stats.apply()
+            index.copy_(torch.from_numpy(ix))
+            gate_score.copy_(torch.from_numpy(gsc))
+            stats.fold(width)
+            if i == 5:  # slot 2 finishes and is reused at once
+                stats.read(2, "old")
+                stats.write(2, initial[:, 2].copy(), 7.0)
+            seen.append(stats.frontiers())
+            taken += [(o, c.tolist(), m) for o, c, m in stats.take()]
+        stats.drain()
+        taken += [(o, c.tolist(), m) for o, c, m in stats.take(wait=True)]
+        return {"stats": stats.stats.cpu().numpy(), "max": stats.max_score.cpu().numpy(),
+                "sites": stats.site_totals(), "taken": taken,
+                "last_frontier": [a.tolist() for a in stats.frontiers()]}
+
+    gpu, cpu = run("cuda"), run("cpu")
+    results.append({"what": "GateStats cuda vs cpu", "equal": bool(
+        np.array_equal(gpu["stats"], cpu["stats"]) and np.array_equal(gpu["max"], cpu["max"])
+        and np.array_equal(gpu["sites"], cpu["sites"]) and gpu["taken"] == cpu["taken"]
+        and gpu["last_frontier"] == cpu["last_frontier"])})
     return results
 
 
@@ -494,6 +554,8 @@ def verdicts(result: dict[str, Any]) -> dict[str, bool]:
     checks.update(engine_verdicts(engine))
     for k in result["control_kernel"]:
         checks[f"control kernel seed {k['seed']} vs reference"] = k["equal"]
+    for k in result["stats_kernel"]:
+        checks[f"gate statistics: {k['what']}"] = k["equal"]
     for name, e in engine["controllers"].items():
         if not isinstance(e, dict):
             continue
@@ -537,6 +599,7 @@ def main() -> None:
             result["kernel"] = kernel_check()
             result["fused_add"] = fused_add_check()
             result["control_kernel"] = control_kernel_check()
+            result["stats_kernel"] = stats_kernel_check()
             result["poison_kernel"] = poison_kernel_check()
             result["engine"] = engine_check(Path(tmp))
     result["seconds"] = time.time() - t0

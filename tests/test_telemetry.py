@@ -6,25 +6,45 @@ import numpy as np
 import pytest
 import torch
 
+from dynsteer.engine_ext.worker import ops
 from dynsteer.engine_ext.worker.telemetry import DYNAMIC_EPSILON, GATE_ON, GateTelemetry
 
 SITES = ["post_block@0", "post_block@1"]
 BLOCK = 4
 
 
-def make() -> tuple[GateTelemetry, torch.Tensor]:
+class _Tele(GateTelemetry):
+    """The telemetry with the token index it reads (filled by :func:`step` as the token index
+    would be)."""
+
+    index: torch.Tensor
+
+
+def make() -> tuple[_Tele, torch.Tensor]:
     values = torch.zeros(2, 64)
-    return GateTelemetry(values, SITES, BLOCK, max_slots=4), values
+    index = torch.zeros(ops.INDEX_ROWS, 64, dtype=torch.int32)
+    tele = _Tele(values, index, SITES, BLOCK, max_slots=4)
+    tele.index = index
+    return tele, values
 
 
 def step(tele, values, rng, batch):
-    """One step: ``batch`` is [(slot, first position, count)]; random gates and scores."""
+    """One step: ``batch`` is [(slot, first position, count)]; random gates and scores; the
+    index holds the tokens' probe rows, slots and positions, as the worker fills it. The
+    forward's values are written after ``before_step``, as the engine would."""
     tokens = sum(n for _, _, n in batch)
-    values[:, :tokens] = torch.from_numpy(rng.random((2, tokens)).astype(np.float32))
-    values[1, :tokens] = values[1, :tokens] * 10 - 5
     slot = np.concatenate([np.full(n, s) for s, _, n in batch])
     pos = np.concatenate([np.arange(p, p + n) for _, p, n in batch])
-    tele.before_step(np.arange(tokens), slot, pos, tokens)
+    if tele.wants_tokens:
+        tele.before_step(tokens, True, np.arange(tokens), slot, pos)
+    else:
+        tele.before_step(tokens, True)
+    tele.index.zero_()
+    tele.index[ops.INDEX_PROBE, :tokens] = 1
+    tele.index[ops.INDEX_SLOT, :tokens] = torch.from_numpy(slot)
+    tele.index[ops.INDEX_POS, :tokens] = torch.from_numpy(pos)
+    values[:, :tokens] = torch.from_numpy(rng.random((2, tokens)).astype(np.float32))
+    values[1, :tokens] = values[1, :tokens] * 10 - 5
     return {(int(s), int(p)): (float(values[0, i]), float(values[1, i]))
             for i, (s, p) in enumerate(zip(slot, pos, strict=True))}
 
@@ -87,8 +107,7 @@ def test_counters_trace_recompute_and_block_reports():
 
 def test_no_gated_tokens_costs_nothing_and_reports_nothing():
     tele, _ = make()
-    empty = np.zeros(0, dtype=np.int64)
-    tele.before_step(empty, empty, empty, 0)
+    tele.before_step(0, False)
     assert tele.cache_report() == {} and tele.tokens_monitored == {}
     assert tele.report("nope") is None
 
@@ -101,7 +120,7 @@ def test_finishing_never_waits_and_a_reused_slot_starts_a_new_record():
     tele, values = make()
     tele.admit("a", 1, prompt_len=3, site=SITES[0], dynamic_from=0, trace=True)
     seen_a = {p: v for (_, p), v in step(tele, values, rng, [(1, 0, 3)]).items()}
-    tele._launch_copy()  # the forward ran: its read-back is in flight, not folded (as on a GPU)
+    tele.launch_copy()  # the forward ran: its read-back is in flight, not folded (as on a GPU)
     tele.finish("a")
     assert tele._in_flight, "the step of 'a' must still be unfolded"
     tele.admit("b", 1, prompt_len=2, site=SITES[1], dynamic_from=0, trace=True)
@@ -146,6 +165,7 @@ def test_monitor_summaries_and_finished_events():
         seen.append(step(tele, values, rng, [(1, k, 1), (2, k, 1)]))
     tele.drain()
     tele.finish("a")
+    tele.before_step(0, False)  # its counters are read out with the next step
     assert [m[0] for m in events.monitors] == [0, 2]
     _, ids, sessions, tokens, gated, _ = events.monitors[0]
     assert ids == ["a", "b"] and sessions == ["s1", None] and tokens == [2, 2]

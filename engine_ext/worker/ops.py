@@ -107,9 +107,11 @@ PROJ_PARAMS = 3
 PARAM_THRESHOLD, PARAM_SHARPNESS, PARAM_SITE = 0, 1, 2
 PARAMS = 3
 """Columns of ``params[probe]``."""
-INDEX_ROW, INDEX_PROBE, INDEX_CAPTURE, INDEX_CONTROL = 0, 1, 2, 3
-"""Rows of ``index``: steering row, probe row, capture row, controller row of each token."""
-INDEX_ROWS = 4
+INDEX_ROW, INDEX_PROBE, INDEX_CAPTURE, INDEX_CONTROL, INDEX_SLOT, INDEX_POS = range(6)
+"""Rows of ``index``: steering row, probe row, capture row, controller row of each token; the
+request slot and position of each token with a probe row (read by the gate statistics' fold
+after the forward, :mod:`.gate_stats`, not by the op)."""
+INDEX_ROWS = 6
 ROW_BITS = 13
 """Low bits of an ``INDEX_ROW`` entry: the token's steering row (``max_rows`` <= 4096)."""
 ROW_MASK = (1 << ROW_BITS) - 1

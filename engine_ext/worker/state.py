@@ -60,7 +60,6 @@ from .token_rows import TokenRows, expand_positions
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
 
 PHASES: tuple[Literal["prefill"], Literal["decode"]] = ("prefill", "decode")
-_NONE = np.zeros(0, dtype=np.int64)
 
 
 NO_GLOBAL = "-"
@@ -175,8 +174,9 @@ class SteeringState:
         self.gate, self.score = self.gate_score[GATE], self.gate_score[SCORE]
         self.control = ControlTable(max_slots, self.token_rows.buffer, self.gate_score)
         """Per-request controller state the monitor applies (see :mod:`.control`)."""
-        self.telemetry = GateTelemetry(self.gate_score, [site_name(s) for s in sites],
-                                       block_size, max_slots, control=self.control.table)
+        self.telemetry = GateTelemetry(self.gate_score, self.token_rows.buffer,
+                                       [site_name(s) for s in sites], block_size, max_slots,
+                                       control=self.control.table)
         """Gate counters and the prefix-guard report; ``block_size`` is the KV block size."""
         self.controllers = ControllerRunner(self.control, self.telemetry, self._switch)
         """Controllers of gated requests (see :mod:`.controllers`)."""
@@ -400,21 +400,23 @@ class SteeringState:
         self.controllers.before_step(self.telemetry.steps)
         probe_rows = self._probe_row[slots]
         gated = probe_rows != 0
+        any_gated = bool(gated.any())
         counts = num_scheduled.astype(np.int64, copy=False)
-        # Gated steps need every token's position for telemetry; the index fill reuses them.
-        positions = expand_positions(num_computed, counts) if gated.any() else None
+        # Gated steps need every token's position (the gate statistics' fold reads them from
+        # the index); per-token read-backs only when something asked for them.
+        positions = expand_positions(num_computed, counts) if any_gated else None
         capture_starts = self.capture.slot_starts(slots)
         control_rows = self._control_row[slots]
+        controlled = bool(control_rows.any())
         tokens = int(counts.sum())
-        if positions is None:
-            self.telemetry.before_step(_NONE, _NONE, _NONE, 0)
-        else:
+        if positions is not None and (controlled or self.telemetry.wants_tokens):
             request = np.repeat(np.arange(len(counts)), counts)
             mine = gated[request]
-            controlled = control_rows.any()
             self.telemetry.before_step(
-                np.flatnonzero(mine), np.asarray(slots)[request[mine]], positions[mine], tokens,
-                np.repeat(control_rows, counts)[mine] if controlled else None)
+                tokens, True, np.flatnonzero(mine), np.asarray(slots)[request[mine]],
+                positions[mine], np.repeat(control_rows, counts)[mine] if controlled else None)
+        else:
+            self.telemetry.before_step(tokens, any_gated)
         self.control.before_step(tokens)
         entries = self.rows.entries
         self.token_rows.fill(
@@ -427,6 +429,7 @@ class SteeringState:
             capture_starts,
             positions,
             control_rows,
+            slots if any_gated else None,
         )
         if capture_starts is not None:
             self.capture.record(slots, capture_starts, num_computed, num_scheduled)
@@ -440,7 +443,7 @@ class SteeringState:
         batch): fold the previous step (telemetry, controllers: against the index it ran
         with), then clear the index, so no token of this forward reads a request's rows,
         capture slots or controller rows."""
-        self.telemetry.before_step(_NONE, _NONE, _NONE, 0)
+        self.telemetry.before_step(0, False)
         self.controllers.before_step(self.telemetry.steps)
         self.control.before_step(0)
         self.token_rows.clear()
@@ -610,7 +613,7 @@ class SteeringState:
         req.probe, req.generation = resolved.probe, self._generation
         self._assign(req)
         record = self.telemetry.record_of_slot(req.slot)
-        self.telemetry.mark_dynamic(record, self.telemetry.processed(record))
+        self.telemetry.mark_dynamic(req.slot, self.telemetry.processed(record))
 
     def site_buffers(self) -> dict[Site, SiteBuffers]:
         """The buffer views each site's op reads."""

@@ -1,20 +1,21 @@
-"""Per-request gate telemetry and the prefix-guard report, folded per step in whole arrays.
+"""Per-request gate telemetry and the prefix-guard report, without per-step work per request.
 
 A step's host work must not grow with the number of requests in it (issue: serving at batch
-256), so nothing here loops over requests per step. Each gated request owns a *record* (mapped
-from the runner's request slot when a step starts) and every counter is a per-record numpy
-array, updated for all tokens of
-a step at once with ``bincount`` / ``minimum.at`` / ``maximum.at``. Python work per request
-happens at admission and finish only; per step, only for requests that asked for a full gate
-trace (``"trace": true`` in their gate) and for the few requests whose cacheable prefix grew
-by a whole KV block (the report the scheduler needs; about one request in ``block_size`` per
-decode step).
+256). The counters of every gated request (tokens monitored and gated per phase, first gated
+decode position, max score, first dynamically steered position, positions processed) live on
+the device (:mod:`.gate_stats`): a fixed fold per step, queued after the forward, updates them,
+and the host reads back one small array per step (each slot's processed frontier and first
+dynamic position), which is all the prefix-guard report needs; a request's counters come back
+once, when it finishes (one gather per step for all that finished), or on a query.
 
-Read-back: the gates and scores of a step live in one ``[2, T]`` device buffer. At the start
-of the next step (before its forward is launched) one non-blocking copy of the step's part goes
-to a preallocated pinned ring slot; it is folded once its event completed, never by waiting on
-the hot path. A finished request keeps its record until the steps it ran in are folded (the
-runner may give its slot to a new request at once), so finishing never waits for the GPU
+Per-token values reach the host only when something asked for them: requests with a full gate
+trace (``"trace": true`` in their gate), controllers (events, checksums, Python controllers:
+see :mod:`.controllers`) and monitor events (:mod:`.events`). Then the gates and scores of a
+step live in one ``[2, T]`` device buffer; when the step is folded (right after its forward,
+or at the start of the next step at the latest) one non-blocking copy of the step's part goes
+to a preallocated pinned ring slot; it is folded once its event completed, never by waiting
+on the hot path. A finished request keeps its record until the steps it ran in are folded
+(the runner may give its slot to a new request at once), so finishing never waits for the GPU
 either. A query (``report``) drains everything, waiting if it must.
 
 Controllers (:mod:`.controllers`): a step with controlled tokens also copies the controller
@@ -24,7 +25,7 @@ waiting if it must (the Python controllers' fixed lag makes that wait free in pr
 
 Positions counted are the ones the engine processed: the prompt (less prefix-cache hits) and
 every generated token but the last (never fed back). A position recomputed after preemption
-is counted once (tokens below the record's processed frontier are skipped by the counters).
+is counted once (tokens below the request's processed frontier are skipped by the counters).
 """
 
 from __future__ import annotations
@@ -38,25 +39,38 @@ import torch
 
 from ..compat.worker import is_internal_id_of
 from ..prefix_guard.guard import DYNAMIC_EPSILON, NONE, grown_frontiers
+from .gate_stats import (
+    COUNTERS,
+    FIRST_DECODE_GATED,
+    FRONTIER,
+    GATE_ON,
+    GATED_DECODE,
+    GATED_PREFILL,
+    MONITORED,
+    UPTO,
+    GateStats,
+    fresh_column,
+)
 
-GATE_ON = 0.5
-"""A token counts as gated when its gate is above this."""
+__all__ = ["DYNAMIC_EPSILON", "GATE_ON", "GateTelemetry"]
+
 RING = 4
-"""Pinned read-back buffers; a fifth step in flight waits for the oldest copy."""
-
-_COUNTERS = ("monitored", "gated_prefill", "gated_decode", "first_decode_gated", "max_score",
-             "first_dynamic", "upto")
+"""Pinned read-back buffers of per-token values; a fifth step in flight waits for the
+oldest copy."""
 
 
 @dataclass
 class _Request:
     record: int
+    slot: int
     prompt_len: int
     site: int
     dynamic_from: int
     trace: bool
-    counters: tuple[Any, ...] | None = None
-    """The record's counters, saved when the request left the engine (restored on resume)."""
+    column: np.ndarray | None = None
+    """The request's device column (see :mod:`.gate_stats`), read out when it left the
+    engine (restored on resume); None while it runs."""
+    max_score: float = -np.inf
     gates: np.ndarray | None = None
     scores: np.ndarray | None = None
     controller: dict[str, Any] | None = None
@@ -89,12 +103,15 @@ class _Step:
 class GateTelemetry:
     """Gate counters and traces of gated requests; finished ones are kept (bounded)."""
 
-    def __init__(self, values: torch.Tensor, sites: list[str], block_size: int,
-                 max_slots: int, keep: int = 4096, control: torch.Tensor | None = None) -> None:
+    def __init__(self, values: torch.Tensor, index: torch.Tensor, sites: list[str],
+                 block_size: int, max_slots: int, keep: int = 4096,
+                 control: torch.Tensor | None = None) -> None:
         self._values = values
         """The op's ``[2, max_tokens]`` gate/score buffer (row 0 gates, row 1 scores)."""
         self._control = control
         """The controller table (:mod:`.control`), copied with controlled steps."""
+        self._stats = GateStats(index, values, len(sites), max_slots)
+        """The counters, on the device (``index`` is the op's token index)."""
         self.observer: Any = None
         """Called with every folded step that had controlled tokens (see :mod:`.controllers`):
         ``observer(number, records, positions, gates, scores, control_rows, control)``."""
@@ -115,10 +132,17 @@ class GateTelemetry:
                 self._control_ring = [torch.zeros(control.shape).pin_memory()
                                       for _ in range(RING)]
         self._next_buffer = 0
+        self._fold_due = 0
+        """Tokens of the step begun last when it has gated tokens not folded into the
+        counters yet (else 0)."""
         self._pending: _Step | None = None
         self._in_flight: list[_Step] = []
         self._live: dict[str, _Request] = {}
         self._done: OrderedDict[str, _Request] = OrderedDict()
+        self._req_of_slot: list[str | None] = [None] * max_slots
+        """Live gated request of each runner slot (the prefix-guard report's ids)."""
+        self._reported = np.zeros(max_slots, dtype=np.int64)
+        """Blocks of each slot's clean prefix reported so far."""
         self._record_of_slot = np.zeros(max_slots, dtype=np.int64)
         """The runner's request slot -> the record of the request holding it."""
         self._req_of_record: list[str | None] = []
@@ -128,19 +152,24 @@ class GateTelemetry:
         self._steps_started = 0
         self._steps_folded = 0
         self._retiring: deque[tuple[int, str, _Request]] = deque()
-        """Finished requests whose steps are not all folded: (steps started, id, request)."""
+        """Finished requests whose counters have not landed or whose per-token steps are not
+        all folded: (per-token steps started, id, request)."""
         self._traced = 0
-        self._site_monitored = np.zeros(len(sites), dtype=np.int64)
-        self._site_gated = np.zeros(len(sites), dtype=np.int64)
         self._grow(max_slots)
+
+    @property
+    def wants_tokens(self) -> bool:
+        """Whether steps must hand their gated tokens over (traces or monitor events; the
+        caller adds steps with controlled tokens)."""
+        return bool(self._traced) or self.events is not None
 
     # ---- lifecycle (once per request) ------------------------------------------------------
     def admit(self, req_id: str, slot: int, prompt_len: int, site: str,
               dynamic_from: int | None, trace: bool, session: str | None = None) -> None:
         """Start a record for the request in runner slot ``slot`` (a resumed request continues
-        its old one)."""
+        its old counters)."""
         if any(rid == req_id for _, rid, _ in self._retiring):
-            self.drain()  # resumed before its last steps were folded (rare)
+            self.drain()  # resumed before its counters landed (rare)
         if not self._free_records:
             self._grow(2 * len(self._req_of_record))
         record = self._free_records.pop()
@@ -150,10 +179,19 @@ class GateTelemetry:
             self._record_of_slot = grown
         self._record_of_slot[slot] = record
         old = self._done.pop(req_id, None)
-        req = old or _Request(record, prompt_len, self._sites.index(site),
+        req = old or _Request(record, slot, prompt_len, self._sites.index(site),
                               NONE if dynamic_from is None else dynamic_from, trace)
-        req.record, req.req_id, req.session = record, req_id, session
-        self._reset(record, req)
+        column = fresh_column(req.prompt_len, req.dynamic_from, req.site)
+        if req.column is not None:  # resumed: its positions recomputed are not counted again
+            column[list(COUNTERS)] = req.column[list(COUNTERS)]
+            column[FRONTIER] = req.column[UPTO]
+        self._stats.write(slot, column, req.max_score)
+        self._upto[record] = column[UPTO]
+        req.record, req.slot, req.req_id, req.session = record, slot, req_id, session
+        req.column = None
+        self._req_of_slot[slot], self._reported[slot] = req_id, 0
+        self._trace[record] = req.trace
+        self._win_tokens[record], self._win_gated[record], self._win_max[record] = 0, 0, np.nan
         self._live[req_id] = req
         self._req_of_record[record] = req_id
         self._request_of_record[record] = req
@@ -161,19 +199,29 @@ class GateTelemetry:
         self._traced += req.trace
 
     def finish(self, req_id: str) -> None:
-        """The request left the engine; its counters are kept once its last step is folded."""
+        """The request left the engine; its counters are kept once they landed and its last
+        step is folded."""
         req = self._live.pop(req_id, None)
         if req is None:
             return
-        self._req_of_record[req.record] = None  # no more prefix-guard reports
-        if self._steps_folded == self._steps_started:
+        self._req_of_record[req.record] = None
+        if self._req_of_slot[req.slot] == req_id:
+            self._req_of_slot[req.slot] = None  # no more prefix-guard reports
+        self.launch_copy()  # its last step's fold comes before the read-out
+        self._stats.read(req.slot, req)
+        self._retiring.append((self._steps_started, req_id, req))
+
+    def _retire_landed(self, wait: bool = False) -> None:
+        for req, column, max_score in self._stats.take(wait):
+            req.column, req.max_score = column, max_score
+        while self._retiring:
+            started, req_id, req = self._retiring[0]
+            if req.column is None or started > self._steps_folded:
+                return
+            self._retiring.popleft()
             self._retire(req_id, req)
-        else:
-            self._retiring.append((self._steps_started, req_id, req))
 
     def _retire(self, req_id: str, req: _Request) -> None:
-        req.counters = tuple(getattr(self, f"_{name}")[req.record].copy()
-                             for name in _COUNTERS)
         self._request_of_record[req.record] = None
         self._win_tokens[req.record] = 0  # its finished event has everything
         self._free_records.append(req.record)
@@ -185,15 +233,20 @@ class GateTelemetry:
             self._done.popitem(last=False)
 
     # ---- per step (whole arrays) ---------------------------------------------------------
-    def before_step(self, index: np.ndarray, slot: np.ndarray, pos: np.ndarray,
-                    tokens: int, control_rows: np.ndarray | None = None) -> None:
-        """Before each forward: this step's gated tokens (indices into the step, their slots
-        and positions; empty when no gated request runs), the step's token count and the
-        tokens' controller rows (None when no token has a controller)."""
-        self._launch_copy()
+    def before_step(self, tokens: int, gated: bool, index: np.ndarray | None = None,
+                    slot: np.ndarray | None = None, pos: np.ndarray | None = None,
+                    control_rows: np.ndarray | None = None) -> None:
+        """Before each forward (and before its index is filled): ``tokens`` in the step,
+        whether any is gated, and, when per-token values are wanted (:attr:`wants_tokens`,
+        or controlled tokens), the gated tokens' indices into the step, slots and positions
+        and their controller rows (None when no token has a controller)."""
+        self.launch_copy()
+        self._stats.apply()
         self._fold(wait=False)
+        self._retire_landed()
         number, self.steps = self.steps, self.steps + 1
-        if len(index):
+        self._fold_due = tokens if gated else 0
+        if index is not None and len(index):
             self._pending = _Step(number, tokens, index, self._record_of_slot[slot], pos,
                                   control_rows)
             self._steps_started += 1
@@ -209,22 +262,26 @@ class GateTelemetry:
         """Requests whose cacheable prefix grew by a whole block: (positions processed, first
         dynamically steered position or None). The scheduler caches only blocks below the
         first dynamic position (or, while there is none, below ``processed``)."""
-        self._launch_copy()
+        self.launch_copy()
         self._fold(wait=False)
-        grown = grown_frontiers(self._upto, self._first_dynamic, self._reported, self._block)
+        self._retire_landed()
+        upto, first_dynamic = self._stats.frontiers()
+        grown = grown_frontiers(upto, first_dynamic, self._reported, self._block)
         report = {}
-        for record in grown.tolist():
-            req_id = self._req_of_record[record]
+        for slot in grown.tolist():
+            req_id = self._req_of_slot[slot]
             if req_id is not None:
-                first = int(self._first_dynamic[record])
-                report[req_id] = (int(self._upto[record]), None if first == NONE else first)
+                first = int(first_dynamic[slot])
+                report[req_id] = (int(upto[slot]), None if first == NONE else first)
         return report
 
     # ---- queries -------------------------------------------------------------------------
     def drain(self) -> None:
         """Fold every pending step in (waits for outstanding copies)."""
-        self._launch_copy()
+        self.launch_copy()
+        self._stats.drain()
         self._fold(wait=True)
+        self._retire_landed(wait=True)
 
     def report(self, req_id: str) -> dict[str, Any] | None:
         """Summary of one request (live or finished), or None if it had no gate.
@@ -243,12 +300,14 @@ class GateTelemetry:
     @property
     def tokens_monitored(self) -> dict[str, int]:
         """Per monitor site: tokens whose gate was computed (recomputed ones count again)."""
-        return {s: int(n) for s, n in zip(self._sites, self._site_monitored, strict=True) if n}
+        counts = self._stats.site_totals()[:, 0]
+        return {s: int(n) for s, n in zip(self._sites, counts, strict=True) if n}
 
     @property
     def tokens_gated(self) -> dict[str, int]:
         """Per monitor site: tokens whose gate was above :data:`GATE_ON`."""
-        return {s: int(n) for s, n in zip(self._sites, self._site_gated, strict=True) if n}
+        counts = self._stats.site_totals()[:, 1]
+        return {s: int(n) for s, n in zip(self._sites, counts, strict=True) if n}
 
     # ---- internals -----------------------------------------------------------------------
     def _grow(self, size: int) -> None:
@@ -256,34 +315,21 @@ class GateTelemetry:
         self._req_of_record += [None] * (size - old)
         self._request_of_record += [None] * (size - old)
         self._free_records[:0] = range(size - 1, old - 1, -1)
-        for name, dtype, fill in (("prompt_len", np.int64, 0), ("dynamic_from", np.int64, NONE),
-                                  ("site", np.int64, 0), ("trace", bool, False),
-                                  ("monitored", np.int64, 0), ("gated_prefill", np.int64, 0),
-                                  ("gated_decode", np.int64, 0),
-                                  ("first_decode_gated", np.int64, NONE),
-                                  ("max_score", np.float32, np.nan),
-                                  ("first_dynamic", np.int64, NONE), ("upto", np.int64, 0),
-                                  ("reported", np.int64, 0), ("win_tokens", np.int64, 0),
-                                  ("win_gated", np.int64, 0), ("win_max", np.float32, np.nan),
-                                  ("name", object, None), ("session", object, None)):
+        for name, dtype, fill in (("trace", bool, False), ("upto", np.int64, 0),
+                                  ("win_tokens", np.int64, 0), ("win_gated", np.int64, 0),
+                                  ("win_max", np.float32, np.nan), ("name", object, None),
+                                  ("session", object, None)):
             new = np.full(size, fill, dtype=dtype)
             if old:
                 new[:old] = getattr(self, f"_{name}")
             setattr(self, f"_{name}", new)
 
-    def _reset(self, record: int, req: _Request) -> None:
-        self._prompt_len[record] = req.prompt_len
-        self._dynamic_from[record] = req.dynamic_from
-        self._site[record] = req.site
-        self._trace[record] = req.trace
-        fresh = (0, 0, 0, NONE, np.nan, NONE, 0)
-        for name, value in zip(_COUNTERS, req.counters or fresh, strict=True):
-            getattr(self, f"_{name}")[record] = value
-        self._reported[record] = 0  # a resumed request re-reports its clean prefix
-        self._win_tokens[record], self._win_gated[record], self._win_max[record] = 0, 0, np.nan
-
     def launch_copy(self) -> None:
-        """Queue the read-back of the last step begun (no-op when there is none)."""
+        """Fold the step begun last into the counters (queued on the device) and queue its
+        per-token read-back (no-op when done already)."""
+        if self._fold_due:
+            tokens, self._fold_due = self._fold_due, 0
+            self._stats.fold(tokens)
         self._launch_copy()
 
     def _launch_copy(self) -> None:
@@ -326,40 +372,22 @@ class GateTelemetry:
             self._in_flight.pop(0)
             self._fold_step(step, values[0, step.index], values[1, step.index])
             self._steps_folded += 1
-            while self._retiring and self._retiring[0][0] <= self._steps_folded:
-                self._retire(*self._retiring.popleft()[1:])
             done += 1
 
     def _fold_step(self, step: _Step, gates: np.ndarray, scores: np.ndarray) -> None:
-        slot, pos = step.record, step.pos  # a finished request's record waits for this fold
-        sites = self._site[slot]
-        on = gates > GATE_ON
-        self._site_monitored += np.bincount(sites, minlength=len(self._sites))
-        self._site_gated += np.bincount(sites, weights=on, minlength=len(self._sites)).astype(
-            np.int64)
-        new = pos >= self._upto[slot]  # recomputed positions were counted the first time
-        s, p, on_new = slot[new], pos[new], on[new]
-        size = len(self._req_of_record)
-        prompt = p < self._prompt_len[s]
-        self._monitored += np.bincount(s, minlength=size)
-        self._gated_prefill += np.bincount(s, weights=on_new & prompt, minlength=size).astype(
-            np.int64)
-        self._gated_decode += np.bincount(s, weights=on_new & ~prompt, minlength=size).astype(
-            np.int64)
-        decode_on = on_new & ~prompt
-        np.minimum.at(self._first_decode_gated, s[decode_on], p[decode_on])
-        np.fmax.at(self._max_score, slot, scores)
-        hot = (gates > DYNAMIC_EPSILON) & (pos >= self._dynamic_from[slot])
-        np.minimum.at(self._first_dynamic, slot[hot], pos[hot])
-        np.maximum.at(self._upto, slot, pos + 1)
+        """A step's per-token values: traces, the controllers' observer, monitor windows."""
+        record, pos = step.record, step.pos  # a finished request's record waits for this fold
+        new = pos >= self._upto[record]  # recomputed positions were counted the first time
+        np.maximum.at(self._upto, record, pos + 1)
         if self._traced:
-            traced = self._trace[slot]
-            for one in np.unique(slot[traced]).tolist():
-                self._put_trace(one, pos, gates, scores, slot == one)
+            traced = self._trace[record]
+            for one in np.unique(record[traced]).tolist():
+                self._put_trace(one, pos, gates, scores, record == one)
         if step.control is not None and self.observer is not None:
-            self.observer(step.number, slot, pos, gates, scores, step.control_rows, step.control)
+            self.observer(step.number, record, pos, gates, scores, step.control_rows,
+                          step.control)
         if self.events is not None:
-            self._summarize(step.number, s, on_new, scores[new])
+            self._summarize(step.number, record[new], gates[new] > GATE_ON, scores[new])
 
     def _summarize(self, number: int, records: np.ndarray, on: np.ndarray,
                    scores: np.ndarray) -> None:
@@ -385,13 +413,14 @@ class GateTelemetry:
         return int(self._record_of_slot[slot])
 
     def processed(self, record: int) -> int:
-        """Positions of the record's request folded so far."""
+        """Positions of the record's request folded so far (per-token steps: a controlled
+        request's)."""
         return int(self._upto[record])
 
-    def mark_dynamic(self, record: int, position: int) -> None:
+    def mark_dynamic(self, slot: int, position: int) -> None:
         """KV from ``position`` on is computed under steering the request's cache key does
         not describe (a controller switched or stopped its steering): never share it."""
-        self._first_dynamic[record] = min(int(self._first_dynamic[record]), position)
+        self._stats.lower_first_dynamic(slot, position)
 
     def _put_trace(self, record: int, pos: np.ndarray, gates: np.ndarray, scores: np.ndarray,
                    mask: np.ndarray) -> None:
@@ -408,18 +437,17 @@ class GateTelemetry:
         req.scores[pos[mask]] = scores[mask]
 
     def _summary(self, req: _Request) -> dict[str, Any]:
-        values = req.counters or tuple(getattr(self, f"_{n}")[req.record] for n in _COUNTERS)
-        counts = dict(zip(_COUNTERS, values, strict=True))
-        first_decode = int(counts["first_decode_gated"])
-        max_score = float(counts["max_score"])
+        column, max_score = ((req.column, req.max_score) if req.column is not None
+                             else self._stats.column(req.slot))
+        first_decode = int(column[FIRST_DECODE_GATED])
         gates = scores = None
         if req.trace:
-            n = int(counts["upto"])
+            n = int(column[UPTO])
             gates, scores = (_trace_list(t, n) for t in (req.gates, req.scores))
         return {
-            "tokens_monitored": int(counts["monitored"]),
-            "gated_prefill": int(counts["gated_prefill"]),
-            "gated_decode": int(counts["gated_decode"]),
+            "tokens_monitored": int(column[MONITORED]),
+            "gated_prefill": int(column[GATED_PREFILL]),
+            "gated_decode": int(column[GATED_DECODE]),
             "first_decode_gated": None if first_decode == NONE else first_decode - req.prompt_len,
             "max_score": max_score if np.isfinite(max_score) else None,
             "gates": gates,

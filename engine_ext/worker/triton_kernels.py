@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ops
+from ..prefix_guard.guard import DYNAMIC_EPSILON
+from . import gate_stats, ops
 
 # The layout constants of ops.py, as globals a jitted function may read.
 STATIC_FLAG = tl.constexpr(ops.STATIC_FLAG)
@@ -34,6 +35,8 @@ ROW_MASK = tl.constexpr(ops.ROW_MASK)
 INDEX_PROBE = tl.constexpr(ops.INDEX_PROBE)
 INDEX_CAPTURE = tl.constexpr(ops.INDEX_CAPTURE)
 INDEX_CONTROL = tl.constexpr(ops.INDEX_CONTROL)
+INDEX_SLOT = tl.constexpr(ops.INDEX_SLOT)
+INDEX_POS = tl.constexpr(ops.INDEX_POS)
 CTL_KIND = tl.constexpr(ops.CTL_KIND)
 CTL_FLOOR = tl.constexpr(ops.CTL_FLOOR)
 CTL_SCALE = tl.constexpr(ops.CTL_SCALE)
@@ -46,6 +49,16 @@ KIND_LATCH = tl.constexpr(ops.KIND_LATCH)
 KIND_HYSTERESIS = tl.constexpr(ops.KIND_HYSTERESIS)
 KIND_PROPORTIONAL = tl.constexpr(ops.KIND_PROPORTIONAL)
 KIND_BUDGET = tl.constexpr(ops.KIND_BUDGET)
+ST_FIRST_DYNAMIC = tl.constexpr(gate_stats.FIRST_DYNAMIC)
+ST_UPTO = tl.constexpr(gate_stats.UPTO)
+ST_MONITORED = tl.constexpr(gate_stats.MONITORED)
+ST_GATED_PREFILL = tl.constexpr(gate_stats.GATED_PREFILL)
+ST_GATED_DECODE = tl.constexpr(gate_stats.GATED_DECODE)
+ST_FIRST_DECODE_GATED = tl.constexpr(gate_stats.FIRST_DECODE_GATED)
+ST_FRONTIER = tl.constexpr(gate_stats.FRONTIER)
+ST_PROMPT_LEN = tl.constexpr(gate_stats.PROMPT_LEN)
+ST_DYNAMIC_FROM = tl.constexpr(gate_stats.DYNAMIC_FROM)
+ST_SITE = tl.constexpr(gate_stats.SITE)
 GATE = tl.constexpr(ops.GATE)
 SCORE = tl.constexpr(ops.SCORE)
 
@@ -252,6 +265,68 @@ def control_step_triton(index: torch.Tensor, gate_score: torch.Tensor, control: 
         BLOCK=FOLD_BLOCK, num_warps=4)
     _fold_apply_kernel[(control.shape[0] - 1,)](gate_score, control, acc, gate_score.stride(0),
                                                 num_warps=1)
+
+
+@triton.jit
+def _stats_fold_kernel(index_ptr, gate_score_ptr, stats_ptr, max_score_ptr, site_counts_ptr,
+                       width, slots, index_stride, gate_score_stride, gate_on, epsilon,
+                       BLOCK: tl.constexpr):
+    """One program per block of token columns: each token with a probe row adds itself to
+    its slot's statistics with atomics (see :mod:`.gate_stats`, whose numpy fold it must
+    equal)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < width
+    probe = tl.load(index_ptr + INDEX_PROBE * index_stride + offs, mask=inside, other=0)
+    mine = inside & (probe != 0)
+    k = tl.load(index_ptr + INDEX_SLOT * index_stride + offs, mask=mine, other=0).to(tl.int64)
+    mine = mine & (k < slots)  # a slot past the table is not counted
+    p = tl.load(index_ptr + INDEX_POS * index_stride + offs, mask=mine, other=0).to(tl.int64)
+    g = tl.load(gate_score_ptr + GATE * gate_score_stride + offs, mask=mine, other=0.0)
+    s = tl.load(gate_score_ptr + SCORE * gate_score_stride + offs, mask=mine, other=0.0)
+    one = tl.full([BLOCK], 1, tl.int64)
+    on = g > gate_on
+    site = tl.load(stats_ptr + ST_SITE * slots + k, mask=mine, other=0)
+    tl.atomic_add(site_counts_ptr + site * 2, one, mask=mine)
+    tl.atomic_add(site_counts_ptr + site * 2 + 1, one, mask=mine & on)
+    new = mine & (p >= tl.load(stats_ptr + ST_FRONTIER * slots + k, mask=mine, other=0))
+    prompt = p < tl.load(stats_ptr + ST_PROMPT_LEN * slots + k, mask=mine, other=0)
+    tl.atomic_add(stats_ptr + ST_MONITORED * slots + k, one, mask=new)
+    tl.atomic_add(stats_ptr + ST_GATED_PREFILL * slots + k, one, mask=new & on & prompt)
+    decode_on = new & on & ~prompt
+    tl.atomic_add(stats_ptr + ST_GATED_DECODE * slots + k, one, mask=decode_on)
+    tl.atomic_min(stats_ptr + ST_FIRST_DECODE_GATED * slots + k, p, mask=decode_on)
+    tl.atomic_max(max_score_ptr + k, s, mask=mine & (s == s))
+    dynamic_from = tl.load(stats_ptr + ST_DYNAMIC_FROM * slots + k, mask=mine, other=0)
+    hot = mine & (g > epsilon) & (p >= dynamic_from)
+    tl.atomic_min(stats_ptr + ST_FIRST_DYNAMIC * slots + k, p, mask=hot)
+    tl.atomic_max(stats_ptr + ST_UPTO * slots + k, p + 1, mask=mine)
+
+
+@triton.jit
+def _stats_frontier_kernel(stats_ptr, slots, BLOCK: tl.constexpr):
+    """``FRONTIER = UPTO`` for every slot (after the fold: the next step's positions below
+    it were counted)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < slots
+    upto = tl.load(stats_ptr + ST_UPTO * slots + offs, mask=inside)
+    tl.store(stats_ptr + ST_FRONTIER * slots + offs, upto, mask=inside)
+
+
+def stats_fold_triton(index: torch.Tensor, gate_score: torch.Tensor, stats: torch.Tensor,
+                      max_score: torch.Tensor, site_counts: torch.Tensor) -> None:
+    """CUDA implementation of :func:`.gate_stats.fold_numpy`: two launches whose arguments
+    never change (captured in CUDA graphs and replayed each step). Reads every column of
+    ``index``: columns past the step's tokens are zero (no probe row)."""
+    if (index.stride(-1) != 1 or gate_score.stride(-1) != 1 or not stats.is_contiguous()
+            or not site_counts.is_contiguous()):
+        raise ValueError("dynsteer stats fold: index and gate_score need unit stride, stats "
+                         "and site_counts must be contiguous")
+    width, slots = index.shape[-1], stats.shape[1]
+    _stats_fold_kernel[(triton.cdiv(width, FOLD_BLOCK),)](
+        index, gate_score, stats, max_score, site_counts, width, slots, index.stride(0),
+        gate_score.stride(0), gate_stats.GATE_ON, DYNAMIC_EPSILON, BLOCK=FOLD_BLOCK, num_warps=4)
+    _stats_frontier_kernel[(triton.cdiv(slots, FOLD_BLOCK),)](stats, slots, BLOCK=FOLD_BLOCK,
+                                                              num_warps=4)
 
 
 def _block_for(hidden: int) -> int:
