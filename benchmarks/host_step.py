@@ -4,8 +4,10 @@ The real :class:`~dynsteer.engine_ext.worker.state.SteeringState` (Llama-8B size
 32 ``post_block`` sites, monitor at 16) with ``N`` gated requests, each with the scenario's
 controller, runs decode steps as the runner hooks drive it: ``fill`` (index, controllers) then
 ``cache_report`` (read-back, telemetry fold, prefix-guard report), with fresh gates written
-between steps as a forward would. Prints µs per step per scenario and request count, the top
-functions of one profiled configuration, and writes ``host_step.json``.
+between steps as a forward would; ``gated-churn`` also finishes one request and admits one
+in its slot every step (its prompt in the step), as an admission step does. Prints µs per
+step per scenario and request count, the top functions of one profiled configuration, and
+writes ``host_step.json``.
 
 Usage: python benchmarks/host_step.py --out DIR [--device cuda] [--steps 400]
 """
@@ -54,11 +56,14 @@ def make_state(requests: int, controller: dict[str, Any] | None, device: Any) ->
     wire = {WIRE_KEY: spec_to_wire(parse_spec(spec))}
     for i in range(requests):
         state.add_request(f"r{i}", i + 1, wire, PROMPT)
+    state.bench_wire = wire
     return state
 
 
-def run_steps(state: Any, requests: int, steps: int, device: Any) -> float:
-    """µs per decode step (after a prefill step and a warm-up)."""
+def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = False) -> float:
+    """µs per decode step (after a prefill step and a warm-up). ``churn``: in every step one
+    request finishes and a new one takes its slot, its prompt in the step (an admission
+    step, where serving latency is host-bound)."""
     import numpy as np
     import torch
 
@@ -66,14 +71,24 @@ def run_steps(state: Any, requests: int, steps: int, device: Any) -> float:
     state.fill(slots, np.zeros(requests, np.int64), np.full(requests, PROMPT))
     state.cache_report()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    gates = torch.rand(steps + 8, requests, device=device)
+    gates = torch.rand(steps + 8, requests * PROMPT, device=device)
+    computed = np.full(requests, PROMPT, np.int64)
+    ids = [f"r{i}" for i in range(requests)]
     elapsed = 0.0
     for k in range(steps + 8):
-        state.gate[:requests] = gates[k]  # what the forward would have written
+        scheduled = np.ones(requests, np.int64)
+        state.gate[: requests * PROMPT] = gates[k]  # what the forward would have written
         sync()
         start = time.perf_counter()
-        state.fill(slots, np.full(requests, PROMPT + k), np.ones(requests, np.int64))
+        if churn:
+            i = k % requests
+            state.remove_request(ids[i])
+            ids[i] = f"r{i}-{k}"
+            state.add_request(ids[i], i + 1, state.bench_wire, PROMPT)
+            computed[i], scheduled[i] = 0, PROMPT
+        state.fill(slots, computed, scheduled)
         state.cache_report()
+        computed += scheduled
         if k >= 8:
             elapsed += time.perf_counter() - start
     return elapsed / steps * 1e6
@@ -97,6 +112,9 @@ def main() -> None:
         for n in args.requests:
             state = make_state(n, controller, device)
             table.setdefault(name, {})[n] = run_steps(state, n, args.steps, device)
+    for n in args.requests:  # gated, with an admission and a finish in every step
+        state = make_state(n, None, device)
+        table.setdefault("gated-churn", {})[n] = run_steps(state, n, args.steps, device, True)
     profiler = cProfile.Profile()
     state = make_state(32, SCENARIOS[args.profile], device)
     profiler.enable()

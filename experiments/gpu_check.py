@@ -108,28 +108,35 @@ def control_kernel_check() -> list[dict[str, Any]]:
 
 
 def stats_kernel_check() -> list[dict[str, Any]]:
-    """The gate statistics (issue 12): the compiled Triton fold vs the numpy fold of
-    tests/test_gate_stats.py, and :class:`GateStats` on CUDA (folds as CUDA-graph replays with
-    their read-backs, column writes and finish read-outs through pinned staging) vs the same
-    calls on CPU."""
+    """The gate statistics (issue 12): the compiled Triton step (read-outs, writes, fold) vs
+    the numpy one of tests/test_gate_stats.py, and :class:`GateStats` on CUDA (replays of its
+    CUDA graphs, op uploads, read-backs) vs the same calls on CPU."""
     import numpy as np
     import torch
-    from test_gate_stats import _initial, _numpy_run, _steps
+    from test_gate_stats import OPS, _initial, _numpy_run, _steps
 
     from dynsteer.engine_ext.worker import gate_stats as gs
-    from dynsteer.engine_ext.worker.triton_kernels import stats_fold_triton
+    from dynsteer.engine_ext.worker.triton_kernels import stats_step_triton
 
     results: list[dict[str, Any]] = []
     for seed in (0, 1, 2):
-        stats, max_score, sites = (torch.from_numpy(a).cuda() for a in _initial())
-        for index, gate_score in _steps(seed):
-            stats_fold_triton(torch.from_numpy(index).cuda(),
-                              torch.from_numpy(gate_score).cuda(), stats, max_score, sites)
+        stats, sites = (torch.from_numpy(a).cuda() for a in _initial())
+        ops = torch.zeros(gs.OPS_HEAD + (2 + gs.STAT_COLS) * stats.shape[1],
+                          dtype=torch.int64, device="cuda")
+        readout = torch.zeros_like(stats)
+        readouts = []
+        for i, (index, gate_score) in enumerate(_steps(seed)):
+            reads, writes = OPS.get(i, ([], {}))
+            values = [len(reads), len(writes), *reads, *writes]
+            values += [int(v) for column in writes.values() for v in column]
+            ops[:len(values)] = torch.tensor(values)
+            stats_step_triton(ops, torch.from_numpy(index).cuda(),
+                              torch.from_numpy(gate_score).cuda(), stats, sites, readout)
+            readouts.append(readout[:, :len(reads)].T.tolist())
         want = _numpy_run(seed)
-        results.append({"what": f"kernel seed {seed}", "equal": bool(
+        results.append({"what": f"kernels seed {seed}", "equal": bool(
             np.array_equal(stats.cpu().numpy(), want[0])
-            and np.array_equal(max_score.cpu().numpy(), want[1])
-            and np.array_equal(sites.cpu().numpy(), want[2]))})
+            and np.array_equal(sites.cpu().numpy(), want[1]) and readouts == want[2])})
 
     def run(device: str) -> dict[str, Any]:
         steps = _steps(3) + _steps(4)
@@ -138,30 +145,30 @@ def stats_kernel_check() -> list[dict[str, Any]]:
         gate_score = torch.zeros(2, width, device=device)
         stats = gs.GateStats(index, gate_score, 3, 6)
         initial = _initial()[0]
-        for slot in range(1, 5):
+        for slot in range(1, 6):
             stats.write(slot, initial[:, slot].copy())
-        seen, taken = [], []
+        taken = []
         for i, (ix, gsc) in enumerate(steps):
-            stats.apply()
+            stats.flush()
+            if i in (5, 9):  # slot 2 finishes and is given to a new request at once
+                stats.read(2, f"old {i}")
+                stats.write(2, gs.fresh_column(1, 0, 0))
+            stats.begin_step(width, True)
             index.copy_(torch.from_numpy(ix))
             gate_score.copy_(torch.from_numpy(gsc))
-            stats.fold(width)
-            if i == 5:  # slot 2 finishes and is reused at once
-                stats.read(2, "old")
-                stats.write(2, initial[:, 2].copy(), 7.0)
-            seen.append(stats.frontiers())
-            taken += [(o, c.tolist(), m) for o, c, m in stats.take()]
+            stats.frontiers()
+            taken += [(o, c.tolist()) for o, c in stats.take()]
+        stats.read(4, "last")
         stats.drain()
-        taken += [(o, c.tolist(), m) for o, c, m in stats.take(wait=True)]
-        return {"stats": stats.stats.cpu().numpy(), "max": stats.max_score.cpu().numpy(),
-                "sites": stats.site_totals(), "taken": taken,
-                "last_frontier": [a.tolist() for a in stats.frontiers()]}
+        taken += [(o, c.tolist()) for o, c in stats.take(wait=True)]
+        return {"stats": stats.stats.cpu().numpy(), "sites": stats.site_totals(),
+                "taken": sorted(taken), "frontiers": [a.tolist() for a in stats.frontiers()]}
 
     gpu, cpu = run("cuda"), run("cpu")
     results.append({"what": "GateStats cuda vs cpu", "equal": bool(
-        np.array_equal(gpu["stats"], cpu["stats"]) and np.array_equal(gpu["max"], cpu["max"])
-        and np.array_equal(gpu["sites"], cpu["sites"]) and gpu["taken"] == cpu["taken"]
-        and gpu["last_frontier"] == cpu["last_frontier"])})
+        np.array_equal(gpu["stats"], cpu["stats"]) and np.array_equal(gpu["sites"], cpu["sites"])
+        and gpu["taken"] == cpu["taken"] and gpu["frontiers"] == cpu["frontiers"]
+        and len(cpu["taken"]) == 3)})
     return results
 
 

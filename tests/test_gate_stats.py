@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from dynsteer.engine_ext.prefix_guard.guard import DYNAMIC_EPSILON, NONE
 from dynsteer.engine_ext.worker import gate_stats as gs
@@ -21,13 +20,19 @@ from dynsteer.engine_ext.worker import ops
 SLOTS, SITES, WIDTH = 6, 3, 40
 
 
-def _initial() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _initial() -> tuple[np.ndarray, np.ndarray]:
     """Slots 1-4 hold requests (prompt lengths, dynamic-from positions and sites differ)."""
     stats = np.zeros((gs.STAT_COLS, SLOTS), dtype=np.int64)
     for k, (prompt, dynamic_from, site) in enumerate(
             [(3, 0, 0), (5, 5, 1), (2, NONE, 2), (4, 0, 1)], start=1):
         stats[:, k] = gs.fresh_column(prompt, dynamic_from, site)
-    return stats, np.full(SLOTS, -np.inf, dtype=np.float32), np.zeros((SITES, 2), np.int64)
+    return stats, np.zeros((SITES, 2), np.int64)
+
+
+OPS = {2: ([3], {}), 3: ([2], {2: gs.fresh_column(1, 0, 0), 5: gs.fresh_column(2, 2, 2)}),
+       4: ([5, 1], {1: gs.fresh_column(3, 3, 1)})}
+"""Read-outs and writes before the fold of some steps: slot 2 is read out and rewritten at
+once (a finished request's slot given to a new one), slot 5 joins, slot 1 is replaced."""
 
 
 def _steps(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -35,13 +40,15 @@ def _steps(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     preempted request), NaN scores, gates at the thresholds, a slot past the table, padding
     without probe rows."""
     rng = np.random.default_rng(seed)
-    frontier = dict.fromkeys(range(1, 5), 0)
+    frontier = dict.fromkeys(range(1, 6), 0)
     steps = []
-    for _ in range(6):
+    for i in range(6):
         index = np.zeros((ops.INDEX_ROWS, WIDTH), dtype=np.int32)
         gate_score = np.zeros((2, WIDTH), dtype=np.float32)
         t = 0
-        for k in rng.permutation(4) + 1:
+        for k in rng.permutation(5 if i >= 3 else 4) + 1:
+            if i in OPS and k in OPS[i][1]:
+                frontier[k] = 0
             start = frontier[k] - (2 if rng.random() < 0.2 and frontier[k] > 2 else 0)
             n = int(rng.integers(1, 6))
             index[ops.INDEX_PROBE, t:t + n] = 1
@@ -54,21 +61,33 @@ def _steps(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
         gates = rng.choice([0.0, DYNAMIC_EPSILON, 0.002, 0.5, 0.7, 1.0], size=t + 1)
         scores = rng.normal(size=t + 1).astype(np.float32) * 4
         scores[rng.random(t + 1) < 0.1] = np.nan
+        scores[rng.random(t + 1) < 0.1] = -0.0
         gate_score[ops.GATE, : t + 1], gate_score[ops.SCORE, : t + 1] = gates, scores
         steps.append((index, gate_score))
     return steps
 
 
-def _numpy_run(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    stats, max_score, sites = _initial()
-    for index, gate_score in _steps(seed):
-        gs.fold_numpy(index, gate_score, stats, max_score, sites)
-    return stats, max_score, sites
+def _numpy_run(seed: int) -> tuple[np.ndarray, np.ndarray, list[list[list[int]]]]:
+    """The numpy fold of every step, after that step's read-outs and writes; returns the
+    statistics, the site counts and each step's read-outs."""
+    stats, sites = _initial()
+    readouts = []
+    for i, (index, gate_score) in enumerate(_steps(seed)):
+        reads, writes = OPS.get(i, ([], {}))
+        readouts.append(stats[:, reads].T.tolist())
+        for slot, column in writes.items():
+            stats[:, slot] = column
+        gs.fold_numpy(index, gate_score, stats, sites)
+    return stats, sites, readouts
 
 
 def test_numpy_fold_matches_a_per_token_reference():
-    stats, max_score, sites = _initial()
-    for index, gate_score in _steps(0):
+    stats, sites = _initial()
+    best: dict[int, float] = {}
+    for i, (index, gate_score) in enumerate(_steps(0)):
+        for slot, column in OPS.get(i, ([], {}))[1].items():
+            stats[:, slot] = column
+            best.pop(slot, None)
         frontier = stats[gs.UPTO].copy()
         for t in range(WIDTH):
             k, p = int(index[ops.INDEX_SLOT, t]), int(index[ops.INDEX_POS, t])
@@ -85,48 +104,68 @@ def test_numpy_fold_matches_a_per_token_reference():
                 if on and not prompt:
                     stats[gs.FIRST_DECODE_GATED, k] = min(stats[gs.FIRST_DECODE_GATED, k], p)
             if not math.isnan(s):
-                max_score[k] = max(max_score[k], s)
+                best[k] = max(best.get(k, -math.inf), s)
             if g > DYNAMIC_EPSILON and p >= stats[gs.DYNAMIC_FROM, k]:
                 stats[gs.FIRST_DYNAMIC, k] = min(stats[gs.FIRST_DYNAMIC, k], p)
             stats[gs.UPTO, k] = max(stats[gs.UPTO, k], p + 1)
         stats[gs.FRONTIER] = stats[gs.UPTO]
-    got = _numpy_run(0)
-    np.testing.assert_array_equal(got[0], stats)
-    np.testing.assert_array_equal(got[1], max_score)
-    np.testing.assert_array_equal(got[2], sites)
-    assert (stats[gs.MONITORED, 1:5] > 0).all() and stats[gs.FIRST_DYNAMIC, 3] == NONE
+    got, got_sites, _ = _numpy_run(0)
+    for k in range(1, SLOTS):  # slot 0 holds no request
+        assert gs.key_score(int(got[gs.MAX_SCORE, k])) == best.get(k), k
+    got[gs.MAX_SCORE] = stats[gs.MAX_SCORE]
+    np.testing.assert_array_equal(got, stats)
+    np.testing.assert_array_equal(got_sites, sites)
+    assert (stats[gs.MONITORED, 1:6] > 0).all() and stats[gs.FIRST_DYNAMIC, 3] == NONE
+
+
+def test_score_keys_order_like_the_floats():
+    values = np.array([-np.inf, -3e38, -2.5, -1e-30, -0.0, 0.0, 1e-30, 1.0, 3e38, np.inf],
+                      dtype=np.float32)
+    keys = gs.score_key(values)
+    assert (np.diff(keys) > 0).all()
+    assert [gs.key_score(int(k)) for k in keys] == values.tolist()
+    assert gs.key_score(gs.NO_SCORE) is None and (keys > gs.NO_SCORE).all()
 
 
 TRITON_CHECK = """
 import json, sys
 import numpy as np, torch
 sys.path.insert(0, {tests!r})
-from test_gate_stats import _initial, _steps
-from dynsteer.engine_ext.worker import triton_kernels as tk
+from test_gate_stats import OPS, _initial, _steps
+from dynsteer.engine_ext.worker import gate_stats as gs, triton_kernels as tk
 tk.FOLD_BLOCK = 16  # a step spans several blocks
 out = []
 for seed in (0, 1):
-    stats, max_score, sites = (torch.from_numpy(a) for a in _initial())
-    for index, gate_score in _steps(seed):
-        tk.stats_fold_triton(torch.from_numpy(index), torch.from_numpy(gate_score), stats,
-                             max_score, sites)
-    out.append([stats.tolist(), max_score.tolist(), sites.tolist()])
+    stats, sites = (torch.from_numpy(a) for a in _initial())
+    ops = torch.zeros(gs.OPS_HEAD + (2 + gs.STAT_COLS) * stats.shape[1], dtype=torch.int64)
+    readout = torch.zeros_like(stats)
+    readouts = []
+    for i, (index, gate_score) in enumerate(_steps(seed)):
+        reads, writes = OPS.get(i, ([], {{}}))
+        values = [len(reads), len(writes), *reads, *writes]
+        values += [int(v) for column in writes.values() for v in column]
+        ops[:len(values)] = torch.tensor(values)
+        tk.stats_step_triton(ops, torch.from_numpy(index), torch.from_numpy(gate_score),
+                             stats, sites, readout)
+        readouts.append(readout[:, :len(reads)].T.tolist())
+        assert ops[:2].tolist() == [0, 0]
+    out.append([stats.tolist(), sites.tolist(), readouts])
 print(json.dumps(out))
 """
 
 
-def test_triton_stats_kernel_matches_numpy_in_the_interpreter():
+def test_triton_stats_kernels_match_numpy_in_the_interpreter():
     """The CUDA kernels' code, run by Triton's CPU interpreter (blocks of 16 tokens, so a
-    step spans several blocks and atomics meet), equals the numpy fold (the GPU check runs it
-    compiled)."""
+    step spans several blocks and atomics meet), equals the numpy fold with the same
+    read-outs and writes (the GPU check runs it compiled)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     script = TRITON_CHECK.format(tests=str(Path(__file__).parent))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    for seed, (stats, max_score, sites) in zip((0, 1), json.loads(done.stdout), strict=True):
+    for seed, (stats, sites, readouts) in zip((0, 1), json.loads(done.stdout), strict=True):
         want = _numpy_run(seed)
         np.testing.assert_array_equal(np.array(stats), want[0])
-        torch.testing.assert_close(torch.tensor(max_score), torch.from_numpy(want[1]))
-        np.testing.assert_array_equal(np.array(sites), want[2])
+        np.testing.assert_array_equal(np.array(sites), want[1])
+        assert readouts == want[2]

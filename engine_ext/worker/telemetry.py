@@ -46,10 +46,12 @@ from .gate_stats import (
     GATE_ON,
     GATED_DECODE,
     GATED_PREFILL,
+    MAX_SCORE,
     MONITORED,
     UPTO,
     GateStats,
     fresh_column,
+    key_score,
 )
 
 __all__ = ["DYNAMIC_EPSILON", "GATE_ON", "GateTelemetry"]
@@ -70,7 +72,6 @@ class _Request:
     column: np.ndarray | None = None
     """The request's device column (see :mod:`.gate_stats`), read out when it left the
     engine (restored on resume); None while it runs."""
-    max_score: float = -np.inf
     gates: np.ndarray | None = None
     scores: np.ndarray | None = None
     controller: dict[str, Any] | None = None
@@ -132,9 +133,6 @@ class GateTelemetry:
                 self._control_ring = [torch.zeros(control.shape).pin_memory()
                                       for _ in range(RING)]
         self._next_buffer = 0
-        self._fold_due = 0
-        """Tokens of the step begun last when it has gated tokens not folded into the
-        counters yet (else 0)."""
         self._pending: _Step | None = None
         self._in_flight: list[_Step] = []
         self._live: dict[str, _Request] = {}
@@ -183,9 +181,9 @@ class GateTelemetry:
                               NONE if dynamic_from is None else dynamic_from, trace)
         column = fresh_column(req.prompt_len, req.dynamic_from, req.site)
         if req.column is not None:  # resumed: its positions recomputed are not counted again
-            column[list(COUNTERS)] = req.column[list(COUNTERS)]
+            column[COUNTERS] = req.column[COUNTERS]
             column[FRONTIER] = req.column[UPTO]
-        self._stats.write(slot, column, req.max_score)
+        self._stats.write(slot, column)
         self._upto[record] = column[UPTO]
         req.record, req.slot, req.req_id, req.session = record, slot, req_id, session
         req.column = None
@@ -212,8 +210,8 @@ class GateTelemetry:
         self._retiring.append((self._steps_started, req_id, req))
 
     def _retire_landed(self, wait: bool = False) -> None:
-        for req, column, max_score in self._stats.take(wait):
-            req.column, req.max_score = column, max_score
+        for req, column in self._stats.take(wait):
+            req.column = column
         while self._retiring:
             started, req_id, req = self._retiring[0]
             if req.column is None or started > self._steps_folded:
@@ -241,11 +239,10 @@ class GateTelemetry:
         or controlled tokens), the gated tokens' indices into the step, slots and positions
         and their controller rows (None when no token has a controller)."""
         self.launch_copy()
-        self._stats.apply()
+        self._stats.begin_step(tokens, gated)
         self._fold(wait=False)
         self._retire_landed()
         number, self.steps = self.steps, self.steps + 1
-        self._fold_due = tokens if gated else 0
         if index is not None and len(index):
             self._pending = _Step(number, tokens, index, self._record_of_slot[slot], pos,
                                   control_rows)
@@ -327,9 +324,7 @@ class GateTelemetry:
     def launch_copy(self) -> None:
         """Fold the step begun last into the counters (queued on the device) and queue its
         per-token read-back (no-op when done already)."""
-        if self._fold_due:
-            tokens, self._fold_due = self._fold_due, 0
-            self._stats.fold(tokens)
+        self._stats.flush()
         self._launch_copy()
 
     def _launch_copy(self) -> None:
@@ -437,9 +432,9 @@ class GateTelemetry:
         req.scores[pos[mask]] = scores[mask]
 
     def _summary(self, req: _Request) -> dict[str, Any]:
-        column, max_score = ((req.column, req.max_score) if req.column is not None
-                             else self._stats.column(req.slot))
+        column = req.column if req.column is not None else self._stats.column(req.slot)
         first_decode = int(column[FIRST_DECODE_GATED])
+        max_score = key_score(int(column[MAX_SCORE]))
         gates = scores = None
         if req.trace:
             n = int(column[UPTO])
@@ -449,7 +444,7 @@ class GateTelemetry:
             "gated_prefill": int(column[GATED_PREFILL]),
             "gated_decode": int(column[GATED_DECODE]),
             "first_decode_gated": None if first_decode == NONE else first_decode - req.prompt_len,
-            "max_score": max_score if np.isfinite(max_score) else None,
+            "max_score": max_score if max_score is not None and np.isfinite(max_score) else None,
             "gates": gates,
             "scores": scores,
             "controller": req.controller,

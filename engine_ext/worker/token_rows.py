@@ -47,12 +47,10 @@ class TokenRows:
         self.probe_rows = self.buffer[INDEX_PROBE]
         self.capture_rows = self.buffer[INDEX_CAPTURE]
         self._on_host = device.type == "cpu"
-        if self._on_host:
-            self._host = [self.buffer.numpy()]
-        else:
-            shape = (INDEX_ROWS, max_tokens)
-            self._pinned = [torch.zeros(shape, dtype=torch.int32).pin_memory() for _ in range(2)]
-            self._host = [p.numpy() for p in self._pinned]
+        if not self._on_host:  # flat staging: the first ``span`` columns are one block
+            size = INDEX_ROWS * max_tokens
+            self._pinned = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
+            self._staged = torch.zeros(size, dtype=torch.int32, device=device)
             self._events = [torch.cuda.Event(), torch.cuda.Event()]
         self._turn = 0
         self._last = np.zeros((INDEX_ROWS, 0), dtype=np.int32)
@@ -118,16 +116,25 @@ class TokenRows:
             self._publish(index)
 
     def _publish(self, index: np.ndarray) -> None:
+        """Columns ``[0, span)`` of the buffer become ``index`` and zeros. On CUDA: the
+        block is staged contiguous (one DMA; the buffer's first columns are strided, and a
+        strided copy from the host would go through pageable memory and wait), then
+        copied into place on the device."""
         n = index.shape[1]
         span = max(n, self._dirty)
-        host = self._host[self._turn]
-        if not self._on_host:
+        if self._on_host:
+            self.buffer.numpy()[:, :n] = index
+            self.buffer.numpy()[:, n:span] = 0
+        else:
+            pinned = self._pinned[self._turn][: INDEX_ROWS * span]
             # The copy that last read this staging buffer must be done before it is rewritten.
             self._events[self._turn].synchronize()
-        host[:, :n] = index
-        host[:, n:span] = 0
-        if not self._on_host:
-            self.buffer[:, :span].copy_(self._pinned[self._turn][:, :span], non_blocking=True)
+            host = pinned.numpy().reshape(INDEX_ROWS, span)
+            host[:, :n] = index
+            host[:, n:] = 0
+            staged = self._staged[: INDEX_ROWS * span]
+            staged.copy_(pinned, non_blocking=True)
+            self.buffer[:, :span].copy_(staged.view(INDEX_ROWS, span))
             self._events[self._turn].record()
             self._turn ^= 1
         self._last = index.copy()

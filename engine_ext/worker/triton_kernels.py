@@ -55,6 +55,8 @@ ST_MONITORED = tl.constexpr(gate_stats.MONITORED)
 ST_GATED_PREFILL = tl.constexpr(gate_stats.GATED_PREFILL)
 ST_GATED_DECODE = tl.constexpr(gate_stats.GATED_DECODE)
 ST_FIRST_DECODE_GATED = tl.constexpr(gate_stats.FIRST_DECODE_GATED)
+ST_MAX_SCORE = tl.constexpr(gate_stats.MAX_SCORE)
+OPS_HEAD = tl.constexpr(gate_stats.OPS_HEAD)
 ST_FRONTIER = tl.constexpr(gate_stats.FRONTIER)
 ST_PROMPT_LEN = tl.constexpr(gate_stats.PROMPT_LEN)
 ST_DYNAMIC_FROM = tl.constexpr(gate_stats.DYNAMIC_FROM)
@@ -268,9 +270,33 @@ def control_step_triton(index: torch.Tensor, gate_score: torch.Tensor, control: 
 
 
 @triton.jit
-def _stats_fold_kernel(index_ptr, gate_score_ptr, stats_ptr, max_score_ptr, site_counts_ptr,
-                       width, slots, index_stride, gate_score_stride, gate_on, epsilon,
+def _stats_read_kernel(ops_ptr, stats_ptr, readout_ptr, slots, COLS: tl.constexpr,
                        BLOCK: tl.constexpr):
+    """Read-outs: column ``i`` of ``readout`` is the column of the i-th slot asked for."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mine = i < tl.load(ops_ptr)
+    k = tl.load(ops_ptr + OPS_HEAD + i, mask=mine, other=0)
+    for c in tl.static_range(COLS):
+        value = tl.load(stats_ptr + c * slots + k, mask=mine, other=0)
+        tl.store(readout_ptr + c * slots + i, value, mask=mine)
+
+
+@triton.jit
+def _stats_write_kernel(ops_ptr, stats_ptr, slots, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """Writes: the i-th slot written gets the i-th column of the op buffer."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    reads = tl.load(ops_ptr)
+    writes = tl.load(ops_ptr + 1)
+    mine = i < writes
+    k = tl.load(ops_ptr + OPS_HEAD + reads + i, mask=mine, other=0)
+    base = ops_ptr + OPS_HEAD + reads + writes + i * COLS
+    for c in tl.static_range(COLS):
+        tl.store(stats_ptr + c * slots + k, tl.load(base + c, mask=mine, other=0), mask=mine)
+
+
+@triton.jit
+def _stats_fold_kernel(index_ptr, gate_score_ptr, stats_ptr, site_counts_ptr, width, slots,
+                       index_stride, gate_score_stride, gate_on, epsilon, BLOCK: tl.constexpr):
     """One program per block of token columns: each token with a probe row adds itself to
     its slot's statistics with atomics (see :mod:`.gate_stats`, whose numpy fold it must
     equal)."""
@@ -295,7 +321,9 @@ def _stats_fold_kernel(index_ptr, gate_score_ptr, stats_ptr, max_score_ptr, site
     decode_on = new & on & ~prompt
     tl.atomic_add(stats_ptr + ST_GATED_DECODE * slots + k, one, mask=decode_on)
     tl.atomic_min(stats_ptr + ST_FIRST_DECODE_GATED * slots + k, p, mask=decode_on)
-    tl.atomic_max(max_score_ptr + k, s, mask=mine & (s == s))
+    bits = s.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # gate_stats.score_key
+    tl.atomic_max(stats_ptr + ST_MAX_SCORE * slots + k, key, mask=mine & (s == s))
     dynamic_from = tl.load(stats_ptr + ST_DYNAMIC_FROM * slots + k, mask=mine, other=0)
     hot = mine & (g > epsilon) & (p >= dynamic_from)
     tl.atomic_min(stats_ptr + ST_FIRST_DYNAMIC * slots + k, p, mask=hot)
@@ -303,30 +331,40 @@ def _stats_fold_kernel(index_ptr, gate_score_ptr, stats_ptr, max_score_ptr, site
 
 
 @triton.jit
-def _stats_frontier_kernel(stats_ptr, slots, BLOCK: tl.constexpr):
+def _stats_frontier_kernel(ops_ptr, stats_ptr, slots, BLOCK: tl.constexpr):
     """``FRONTIER = UPTO`` for every slot (after the fold: the next step's positions below
-    it were counted)."""
+    it were counted); the op buffer is consumed (no read-outs or writes next time unless
+    uploaded)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < slots
     upto = tl.load(stats_ptr + ST_UPTO * slots + offs, mask=inside)
     tl.store(stats_ptr + ST_FRONTIER * slots + offs, upto, mask=inside)
+    if tl.program_id(0) == 0:
+        tl.store(ops_ptr + tl.arange(0, 2), tl.zeros([2], tl.int64))
 
 
-def stats_fold_triton(index: torch.Tensor, gate_score: torch.Tensor, stats: torch.Tensor,
-                      max_score: torch.Tensor, site_counts: torch.Tensor) -> None:
-    """CUDA implementation of :func:`.gate_stats.fold_numpy`: two launches whose arguments
-    never change (captured in CUDA graphs and replayed each step). Reads every column of
-    ``index``: columns past the step's tokens are zero (no probe row)."""
+def stats_step_triton(ops: torch.Tensor, index: torch.Tensor, gate_score: torch.Tensor,
+                      stats: torch.Tensor, site_counts: torch.Tensor,
+                      readout: torch.Tensor) -> None:
+    """CUDA implementation of a step of :class:`.gate_stats.GateStats`: read-outs, writes
+    (both from the op buffer ``ops``), the fold of :func:`.gate_stats.fold_numpy`, the
+    frontier. Four launches whose arguments never change (captured in CUDA graphs and
+    replayed each step). The fold reads every column of ``index``: columns past the step's
+    tokens are zero (no probe row)."""
     if (index.stride(-1) != 1 or gate_score.stride(-1) != 1 or not stats.is_contiguous()
-            or not site_counts.is_contiguous()):
-        raise ValueError("dynsteer stats fold: index and gate_score need unit stride, stats "
-                         "and site_counts must be contiguous")
+            or not site_counts.is_contiguous() or not readout.is_contiguous()):
+        raise ValueError("dynsteer gate statistics: index and gate_score need unit stride, "
+                         "stats, site_counts and readout must be contiguous")
     width, slots = index.shape[-1], stats.shape[1]
+    cols = stats.shape[0]
+    per_slot = (triton.cdiv(slots, FOLD_BLOCK),)
+    _stats_read_kernel[per_slot](ops, stats, readout, slots, COLS=cols, BLOCK=FOLD_BLOCK)
+    _stats_write_kernel[per_slot](ops, stats, slots, COLS=cols, BLOCK=FOLD_BLOCK)
     _stats_fold_kernel[(triton.cdiv(width, FOLD_BLOCK),)](
-        index, gate_score, stats, max_score, site_counts, width, slots, index.stride(0),
-        gate_score.stride(0), gate_stats.GATE_ON, DYNAMIC_EPSILON, BLOCK=FOLD_BLOCK, num_warps=4)
-    _stats_frontier_kernel[(triton.cdiv(slots, FOLD_BLOCK),)](stats, slots, BLOCK=FOLD_BLOCK,
-                                                              num_warps=4)
+        index, gate_score, stats, site_counts, width, slots, index.stride(0),
+        gate_score.stride(0), gate_stats.GATE_ON, DYNAMIC_EPSILON, BLOCK=FOLD_BLOCK,
+        num_warps=4)
+    _stats_frontier_kernel[per_slot](ops, stats, slots, BLOCK=FOLD_BLOCK)
 
 
 def _block_for(hidden: int) -> int:
