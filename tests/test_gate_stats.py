@@ -38,9 +38,11 @@ once (a finished request's slot given to a new one), slot 5 joins, slot 1 is rep
 def _steps(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Steps of (index, gate_score): chunks of positions per slot, some recomputed (a
     preempted request), NaN scores, gates at the thresholds, a slot past the table, padding
-    without probe rows."""
+    without probe rows. Positions are entered as offsets where a slot continues where its
+    last step ended, else (and sometimes anyway) as positions with ``POS_ABSOLUTE``."""
     rng = np.random.default_rng(seed)
     frontier = dict.fromkeys(range(1, 6), 0)
+    ended = dict.fromkeys(range(1, 6), 0)
     steps = []
     for i in range(6):
         index = np.zeros((ops.INDEX_ROWS, WIDTH), dtype=np.int32)
@@ -48,13 +50,17 @@ def _steps(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
         t = 0
         for k in rng.permutation(5 if i >= 3 else 4) + 1:
             if i in OPS and k in OPS[i][1]:
-                frontier[k] = 0
+                frontier[k] = ended[k] = 0
             start = frontier[k] - (2 if rng.random() < 0.2 and frontier[k] > 2 else 0)
             n = int(rng.integers(1, 6))
             index[ops.INDEX_PROBE, t:t + n] = 1
             index[ops.INDEX_SLOT, t:t + n] = k
-            index[ops.INDEX_POS, t:t + n] = np.arange(start, start + n)
+            if start == ended[k] and rng.random() < 0.8:
+                index[ops.INDEX_POS, t:t + n] = np.arange(n)
+            else:
+                index[ops.INDEX_POS, t:t + n] = np.arange(start, start + n) | ops.POS_ABSOLUTE
             frontier[k] = max(frontier[k], start + n)
+            ended[k] = start + n
             t += n
         index[ops.INDEX_PROBE, t] = 1
         index[ops.INDEX_SLOT, t] = SLOTS + 3  # ignored
@@ -84,16 +90,21 @@ def _numpy_run(seed: int) -> tuple[np.ndarray, np.ndarray, list[list[list[int]]]
 def test_numpy_fold_matches_a_per_token_reference():
     stats, sites = _initial()
     best: dict[int, float] = {}
+    ended = dict.fromkeys(range(SLOTS), 0)
     for i, (index, gate_score) in enumerate(_steps(0)):
         for slot, column in OPS.get(i, ([], {}))[1].items():
             stats[:, slot] = column
             best.pop(slot, None)
+            ended[slot] = 0
         frontier = stats[gs.UPTO].copy()
+        started = dict(ended)
         for t in range(WIDTH):
-            k, p = int(index[ops.INDEX_SLOT, t]), int(index[ops.INDEX_POS, t])
+            k, e = int(index[ops.INDEX_SLOT, t]), int(index[ops.INDEX_POS, t])
             if not index[ops.INDEX_PROBE, t] or k >= SLOTS:
                 continue
-            g, s = float(gate_score[ops.GATE, t]), float(gate_score[ops.SCORE, t])
+            p = e - ops.POS_ABSOLUTE if e >= ops.POS_ABSOLUTE else started[k] + e
+            ended[k] = p + 1
+            g, s = gate_score[ops.GATE, t], gate_score[ops.SCORE, t]  # compared in float32
             on = g > gs.GATE_ON
             sites[stats[gs.SITE, k]] += (1, on)
             if p >= frontier[k]:
@@ -104,7 +115,7 @@ def test_numpy_fold_matches_a_per_token_reference():
                 if on and not prompt:
                     stats[gs.FIRST_DECODE_GATED, k] = min(stats[gs.FIRST_DECODE_GATED, k], p)
             if not math.isnan(s):
-                best[k] = max(best.get(k, -math.inf), s)
+                best[k] = max(best.get(k, -math.inf), float(s))
             if g > DYNAMIC_EPSILON and p >= stats[gs.DYNAMIC_FROM, k]:
                 stats[gs.FIRST_DYNAMIC, k] = min(stats[gs.FIRST_DYNAMIC, k], p)
             stats[gs.UPTO, k] = max(stats[gs.UPTO, k], p + 1)
@@ -113,6 +124,7 @@ def test_numpy_fold_matches_a_per_token_reference():
     for k in range(1, SLOTS):  # slot 0 holds no request
         assert gs.key_score(int(got[gs.MAX_SCORE, k])) == best.get(k), k
     got[gs.MAX_SCORE] = stats[gs.MAX_SCORE]
+    got[[gs.START, gs.NEXT]] = stats[[gs.START, gs.NEXT]]
     np.testing.assert_array_equal(got, stats)
     np.testing.assert_array_equal(got_sites, sites)
     assert (stats[gs.MONITORED, 1:6] > 0).all() and stats[gs.FIRST_DYNAMIC, 3] == NONE
@@ -142,13 +154,18 @@ for seed in (0, 1):
     readouts = []
     for i, (index, gate_score) in enumerate(_steps(seed)):
         reads, writes = OPS.get(i, ([], {{}}))
-        values = [len(reads), len(writes), *reads, *writes]
+        values = [len(reads), len(writes), 1, *reads, *writes]
         values += [int(v) for column in writes.values() for v in column]
         ops[:len(values)] = torch.tensor(values)
         tk.stats_step_triton(ops, torch.from_numpy(index), torch.from_numpy(gate_score),
                              stats, sites, readout)
         readouts.append(readout[:, :len(reads)].T.tolist())
-        assert ops[:2].tolist() == [0, 0]
+        assert ops[:3].tolist() == [0, 0, 1]
+    before = (stats.clone(), sites.clone())
+    ops[2] = 0  # an ops-only replay (a query between steps) folds nothing
+    tk.stats_step_triton(ops, torch.from_numpy(index), torch.from_numpy(gate_score), stats,
+                         sites, readout)
+    assert torch.equal(stats, before[0]) and torch.equal(sites, before[1])
     out.append([stats.tolist(), sites.tolist(), readouts])
 print(json.dumps(out))
 """

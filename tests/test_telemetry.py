@@ -42,7 +42,7 @@ def step(tele, values, rng, batch):
     tele.index.zero_()
     tele.index[ops.INDEX_PROBE, :tokens] = 1
     tele.index[ops.INDEX_SLOT, :tokens] = torch.from_numpy(slot)
-    tele.index[ops.INDEX_POS, :tokens] = torch.from_numpy(pos)
+    tele.index[ops.INDEX_POS, :tokens] = torch.from_numpy(pos | ops.POS_ABSOLUTE)
     values[:, :tokens] = torch.from_numpy(rng.random((2, tokens)).astype(np.float32))
     values[1, :tokens] = values[1, :tokens] * 10 - 5
     return {(int(s), int(p)): (float(values[0, i]), float(values[1, i]))

@@ -17,8 +17,10 @@ contiguous block) and ``site_counts[sites, 2]`` (int64: tokens monitored and gat
 site). ``MAX_SCORE`` holds :func:`score_key` of the largest score (ordered like the floats, so
 a maximum of keys is the key of the maximum; :data:`NO_SCORE`: none yet). For every token
 ``t`` of the step with a probe row (``index[INDEX_PROBE, t] != 0``), slot
-``k = index[INDEX_SLOT, t]`` (below ``slots``), position ``p = index[INDEX_POS, t]``, gate
-``g`` and score ``s``::
+``k = index[INDEX_SLOT, t]`` (below ``slots``), gate ``g``, score ``s`` and position ``p``
+(``e = index[INDEX_POS, t]``: ``e`` without the bit ``POS_ABSOLUTE`` where it is set, else
+``START[k] + e``: the offset from where the slot's previous step ended, so a decode step's
+index does not change and needs no upload)::
 
     site_counts[SITE[k]] += (1, g > GATE_ON)
     if p >= FRONTIER[k]:                     (not counted before: a preempted request's
@@ -29,8 +31,10 @@ a maximum of keys is the key of the maximum; :data:`NO_SCORE`: none yet). For ev
     MAX_SCORE[k] = max(., score_key(s))      (NaN scores are ignored)
     FIRST_DYNAMIC[k] = min(., p)             where g > DYNAMIC_EPSILON and p >= DYNAMIC_FROM[k]
     UPTO[k] = max(., p + 1)
+    NEXT[k] = max(., p + 1)
 
-and then ``FRONTIER = UPTO``. :func:`fold_numpy` is that, in numpy (the CPU implementation and
+and then ``FRONTIER = UPTO`` and, for slots with tokens in the step, ``START = NEXT``
+(``NEXT = 0`` again). :func:`fold_numpy` is that, in numpy (the CPU implementation and
 the reference of the Triton kernels, :func:`.triton_kernels.stats_step_triton`). Every update
 is order-free (sums, minima, maxima), so the kernel uses atomics.
 
@@ -48,23 +52,24 @@ import numpy as np
 import torch
 
 from ..prefix_guard.guard import DYNAMIC_EPSILON, NONE
-from .ops import GATE, INDEX_POS, INDEX_PROBE, INDEX_SLOT, SCORE
+from .ops import GATE, INDEX_POS, INDEX_PROBE, INDEX_SLOT, POS_ABSOLUTE, SCORE
 
 GATE_ON = 0.5
 """A token counts as gated when its gate is above this."""
 
 (FIRST_DYNAMIC, UPTO, MONITORED, GATED_PREFILL, GATED_DECODE, FIRST_DECODE_GATED, MAX_SCORE,
- FRONTIER, PROMPT_LEN, DYNAMIC_FROM, SITE) = range(11)
-STAT_COLS = 11
+ FRONTIER, PROMPT_LEN, DYNAMIC_FROM, SITE, START, NEXT) = range(13)
+STAT_COLS = 13
 """Rows of ``stats`` (one value per slot each): the first two are the per-step read-back."""
 COUNTERS = [MONITORED, GATED_PREFILL, GATED_DECODE, FIRST_DECODE_GATED, MAX_SCORE,
             FIRST_DYNAMIC, UPTO]
 """What a request's summary reads (and a resumed request gets back)."""
 NO_SCORE = np.iinfo(np.int64).min
 """``MAX_SCORE`` of a request without a (non-NaN) score yet."""
-OPS_HEAD = 2
-"""The op buffer: [reads, writes, read slots, write slots, written columns (a write's
-``STAT_COLS`` values in a row)]."""
+OPS_HEAD = 3
+"""The op buffer: [reads, writes, fold (0: the replay applies the ops only), read slots,
+write slots, written columns (a write's ``STAT_COLS`` values in a row)]; each replay resets
+the head to [0, 0, 1]."""
 RING = 4
 """Replays in flight; a fifth waits for the oldest."""
 
@@ -100,7 +105,8 @@ def fold_numpy(index: np.ndarray, gate_score: np.ndarray, stats: np.ndarray,
     t = t[index[INDEX_SLOT, t] < stats.shape[1]]  # a slot past the table is not counted
     if t.size:
         k = index[INDEX_SLOT, t].astype(np.int64)
-        p = index[INDEX_POS, t].astype(np.int64)
+        e = index[INDEX_POS, t].astype(np.int64)
+        p = np.where(e & POS_ABSOLUTE, e & ~POS_ABSOLUTE, stats[START, k] + e)
         g, s = gate_score[GATE, t], gate_score[SCORE, t]
         on = g > GATE_ON
         site = stats[SITE, k]
@@ -118,7 +124,10 @@ def fold_numpy(index: np.ndarray, gate_score: np.ndarray, stats: np.ndarray,
         hot = (g > DYNAMIC_EPSILON) & (p >= stats[DYNAMIC_FROM, k])
         np.minimum.at(stats[FIRST_DYNAMIC], k[hot], p[hot])
         np.maximum.at(stats[UPTO], k, p + 1)
+        np.maximum.at(stats[NEXT], k, p + 1)
     stats[FRONTIER] = stats[UPTO]
+    stats[START] = np.where(stats[NEXT] > 0, stats[NEXT], stats[START])
+    stats[NEXT] = 0
 
 
 class GateStats:
@@ -148,6 +157,7 @@ class GateStats:
         if self._cuda:
             size = OPS_HEAD + (2 + STAT_COLS) * slots
             self._ops = torch.zeros(size, dtype=torch.int64, device=device)
+            self._ops[2] = 1
             self._readout = torch.zeros(STAT_COLS, slots, dtype=torch.int64, device=device)
             self._ops_host = [torch.zeros(size, dtype=torch.int64).pin_memory()
                               for _ in range(RING)]
@@ -170,7 +180,7 @@ class GateStats:
         anything was queued)."""
         queued = bool(self._reads or self._writes)
         if queued:
-            self._apply()
+            self._apply(gated)
         self._due = tokens if gated else (-1 if queued else 0)
 
     def flush(self) -> None:
@@ -185,6 +195,8 @@ class GateStats:
                        self.stats.numpy(), self.site_counts.numpy())
             self._snapshot, self._snapshot_folds = self.stats[:2].numpy().copy(), self.folds
             return
+        if len(self._in_flight) == RING:  # the ring buffers' last replay must have landed
+            self._land(wait=True, limit=1)
         ring = self.folds % RING
         owners, self._owners = self._owners, []
         self._graphs[ring, bool(owners)].replay()
@@ -233,7 +245,7 @@ class GateStats:
         """Apply what is pending and wait for every replay."""
         if self._reads or self._writes:
             self.flush()
-            self.begin_step(0, False)
+            self.begin_step(0, False)  # a replay that applies them and folds nothing
         self.flush()
         if self._cuda:
             self._land(wait=True)
@@ -248,7 +260,7 @@ class GateStats:
         return self.site_counts.cpu().numpy()
 
     # ---- internals --------------------------------------------------------------------
-    def _apply(self) -> None:
+    def _apply(self, gated: bool) -> None:
         reads, self._reads = self._reads, []
         writes, self._writes = self._writes, {}
         read_slots = np.fromiter((slot for slot, _ in reads), dtype=np.int64, count=len(reads))
@@ -265,7 +277,7 @@ class GateStats:
             self._land(wait=True, limit=1)
         ops = self._ops_host[(self.folds + 1) % RING].numpy()
         r, w = len(read_slots), len(write_slots)
-        ops[0], ops[1] = r, w
+        ops[0], ops[1], ops[2] = r, w, gated
         ops[OPS_HEAD:OPS_HEAD + r] = read_slots
         ops[OPS_HEAD + r:OPS_HEAD + r + w] = write_slots
         end = OPS_HEAD + r + w + STAT_COLS * w

@@ -112,6 +112,10 @@ INDEX_ROW, INDEX_PROBE, INDEX_CAPTURE, INDEX_CONTROL, INDEX_SLOT, INDEX_POS = ra
 request slot and position of each token with a probe row (read by the gate statistics' fold
 after the forward, :mod:`.gate_stats`, not by the op)."""
 INDEX_ROWS = 6
+POS_ABSOLUTE = 1 << 30
+"""An ``INDEX_POS`` entry with this bit is the token's position (the bit cleared); without it,
+the token's offset in its request's part of the step, counted from where the request's
+previous step ended (so a decode step's entries do not change from step to step)."""
 ROW_BITS = 13
 """Low bits of an ``INDEX_ROW`` entry: the token's steering row (``max_rows`` <= 4096)."""
 ROW_MASK = (1 << ROW_BITS) - 1

@@ -41,7 +41,7 @@ from .control import ControlTable
 from .controllers import ControllerRunner
 from .events import EngineEvents
 from .host_time import HostTime
-from .ops import GATE, SCORE, SteerBuffers
+from .ops import GATE, POS_ABSOLUTE, SCORE, SteerBuffers
 from .rows import (
     Contents,
     ProbeRow,
@@ -54,7 +54,7 @@ from .rows import (
 )
 from .sites import SiteBuffers
 from .telemetry import GateTelemetry
-from .token_rows import TokenRows, expand_positions
+from .token_rows import TokenRows
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -205,6 +205,8 @@ class SteeringState:
         self._prompt_len = np.zeros(max_slots, dtype=np.int64)
         self._probe_row = np.zeros(max_slots, dtype=np.int32)
         self._control_row = np.zeros(max_slots, dtype=np.int32)
+        self._next_pos = np.full(max_slots, -1, dtype=np.int64)
+        """Where each slot's request's last step ended (-1: no step yet)."""
         self._num_steered = 0
         self.requests_steered = 0
         """Requests admitted with a nonzero row (counter)."""
@@ -331,6 +333,7 @@ class SteeringState:
         self._ensure_slot(slot)
         self._requests[req_id] = req
         self._prompt_len[slot] = prompt_len
+        self._next_pos[slot] = -1
         self._assign(req)
         self.capture.admit(req_id, slot, extra_args, prompt_len)
         if self._steers(slot):
@@ -402,13 +405,14 @@ class SteeringState:
         gated = probe_rows != 0
         any_gated = bool(gated.any())
         counts = num_scheduled.astype(np.int64, copy=False)
-        # Gated steps need every token's position (the gate statistics' fold reads them from
-        # the index); per-token read-backs only when something asked for them.
-        positions = expand_positions(num_computed, counts) if any_gated else None
         capture_starts = self.capture.slot_starts(slots)
         control_rows = self._control_row[slots]
         controlled = bool(control_rows.any())
         tokens = int(counts.sum())
+        positions = pos_entries = None
+        if any_gated:
+            positions, pos_entries = self._gate_positions(slots, gated, num_computed, counts,
+                                                          controlled)
         if positions is not None and (controlled or self.telemetry.wants_tokens):
             request = np.repeat(np.arange(len(counts)), counts)
             mine = gated[request]
@@ -430,9 +434,30 @@ class SteeringState:
             positions,
             control_rows,
             slots if any_gated else None,
+            pos_entries,
         )
         if capture_starts is not None:
             self.capture.record(slots, capture_starts, num_computed, num_scheduled)
+
+    def _gate_positions(self, slots: np.ndarray, gated: np.ndarray, num_computed: np.ndarray,
+                        counts: np.ndarray, controlled: bool
+                        ) -> tuple[np.ndarray | None, np.ndarray]:
+        """The token positions (None where nothing needs them this step) and the index's
+        position entries of a gated step: each token's offset from where its request's
+        previous step ended, so a decode step's entries repeat (no upload), and the position
+        itself (``POS_ABSOLUTE``) for requests that did not continue where they ended (just
+        admitted, resumed, recomputed, or rejected speculative tokens)."""
+        starts = np.cumsum(counts) - counts
+        offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)
+        moved = gated & (num_computed != self._next_pos[slots])
+        self._next_pos[slots] = num_computed + counts
+        positions = None
+        if moved.any() or controlled or self.telemetry.wants_tokens:
+            positions = offsets + np.repeat(num_computed, counts)
+        if moved.any():
+            jumps = np.repeat(moved, counts)
+            offsets[jumps] = positions[jumps] | POS_ABSOLUTE
+        return positions, offsets
 
     def cache_report(self) -> dict[str, tuple[int, int | None]]:
         """The prefix-guard report of gated requests (see :mod:`.prefix_guard`)."""
@@ -531,12 +556,12 @@ class SteeringState:
             size = max(slot + 1, 2 * old)
             grown = []
             for arr in (self._prefill_row, self._decode_row, self._prompt_len, self._probe_row,
-                        self._control_row):
+                        self._control_row, self._next_pos):
                 new = np.zeros(size, dtype=arr.dtype)
                 new[:old] = arr
                 grown.append(new)
             (self._prefill_row, self._decode_row, self._prompt_len, self._probe_row,
-             self._control_row) = grown
+             self._control_row, self._next_pos) = grown
 
     def _assign(self, req: _Request) -> None:
         """Take the request's rows. Row keys name what determines the contents (spec key,

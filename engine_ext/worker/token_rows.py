@@ -5,14 +5,15 @@ A persistent ``int32[INDEX_ROWS, max_tokens]`` buffer (rows ``INDEX_ROW``: steer
 rows; see :mod:`.ops`) the ops take whole and read the first ``T`` columns of, ``T`` the
 step's token count. 0 means "none" in all four, so a cleared index and padding are inert. In
 steps with gated tokens the rows ``INDEX_SLOT`` and ``INDEX_POS`` hold each token's request
-slot and position, for the gate statistics' fold (:mod:`.gate_stats`).
+slot and position (relative, so they stay the same from one decode step to the next), for the
+gate statistics' fold (:mod:`.gate_stats`).
 
 It is filled once per step, before the forward, from per-request values (a steering row for
 prompt positions, one for generated positions, one probe row, the first capture row of the
 prompt) with vectorized numpy: no per-token or per-request Python on the hot path. Tokens past
 the step's count (CUDA-graph padding) are kept at 0. On CUDA the fill is one non-blocking copy
 from a pinned staging buffer, skipped entirely when nothing changed since the previous step
-(the common decode case without gates: positions move every step) or nothing is steered.
+(the common decode case) or nothing is steered.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class TokenRows:
         positions: np.ndarray | None = None,
         control_rows: np.ndarray | None = None,
         slots: np.ndarray | None = None,
+        pos_entries: np.ndarray | None = None,
     ) -> None:
         """Set this step's tokens; arrays are per request, in batch order (``positions``, per
         token, may be passed by a caller that computed them already).
@@ -83,14 +85,14 @@ class TokenRows:
         A prompt token of a request with a nonzero ``capture_starts`` value ``c`` is captured
         into row ``c + p``; generated tokens never are (None: nothing is captured). Every
         token of a request uses its ``control_rows`` value (None: no controller). With
-        ``slots`` (the requests' slots, given when a probe row is set) the slot and position
-        rows are set too.
+        ``slots`` (the requests' slots, given when a probe row is set) the slot row is set
+        too, and the position row to ``pos_entries`` (per token, see ``ops.POS_ABSOLUTE``).
         """
         num_scheduled = num_scheduled.astype(np.int64, copy=False)
         capturing = capture_starts is not None and bool(capture_starts.any())
         by_phase = not np.array_equal(prefill_rows, decode_rows)
         in_prompt = np.zeros(0, dtype=bool)
-        if positions is None and (capturing or by_phase or slots is not None):
+        if positions is None and (capturing or by_phase):
             positions = expand_positions(num_computed, num_scheduled)
         if capturing or by_phase:
             in_prompt = positions < np.repeat(prompt_lens, num_scheduled)
@@ -106,7 +108,7 @@ class TokenRows:
             index[INDEX_CONTROL] = np.repeat(control_rows, num_scheduled)
         if slots is not None:
             index[INDEX_SLOT] = np.repeat(slots, num_scheduled)
-            index[INDEX_POS] = positions
+            index[INDEX_POS] = pos_entries
         if capturing:
             starts = np.repeat(capture_starts, num_scheduled)
             index[INDEX_CAPTURE] = np.where(in_prompt & (starts != 0), starts + positions, 0)

@@ -57,6 +57,9 @@ ST_GATED_DECODE = tl.constexpr(gate_stats.GATED_DECODE)
 ST_FIRST_DECODE_GATED = tl.constexpr(gate_stats.FIRST_DECODE_GATED)
 ST_MAX_SCORE = tl.constexpr(gate_stats.MAX_SCORE)
 OPS_HEAD = tl.constexpr(gate_stats.OPS_HEAD)
+ST_START = tl.constexpr(gate_stats.START)
+ST_NEXT = tl.constexpr(gate_stats.NEXT)
+POS_ABSOLUTE = tl.constexpr(ops.POS_ABSOLUTE)
 ST_FRONTIER = tl.constexpr(gate_stats.FRONTIER)
 ST_PROMPT_LEN = tl.constexpr(gate_stats.PROMPT_LEN)
 ST_DYNAMIC_FROM = tl.constexpr(gate_stats.DYNAMIC_FROM)
@@ -295,18 +298,21 @@ def _stats_write_kernel(ops_ptr, stats_ptr, slots, COLS: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
-def _stats_fold_kernel(index_ptr, gate_score_ptr, stats_ptr, site_counts_ptr, width, slots,
-                       index_stride, gate_score_stride, gate_on, epsilon, BLOCK: tl.constexpr):
+def _stats_fold_kernel(ops_ptr, index_ptr, gate_score_ptr, stats_ptr, site_counts_ptr, width,
+                       slots, index_stride, gate_score_stride, gate_on, epsilon,
+                       BLOCK: tl.constexpr):
     """One program per block of token columns: each token with a probe row adds itself to
     its slot's statistics with atomics (see :mod:`.gate_stats`, whose numpy fold it must
     equal)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < width
+    inside = offs < width * (tl.load(ops_ptr + 2) != 0)  # an ops-only replay folds nothing
     probe = tl.load(index_ptr + INDEX_PROBE * index_stride + offs, mask=inside, other=0)
     mine = inside & (probe != 0)
     k = tl.load(index_ptr + INDEX_SLOT * index_stride + offs, mask=mine, other=0).to(tl.int64)
     mine = mine & (k < slots)  # a slot past the table is not counted
-    p = tl.load(index_ptr + INDEX_POS * index_stride + offs, mask=mine, other=0).to(tl.int64)
+    e = tl.load(index_ptr + INDEX_POS * index_stride + offs, mask=mine, other=0).to(tl.int64)
+    start = tl.load(stats_ptr + ST_START * slots + k, mask=mine, other=0)
+    p = tl.where((e & POS_ABSOLUTE) != 0, e - POS_ABSOLUTE, start + e)
     g = tl.load(gate_score_ptr + GATE * gate_score_stride + offs, mask=mine, other=0.0)
     s = tl.load(gate_score_ptr + SCORE * gate_score_stride + offs, mask=mine, other=0.0)
     one = tl.full([BLOCK], 1, tl.int64)
@@ -328,19 +334,24 @@ def _stats_fold_kernel(index_ptr, gate_score_ptr, stats_ptr, site_counts_ptr, wi
     hot = mine & (g > epsilon) & (p >= dynamic_from)
     tl.atomic_min(stats_ptr + ST_FIRST_DYNAMIC * slots + k, p, mask=hot)
     tl.atomic_max(stats_ptr + ST_UPTO * slots + k, p + 1, mask=mine)
+    tl.atomic_max(stats_ptr + ST_NEXT * slots + k, p + 1, mask=mine)
 
 
 @triton.jit
 def _stats_frontier_kernel(ops_ptr, stats_ptr, slots, BLOCK: tl.constexpr):
-    """``FRONTIER = UPTO`` for every slot (after the fold: the next step's positions below
-    it were counted); the op buffer is consumed (no read-outs or writes next time unless
-    uploaded)."""
+    """After the fold, per slot: ``FRONTIER = UPTO`` (the next step's positions below it
+    were counted) and, where the step had tokens, ``START = NEXT`` (``NEXT = 0``); the op
+    buffer's head is reset (no read-outs or writes next time unless uploaded)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < slots
     upto = tl.load(stats_ptr + ST_UPTO * slots + offs, mask=inside)
     tl.store(stats_ptr + ST_FRONTIER * slots + offs, upto, mask=inside)
+    after = tl.load(stats_ptr + ST_NEXT * slots + offs, mask=inside, other=0)
+    tl.store(stats_ptr + ST_START * slots + offs, after, mask=inside & (after > 0))
+    tl.store(stats_ptr + ST_NEXT * slots + offs, tl.zeros_like(after), mask=inside & (after > 0))
     if tl.program_id(0) == 0:
-        tl.store(ops_ptr + tl.arange(0, 2), tl.zeros([2], tl.int64))
+        head = tl.arange(0, 4)
+        tl.store(ops_ptr + head, (head == 2).to(tl.int64), mask=head < 3)
 
 
 def stats_step_triton(ops: torch.Tensor, index: torch.Tensor, gate_score: torch.Tensor,
@@ -361,7 +372,7 @@ def stats_step_triton(ops: torch.Tensor, index: torch.Tensor, gate_score: torch.
     _stats_read_kernel[per_slot](ops, stats, readout, slots, COLS=cols, BLOCK=FOLD_BLOCK)
     _stats_write_kernel[per_slot](ops, stats, slots, COLS=cols, BLOCK=FOLD_BLOCK)
     _stats_fold_kernel[(triton.cdiv(width, FOLD_BLOCK),)](
-        index, gate_score, stats, site_counts, width, slots, index.stride(0),
+        ops, index, gate_score, stats, site_counts, width, slots, index.stride(0),
         gate_score.stride(0), gate_stats.GATE_ON, DYNAMIC_EPSILON, BLOCK=FOLD_BLOCK,
         num_warps=4)
     _stats_frontier_kernel[per_slot](ops, stats, slots, BLOCK=FOLD_BLOCK)
