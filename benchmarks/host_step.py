@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--profile", default="latch", choices=list(SCENARIOS))
+    ap.add_argument("--scenarios", nargs="+", default=[*SCENARIOS, "gated-churn"],
+                    choices=[*SCENARIOS, "gated-churn"])
     args = ap.parse_args()
     import bench_controllers
     import torch
@@ -108,13 +110,11 @@ def main() -> None:
     bench_controllers.install()
     device = torch.device(args.device)
     table: dict[str, dict[int, float]] = {}
-    for name, controller in SCENARIOS.items():
+    for name in args.scenarios:  # gated-churn: an admission and a finish in every step
+        churn = name == "gated-churn"
         for n in args.requests:
-            state = make_state(n, controller, device)
-            table.setdefault(name, {})[n] = run_steps(state, n, args.steps, device)
-    for n in args.requests:  # gated, with an admission and a finish in every step
-        state = make_state(n, None, device)
-        table.setdefault("gated-churn", {})[n] = run_steps(state, n, args.steps, device, True)
+            state = make_state(n, None if churn else SCENARIOS[name], device)
+            table.setdefault(name, {})[n] = run_steps(state, n, args.steps, device, churn)
     profiler = cProfile.Profile()
     state = make_state(32, SCENARIOS[args.profile], device)
     profiler.enable()

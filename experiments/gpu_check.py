@@ -165,6 +165,23 @@ def stats_kernel_check() -> list[dict[str, Any]]:
         return {"stats": stats.stats.cpu().numpy(), "sites": stats.site_totals(),
                 "taken": sorted(taken), "frontiers": [a.tolist() for a in stats.frontiers()]}
 
+    def publish(device: str) -> list[Any]:
+        """TokenRows' publish (whole-buffer staging, two turns) over widths that grow,
+        shrink and clear."""
+        from dynsteer.engine_ext.worker.token_rows import TokenRows
+
+        rows = TokenRows(64, torch.device(device))
+        rng = np.random.default_rng(5)
+        seen = []
+        for n in (10, 40, 3, 0, 64, 17, 0, 0, 33):
+            rows._publish(rng.integers(1, 100, (ops_mod.INDEX_ROWS, n)).astype(np.int32))
+            seen.append(rows.buffer.cpu().numpy().copy())
+        return seen
+
+    from dynsteer.engine_ext.worker import ops as ops_mod
+
+    results.append({"what": "TokenRows publish cuda vs cpu", "equal": all(
+        np.array_equal(a, b) for a, b in zip(publish("cuda"), publish("cpu"), strict=True))})
     gpu, cpu = run("cuda"), run("cpu")
     parts = {"stats": np.array_equal(gpu["stats"], cpu["stats"]),
              "sites": np.array_equal(gpu["sites"], cpu["sites"]),

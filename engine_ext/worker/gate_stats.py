@@ -165,6 +165,10 @@ class GateStats:
                                for _ in range(RING)]
             self._read_host = [torch.zeros(STAT_COLS, slots, dtype=torch.int64).pin_memory()
                                for _ in range(RING)]
+            # numpy views made once (a tensor method call costs host time)
+            self._ops_np = [t.numpy() for t in self._ops_host]
+            self._snap_np = [t.numpy() for t in self._snap_host]
+            self._read_np = [t.numpy() for t in self._read_host]
             self._events = [torch.cuda.Event() for _ in range(RING)]
             self._graphs = {(ring, reads): self._capture(ring, reads)
                             for ring in range(RING) for reads in (False, True)}
@@ -275,14 +279,15 @@ class GateStats:
             return
         if len(self._in_flight) == RING:  # the pinned buffer's last replay must have landed
             self._land(wait=True, limit=1)
-        ops = self._ops_host[(self.folds + 1) % RING].numpy()
+        ring = (self.folds + 1) % RING
+        ops = self._ops_np[ring]
         r, w = len(read_slots), len(write_slots)
         ops[0], ops[1], ops[2] = r, w, gated
         ops[OPS_HEAD:OPS_HEAD + r] = read_slots
         ops[OPS_HEAD + r:OPS_HEAD + r + w] = write_slots
         end = OPS_HEAD + r + w + STAT_COLS * w
         ops[OPS_HEAD + r + w:end] = columns.reshape(-1)
-        self._ops[:end].copy_(self._ops_host[(self.folds + 1) % RING][:end], non_blocking=True)
+        self._ops.copy_(self._ops_host[ring], non_blocking=True)  # whole: no slicing
         self._owners = [owner for _, owner in reads]
 
     def _capture(self, ring: int, reads: bool) -> torch.cuda.CUDAGraph:
@@ -318,8 +323,8 @@ class GateStats:
             self._in_flight.popleft()
             done += 1
             if owners:
-                columns = self._read_host[ring].numpy()
+                columns = self._read_np[ring]
                 self._landed += [(owner, columns[:, i].copy()) for i, owner in enumerate(owners)]
             if not self._in_flight or not self._events[self._in_flight[0][1]].query():
-                self._snapshot = self._snap_host[ring].numpy().copy()
+                self._snapshot = self._snap_np[ring].copy()
                 self._snapshot_folds = folds

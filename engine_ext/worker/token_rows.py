@@ -48,10 +48,12 @@ class TokenRows:
         self.probe_rows = self.buffer[INDEX_PROBE]
         self.capture_rows = self.buffer[INDEX_CAPTURE]
         self._on_host = device.type == "cpu"
-        if not self._on_host:  # flat staging: the first ``span`` columns are one block
-            size = INDEX_ROWS * max_tokens
-            self._pinned = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
-            self._staged = torch.zeros(size, dtype=torch.int32, device=device)
+        if not self._on_host:  # whole-buffer staging: one contiguous DMA, no slicing
+            shape = (INDEX_ROWS, max_tokens)
+            self._pinned = [torch.zeros(shape, dtype=torch.int32).pin_memory() for _ in range(2)]
+            self._host = [p.numpy() for p in self._pinned]
+            self._host_dirty = [0, 0]
+            """Columns [0, d) of each staging buffer may be non-zero."""
             self._events = [torch.cuda.Event(), torch.cuda.Event()]
         self._turn = 0
         self._last = np.zeros((INDEX_ROWS, 0), dtype=np.int32)
@@ -118,26 +120,25 @@ class TokenRows:
             self._publish(index)
 
     def _publish(self, index: np.ndarray) -> None:
-        """Columns ``[0, span)`` of the buffer become ``index`` and zeros. On CUDA: the
-        block is staged contiguous (one DMA; the buffer's first columns are strided, and a
-        strided copy from the host would go through pageable memory and wait), then
-        copied into place on the device."""
+        """The buffer's first columns become ``index``, the rest zeros. On CUDA the whole
+        buffer is copied from a pinned staging buffer that holds the same (one contiguous
+        DMA of a few hundred kB, only in steps whose index changed: the first columns alone
+        are strided, and a strided copy from the host goes through pageable memory and
+        waits; slicing costs host time)."""
         n = index.shape[1]
-        span = max(n, self._dirty)
         if self._on_host:
             self.buffer.numpy()[:, :n] = index
-            self.buffer.numpy()[:, n:span] = 0
+            self.buffer.numpy()[:, n:self._dirty] = 0
         else:
-            pinned = self._pinned[self._turn][: INDEX_ROWS * span]
+            turn = self._turn
             # The copy that last read this staging buffer must be done before it is rewritten.
-            self._events[self._turn].synchronize()
-            host = pinned.numpy().reshape(INDEX_ROWS, span)
+            self._events[turn].synchronize()
+            host = self._host[turn]
             host[:, :n] = index
-            host[:, n:] = 0
-            staged = self._staged[: INDEX_ROWS * span]
-            staged.copy_(pinned, non_blocking=True)
-            self.buffer[:, :span].copy_(staged.view(INDEX_ROWS, span))
-            self._events[self._turn].record()
+            host[:, n:self._host_dirty[turn]] = 0
+            self._host_dirty[turn] = n
+            self.buffer.copy_(self._pinned[turn], non_blocking=True)
+            self._events[turn].record()
             self._turn ^= 1
         self._last = index.copy()
         self._dirty = n
