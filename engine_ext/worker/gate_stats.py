@@ -109,15 +109,15 @@ def fold_numpy(index: np.ndarray, gate_score: np.ndarray, stats: np.ndarray,
         p = np.where(e & POS_ABSOLUTE, e & ~POS_ABSOLUTE, stats[START, k] + e)
         g, s = gate_score[GATE, t], gate_score[SCORE, t]
         on = g > GATE_ON
-        site = stats[SITE, k]
-        np.add.at(site_counts[:, 0], site, 1)
-        np.add.at(site_counts[:, 1], site[on], 1)
+        site, sites, slots = stats[SITE, k], len(site_counts), stats.shape[1]
+        site_counts[:, 0] += np.bincount(site, minlength=sites)
+        site_counts[:, 1] += np.bincount(site[on], minlength=sites)
         new = p >= stats[FRONTIER, k]
         prompt = p < stats[PROMPT_LEN, k]
-        np.add.at(stats[MONITORED], k[new], 1)
-        np.add.at(stats[GATED_PREFILL], k[new & on & prompt], 1)
         decode_on = new & on & ~prompt
-        np.add.at(stats[GATED_DECODE], k[decode_on], 1)
+        stats[MONITORED] += np.bincount(k[new], minlength=slots)
+        stats[GATED_PREFILL] += np.bincount(k[new & on & prompt], minlength=slots)
+        stats[GATED_DECODE] += np.bincount(k[decode_on], minlength=slots)
         np.minimum.at(stats[FIRST_DECODE_GATED], k[decode_on], p[decode_on])
         scored = ~np.isnan(s)
         np.maximum.at(stats[MAX_SCORE], k[scored], score_key(s[scored]))
