@@ -278,6 +278,46 @@ def test_gated_request_gets_probe_row_and_telemetry():
     assert state.probe_table.in_use == 0 and state.telemetry.report("g") is not None
 
 
+def test_gated_positions_are_relative_until_a_request_jumps():
+    """The index holds each gated token's offset from where its request's last step ended,
+    so consecutive decode steps leave it unchanged; a request that did not continue there
+    (just admitted, recomputed after preemption, speculative tokens rejected) gets absolute
+    positions. The counters see the true positions either way: a recomputed position counts
+    once, and the prefix guard's frontier follows."""
+    state = SteeringState(SITES, 4, max_rows=4, max_tokens=16, max_slots=4,
+                          device=torch.device("cpu"), block_size=2)
+    spec = resolved({"gate": {"probe": {"weights": [1, 0, 0, 0], "threshold": 0.5},
+                              "layer": 0, "hook": "post_block",
+                              "steer": [{"vector": [0, 1, 0, 0], "layers": [1]}]}})
+    state.add_request("a", 1, spec, prompt_len=3)
+    state.add_request("b", 2, spec, prompt_len=2)
+    absolute = ops.POS_ABSOLUTE
+
+    def step(slots, computed, scheduled):
+        state.fill(np.array(slots), np.array(computed), np.array(scheduled))
+        n = sum(scheduled)
+        state.gate[:n] = 0.9
+        state.score[:n] = 1.0
+        entries = state.token_rows.buffer[ops.INDEX_POS, :n].tolist()
+        state.cache_report()
+        return entries
+
+    assert step([1, 2], [0, 0], [3, 2]) == [absolute, absolute + 1, absolute + 2,
+                                              absolute, absolute + 1]
+    assert step([1, 2], [3, 2], [1, 1]) == [0, 0]  # both continue: relative
+    before = state.token_rows.buffer.clone()
+    assert step([1, 2], [4, 3], [1, 1]) == [0, 0] and torch.equal(state.token_rows.buffer,
+                                                                  before)
+    assert step([2, 1], [1, 5], [2, 1]) == [absolute + 1, absolute + 2, 0]  # "b" recomputes
+    assert step([1], [6], [1]) == [0]  # "b" not in this step
+    assert step([2, 1], [3, 7], [1, 1]) == [0, 0]
+    state.telemetry.drain()
+    a, b = state.telemetry.report("a"), state.telemetry.report("b")
+    assert a["tokens_monitored"] == 8 and a["gated_prefill"] == 3 and a["gated_decode"] == 5
+    assert b["tokens_monitored"] == 4 and b["gated_prefill"] == 2 and b["gated_decode"] == 2
+    assert a["first_decode_gated"] == 0 and b["first_decode_gated"] == 0
+
+
 def test_released_rows_stay_warm_until_their_slot_is_needed(monkeypatch):
     """A row whose requests all finished keeps its contents: the next request with the same
     contents takes it without a table write; new contents reuse idle rows least recently
