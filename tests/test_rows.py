@@ -318,6 +318,45 @@ def test_gated_positions_are_relative_until_a_request_jumps():
     assert a["first_decode_gated"] == 0 and b["first_decode_gated"] == 0
 
 
+def test_a_step_that_schedules_nothing_publishes_the_finished_events():
+    """A finished request's counters are read out with the next step; a step that schedules
+    no token (vLLM's last one before going idle, which only carries the finished ids) reads
+    them out at once, so the finished event does not wait for a request that may never
+    come."""
+
+    class Events:
+        every = 1 << 20
+
+        def __init__(self) -> None:
+            self.finished: list[tuple[str, int]] = []
+
+        def request_started(self, req_id, wire):
+            pass
+
+        def monitor(self, *args):
+            pass
+
+        def request_finished(self, req_id, session, telemetry):
+            self.finished.append((req_id, telemetry["tokens_monitored"]))
+
+    state = SteeringState(SITES, 4, max_rows=4, max_tokens=16, max_slots=4,
+                          device=torch.device("cpu"))
+    events = Events()
+    state.events = state.telemetry.events = events  # what set_events wires, minus ZeroMQ
+    spec = resolved({"gate": {"probe": {"weights": [1, 0, 0, 0]}, "layer": 0,
+                              "hook": "post_block",
+                              "steer": [{"vector": [0, 1, 0, 0], "layers": [1]}]}})
+    state.add_request("a", 1, spec, prompt_len=3)
+    state.after_updates(False)
+    state.fill(np.array([1]), np.array([0]), np.array([3]))
+    state.cache_report()
+    state.remove_request("a")
+    state.after_updates(False)  # a step with tokens follows: it reads "a" out
+    assert events.finished == []
+    state.after_updates(True)  # none follows
+    assert events.finished == [("a", 3)]
+
+
 def test_released_rows_stay_warm_until_their_slot_is_needed(monkeypatch):
     """A row whose requests all finished keeps its contents: the next request with the same
     contents takes it without a table write; new contents reuse idle rows least recently

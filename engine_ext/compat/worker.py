@@ -132,7 +132,8 @@ def is_v2_runner(runner: Any) -> bool:
 
 def install_step_hooks(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str], None],
                        on_step: Callable[..., None], on_output: Callable[[], dict[str, Any]],
-                       on_idle: Callable[[], None]) -> None:
+                       on_idle: Callable[[], None],
+                       on_updated: Callable[[bool], None]) -> None:
     """Hook the runner instance so the state sees admissions, removals and each step.
 
     ``on_add(req_id, slot_or_None, extra_args, prompt_len)`` (V1 passes None: the caller
@@ -141,12 +142,14 @@ def install_step_hooks(runner: Any, on_add: Callable[..., None], on_remove: Call
     ``ModelRunnerOutput`` to the scheduler. ``on_idle()`` runs before every forward the
     scheduler did not schedule (``_dummy_run``: a data-parallel rank's idle batch, which the
     other ranks' MoE collectives need, warm-up, graph capture): no real request's tokens are
-    in it, so nothing may be read for them.
+    in it, so nothing may be read for them. ``on_updated(empty)`` runs once a step's
+    removals and admissions are done; ``empty``: the step schedules no token (it only tells
+    the workers which requests finished), so no forward and no ``on_step`` follow.
     """
     if is_v2_runner(runner):
-        _install_v2(runner, on_add, on_remove, on_step)
+        _install_v2(runner, on_add, on_remove, on_step, on_updated)
     else:
-        _install_v1(runner, on_add, on_remove, on_step)
+        _install_v1(runner, on_add, on_remove, on_step, on_updated)
     sample_tokens = runner.sample_tokens
     dummy_run = runner._dummy_run
 
@@ -177,7 +180,7 @@ def _attach_report(result: Any, report: dict[str, Any]) -> Any:
 
 
 def _install_v1(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str], None],
-                on_step: Callable[..., None]) -> None:
+                on_step: Callable[..., None], on_updated: Callable[[bool], None]) -> None:
     update_states = runner._update_states
     prepare_inputs = runner._prepare_inputs
 
@@ -189,6 +192,7 @@ def _install_v1(runner: Any, on_add: Callable[..., None], on_remove: Callable[[s
             params = new.sampling_params
             req = runner.requests[new.req_id]
             on_add(new.req_id, None, params.extra_args if params else None, req.num_prompt_tokens)
+        on_updated(scheduler_output.total_num_scheduled_tokens == 0)
         return result
 
     def _prepare_inputs(scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
@@ -203,7 +207,7 @@ def _install_v1(runner: Any, on_add: Callable[..., None], on_remove: Callable[[s
 
 
 def _install_v2(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str], None],
-                on_step: Callable[..., None]) -> None:
+                on_step: Callable[..., None], on_updated: Callable[[bool], None]) -> None:
     add_requests = runner.add_requests
     remove_request = runner._remove_request
     prepare_inputs = runner.prepare_inputs
@@ -215,6 +219,7 @@ def _install_v2(runner: Any, on_add: Callable[..., None], on_remove: Callable[[s
             slot = runner.req_states.req_id_to_index[new.req_id]
             extra = params.extra_args if params else None
             on_add(new.req_id, slot, extra, len(new.prompt_token_ids))
+        on_updated(scheduler_output.total_num_scheduled_tokens == 0)  # after finish_requests
         return result
 
     def _remove_request(req_id: str) -> Any:

@@ -105,7 +105,7 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
     vllm_worker.install_step_hooks(
         runner, timer.timed("admit", on_add), timer.timed("finish", on_remove),
         timer.timed("step", on_step), timer.timed("output", state.cache_report),
-        state.skip_step)
+        state.skip_step, timer.timed("finish", state.after_updates))
     logger.info(
         "dynsteer: %d steering sites (%d monitor sites) on %s (max_rows=%d, capture %d lanes "
         "x %d tokens)", len(installed), len(sites.monitor & set(installed)),

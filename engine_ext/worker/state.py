@@ -374,6 +374,14 @@ class SteeringState:
             if self.events is not None and req.probe is None:
                 self.events.request_finished(req_id, (req.wire or {}).get("session"), None)
 
+    def after_updates(self, empty: bool) -> None:
+        """A step's removals and admissions are done. A step that schedules nothing only
+        tells the workers which requests finished, and the engine may go idle after it: their
+        counters are read out now (the GPU has nothing else queued), so their finished events
+        go out without waiting for a next step."""
+        if empty:
+            self.telemetry.drain()
+
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
 
