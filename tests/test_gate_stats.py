@@ -3,15 +3,11 @@ reference in plain Python, and the Triton kernel (in Triton's interpreter) again
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from triton_interpreter import run_interpreted
 
 from dynsteer.engine_ext.prefix_guard.guard import DYNAMIC_EPSILON, NONE
 from dynsteer.engine_ext.worker import gate_stats as gs
@@ -176,12 +172,8 @@ def test_triton_stats_kernels_match_numpy_in_the_interpreter():
     step spans several blocks and atomics meet), equals the numpy fold with the same
     read-outs and writes (the GPU check runs it compiled)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = TRITON_CHECK.format(tests=str(Path(__file__).parent))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for seed, (stats, sites, readouts) in zip((0, 1), json.loads(done.stdout), strict=True):
+    for seed, (stats, sites, readouts) in zip((0, 1), run_interpreted(TRITON_CHECK),
+                                              strict=True):
         want = _numpy_run(seed)
         np.testing.assert_array_equal(np.array(stats), want[0])
         np.testing.assert_array_equal(np.array(sites), want[1])

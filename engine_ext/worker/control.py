@@ -99,19 +99,11 @@ class ControlTable:
     def _capture_fold(self) -> torch.cuda.CUDAGraph:
         """The CUDA fold as a graph (compiled first, outside the capture). Every row is 0
         (no controller) here, so running it changes nothing."""
-        from .triton_kernels import control_step_triton, new_fold_scratch
+        from .triton_kernels import captured, control_step_triton, new_fold_scratch
 
         self._scratch = new_fold_scratch(self.table)
-
-        def fold() -> None:
-            control_step_triton(self._index, self._gate_score, self.table, self._scratch)
-
-        fold()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fold()
-        return graph
+        return captured(lambda: control_step_triton(self._index, self._gate_score, self.table,
+                                                    self._scratch))
 
     def _write(self, rows: np.ndarray) -> None:
         """Copy the mirror's ``rows`` to the table. On CUDA through preallocated pinned and

@@ -294,7 +294,7 @@ class GateStats:
         """A step's replay into ring buffer ``ring`` (``reads``: with the read-outs' copy),
         compiled first, outside the capture (the op buffer and index are all zeros here, so
         running it changes nothing)."""
-        from .triton_kernels import stats_step_triton
+        from .triton_kernels import captured, stats_step_triton
 
         def step() -> None:
             stats_step_triton(self._ops, self._index, self._gate_score, self.stats,
@@ -303,12 +303,7 @@ class GateStats:
             if reads:
                 self._read_host[ring].copy_(self._readout, non_blocking=True)
 
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return graph
+        return captured(step)
 
     def _land(self, wait: bool, limit: int | None = None) -> None:
         """Take what landed: every replay's read-outs, the newest snapshot (``wait``: wait

@@ -458,11 +458,12 @@ class SteeringState:
         starts = np.cumsum(counts) - counts
         offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)
         moved = gated & (num_computed != self._next_pos[slots])
+        any_moved = bool(moved.any())
         self._next_pos[slots] = num_computed + counts
         positions = None
-        if moved.any() or controlled or self.telemetry.wants_tokens:
+        if any_moved or controlled or self.telemetry.wants_tokens:
             positions = offsets + np.repeat(num_computed, counts)
-        if moved.any():
+        if any_moved:
             jumps = np.repeat(moved, counts)
             offsets[jumps] = positions[jumps] | POS_ABSOLUTE
         return positions, offsets

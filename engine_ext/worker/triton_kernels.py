@@ -12,6 +12,8 @@ per layer at that size); about half of it is the extra load.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -376,6 +378,17 @@ def stats_step_triton(ops: torch.Tensor, index: torch.Tensor, gate_score: torch.
         gate_score.stride(0), gate_stats.GATE_ON, DYNAMIC_EPSILON, BLOCK=FOLD_BLOCK,
         num_warps=4)
     _stats_frontier_kernel[per_slot](ops, stats, slots, BLOCK=FOLD_BLOCK)
+
+
+def captured(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """``run`` (launches with fixed arguments) as a CUDA graph to replay each step: run once
+    first, outside the capture, so its kernels are compiled."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
 
 
 def _block_for(hidden: int) -> int:

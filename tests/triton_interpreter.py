@@ -1,0 +1,21 @@
+"""Running a CUDA kernel's Triton code on the CPU, in Triton's interpreter (a subprocess:
+the interpreter is chosen when Triton is imported)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def run_interpreted(script: str) -> Any:
+    """Run ``script`` (``{tests}`` is replaced by this folder, for its imports) with
+    ``TRITON_INTERPRET=1``; returns the JSON it printed."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script.format(tests=str(Path(__file__).parent))],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
