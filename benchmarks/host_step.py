@@ -9,7 +9,15 @@ in its slot every step (its prompt in the step), as an admission step does. Prin
 step per scenario and request count, the top functions of one profiled configuration, and
 writes ``host_step.json``.
 
+The lent GPU machine's host speed drifts (the same code measured 86 and 164 µs a step a minute
+apart), so one run against another is no comparison. ``--rounds K`` measures in K fresh
+processes and reports each figure's median and range; ``--baseline SRC`` (an older checkout of
+this repository, e.g. from ``git archive``) alternates processes of that version with processes
+of the installed one, ``--rounds`` of each, and reports the paired ratios (baseline / current
+per round: > 1 means the current version is faster).
+
 Usage: python benchmarks/host_step.py --out DIR [--device cuda] [--steps 400]
+       [--rounds K] [--baseline SRC]
 """
 
 from __future__ import annotations
@@ -18,7 +26,12 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +40,8 @@ HIDDEN = 4096
 LAYERS = 32
 MONITOR = 16
 PROMPT = 128
+PACKAGES = ("engine_ext", "controller", "probes")
+"""The source folders that ``pyproject.toml`` maps to ``dynsteer.<name>``."""
 SCENARIOS: dict[str, dict[str, Any] | None] = {
     "gated": None,
     "latch": {"name": "latch", "k": 1_000_000},
@@ -94,18 +109,12 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = 
     return elapsed / steps * 1e6
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--requests", type=int, nargs="+", default=[1, 32, 256])
-    ap.add_argument("--profile", default="latch", choices=list(SCENARIOS))
-    ap.add_argument("--scenarios", nargs="+", default=[*SCENARIOS, "gated-churn"],
-                    choices=[*SCENARIOS, "gated-churn"])
-    args = ap.parse_args()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One process's figures: µs per step per scenario and request count, and a profile."""
     import bench_controllers
     import torch
+
+    import dynsteer.engine_ext
 
     bench_controllers.install()
     device = torch.device(args.device)
@@ -122,14 +131,99 @@ def main() -> None:
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
-    print(f"host µs per decode step ({args.device}):")
-    print(f"{'scenario':<14}" + "".join(f"{n:>10}" for n in args.requests))
-    for name, row in table.items():
-        print(f"{name:<14}" + "".join(f"{row[n]:>10.0f}" for n in args.requests))
-    print(text.getvalue())
+    return {"device": args.device, "us_per_step": table, "profile": text.getvalue(),
+            "package": str(Path(dynsteer.engine_ext.__file__).parent)}
+
+
+def in_processes(args: argparse.Namespace) -> dict[str, Any]:
+    """``args.rounds`` rounds, each a fresh process per version (baseline first), in turn."""
+    versions = {"current": None}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.baseline is not None:
+            staged = Path(tmp) / "dynsteer"
+            staged.mkdir()
+            for name in PACKAGES:
+                (staged / name).symlink_to((args.baseline / name).resolve())
+            versions = {"baseline": tmp, **versions}
+        rounds: dict[str, list[dict[str, Any]]] = {v: [] for v in versions}
+        flags = ["--device", args.device, "--steps", str(args.steps), "--profile", args.profile,
+                 "--requests", *map(str, args.requests), "--scenarios", *args.scenarios]
+        for k in range(args.rounds):
+            for version, path in versions.items():
+                env = dict(os.environ)
+                if path is not None:
+                    env["PYTHONPATH"] = os.pathsep.join([path, env.get("PYTHONPATH", "")])
+                out = Path(tmp) / f"{version}{k}"
+                subprocess.run([sys.executable, __file__, "--out", str(out), "--one", *flags],
+                               env=env, check=True, stdout=subprocess.DEVNULL)
+                got = json.loads((out / "host_step.json").read_text())
+                expected = (args.baseline / "engine_ext").resolve() if path else None
+                if expected is not None and Path(got["package"]).resolve() != expected:
+                    raise SystemExit(f"the baseline round imported {got['package']}")
+                rounds[version].append(got)
+    return summarize(rounds, args)
+
+
+def summarize(rounds: dict[str, list[dict[str, Any]]], args: argparse.Namespace
+              ) -> dict[str, Any]:
+    """Median and range per version, scenario and request count; paired ratios per round."""
+    def cells(version: str, name: str, n: int) -> list[float]:
+        return [r["us_per_step"][name][str(n)] for r in rounds[version]]
+
+    result: dict[str, Any] = {"device": args.device, "rounds": args.rounds, "versions": {},
+                              "profile": rounds["current"][-1]["profile"]}
+    print(f"host µs per step ({args.device}), median [min-max] over {args.rounds} processes:")
+    for version in rounds:
+        result["versions"][version] = {
+            name: {n: {"median": statistics.median(cells(version, name, n)),
+                       "range": [min(cells(version, name, n)), max(cells(version, name, n))]}
+                   for n in args.requests} for name in args.scenarios}
+    for name in args.scenarios:
+        for n in args.requests:
+            line = f"{name:<14}{n:>5}"
+            for version in rounds:
+                c = result["versions"][version][name][n]
+                line += f"  {version} {c['median']:7.0f} [{c['range'][0]:.0f}-{c['range'][1]:.0f}]"
+            if "baseline" in rounds:
+                ratios = [b / c for b, c in zip(cells("baseline", name, n),
+                                                cells("current", name, n), strict=True)]
+                result.setdefault("ratios", {}).setdefault(name, {})[n] = ratios
+                line += (f"  baseline/current {statistics.median(ratios):.2f} "
+                         f"[{min(ratios):.2f}-{max(ratios):.2f}]")
+            print(line)
+    print(result["profile"])
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--requests", type=int, nargs="+", default=[1, 32, 256])
+    ap.add_argument("--profile", default="latch", choices=list(SCENARIOS))
+    ap.add_argument("--scenarios", nargs="+", default=[*SCENARIOS, "gated-churn"],
+                    choices=[*SCENARIOS, "gated-churn"])
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="fresh processes per version, run in turn (medians and ranges)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="an older checkout of this repository to alternate with")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a round's process
+    args = ap.parse_args()
+    if args.baseline is not None and not (args.baseline / "engine_ext").is_dir():
+        ap.error(f"--baseline {args.baseline}: no engine_ext folder (a checkout of this repo?)")
+    if args.one or (args.rounds == 1 and args.baseline is None):
+        result = measure(args)
+        if not args.one:
+            print(f"host µs per decode step ({args.device}):")
+            print(f"{'scenario':<14}" + "".join(f"{n:>10}" for n in args.requests))
+            for name, row in result["us_per_step"].items():
+                print(f"{name:<14}" + "".join(f"{row[n]:>10.0f}" for n in args.requests))
+            print(result["profile"])
+    else:
+        result = in_processes(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "host_step.json").write_text(json.dumps(
-        {"device": args.device, "us_per_step": table, "profile": text.getvalue()}, indent=2))
+    (args.out / "host_step.json").write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
