@@ -245,7 +245,8 @@ def run_dynsteer(model: Path, out: Path, name: str, bodies: list[dict[str, Any]]
 
 def worker_host_time(url: str) -> dict[str, dict[str, float]]:
     """Per dynsteer worker hook: ``sum`` (s), ``count`` and the cumulative bucket counts by
-    upper bound (``le``, s) of its histogram on the server's ``/metrics``."""
+    upper bound (``le``, s) of its histogram on the server's ``/metrics``, and ``cpu`` (s: the
+    thread's CPU time inside the hook)."""
     import re
     import urllib.request
 
@@ -260,19 +261,24 @@ def worker_host_time(url: str) -> dict[str, dict[str, float]]:
         for hook, value in re.findall(rf'^{name}_{kind}{{hook="(\w+)"}} (\S+)$', text,
                                       re.MULTILINE):
             found.setdefault(hook, {})[kind] = float(value)
+    for hook, value in re.findall(r'^dynsteer_worker_host_cpu_seconds_total{hook="(\w+)"} (\S+)$',
+                                  text, re.MULTILINE):
+        found.setdefault(hook, {})["cpu"] = float(value)
     return found
 
 
 def host_time_delta(before: dict[str, dict[str, float]],
                     after: dict[str, dict[str, float]]) -> dict[str, dict[str, float | None]]:
-    """Per hook over the load: calls, mean µs per call, the bound (µs) 99% of calls stayed
-    within and the bound of the slowest call (None: above the last bound)."""
+    """Per hook over the load: calls, mean µs per call (wall, and the thread's CPU time), the
+    bound (µs) 99% of calls stayed within and the bound of the slowest call (None: above the
+    last bound)."""
     out: dict[str, dict[str, float | None]] = {}
     for hook, values in after.items():
         old = before.get(hook, {})
         delta = {k: v - old.get(k, 0.0) for k, v in values.items()}
         calls = delta.get("count", 0.0)
-        bounds = sorted((float(k), v) for k, v in delta.items() if k not in ("sum", "count"))
+        bounds = sorted((float(k), v) for k, v in delta.items()
+                        if k not in ("sum", "count", "cpu"))
 
         def within(share: float, bounds: list[tuple[float, float]] = bounds,
                    calls: float = calls) -> float | None:
@@ -280,6 +286,7 @@ def host_time_delta(before: dict[str, dict[str, float]],
             return None if bound == float("inf") else bound * 1e6
 
         out[hook] = {"calls": calls, "mean_us": delta.get("sum", 0.0) / max(calls, 1.0) * 1e6,
+                     "mean_cpu_us": delta.get("cpu", 0.0) / max(calls, 1.0) * 1e6,
                      "p99_le_us": within(0.99) if calls else None,
                      "max_le_us": within(1.0) if calls else None}
     return out
@@ -378,8 +385,8 @@ def report(results: dict[str, Any], done: dict[str, list[dict[str, Any]]]) -> No
         for r in mine[name]:
             for hook, h in r["worker_host"].items():
                 print(f"{name}, worker hook {hook}: {h['calls']:.0f} calls, mean "
-                      f"{h['mean_us']:.1f} µs, 99% within {h['p99_le_us']} µs, all within "
-                      f"{h['max_le_us']} µs")
+                      f"{h['mean_us']:.1f} µs (CPU {h['mean_cpu_us']:.1f}), 99% within "
+                      f"{h['p99_le_us']} µs, all within {h['max_le_us']} µs")
             for kind, k in r["by_kind"].items():
                 print(f"{name}, {kind} requests: TTFT p50 {k['ttft_ms_p50']:.1f} ms, "
                       f"ITL p50 {k['itl_ms_p50']:.2f} / p99 {k['itl_ms_p99']:.2f} ms")

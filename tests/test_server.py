@@ -191,7 +191,8 @@ def test_metrics_move(openai_client, server):
                          ("dynsteer_worker_host_seconds_count", 'hook="step"'),
                          ("dynsteer_worker_host_seconds_sum", 'hook="step"'),
                          ("dynsteer_worker_host_seconds_sum", 'hook="output"'),
-                         ("dynsteer_worker_host_seconds_bucket", 'hook="step",le="+Inf"')):
+                         ("dynsteer_worker_host_seconds_bucket", 'hook="step",le="+Inf"'),
+                         ("dynsteer_worker_host_cpu_seconds_total", 'hook="step"')):
         assert _metric(after, name, labels) > _metric(before, name, labels), (name, labels)
     assert "dynsteer_rows_capacity 64.0" in after
     assert "dynsteer_prefix_guarded_requests_total" in after

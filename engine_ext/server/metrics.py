@@ -108,6 +108,14 @@ def _host_time_metrics(host_time: dict[str, dict[str, Any]]) -> Iterator[Metric]
             buckets.append(("+Inf" if bound is None else str(bound / 1e6), cumulative))
         family.add_metric([hook], buckets, sum_value=values["us"] / 1e6)
     yield family
+    cpu = CounterMetricFamily(
+        "dynsteer_worker_host_cpu_seconds", "CPU time of the calling thread inside dynsteer's "
+        "worker hooks (TP rank 0), by hook; dynsteer_worker_host_seconds_sum minus this is "
+        "time the hooks waited (for the GIL held by the engine's other threads, or the GPU)",
+        labels=["hook"])
+    for hook, values in sorted(host_time.items()):
+        cpu.add_metric([hook], values.get("cpu_us", 0.0) / 1e6)
+    yield cpu
 
 
 def _controller_metrics(stats: dict, commands: Any) -> Iterator[Metric]:
