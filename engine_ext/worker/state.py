@@ -54,7 +54,7 @@ from .rows import (
 )
 from .sites import SiteBuffers
 from .telemetry import GateTelemetry
-from .token_rows import TokenRows
+from .token_rows import TokenRows, per_token
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -411,16 +411,16 @@ class SteeringState:
         self.controllers.before_step(self.telemetry.steps)
         probe_rows = self._probe_row[slots]
         gated = probe_rows != 0
-        any_gated = bool(gated.any())
+        any_gated = np.count_nonzero(gated) > 0  # the cheap forms: see token_rows' docstring
         counts = num_scheduled.astype(np.int64, copy=False)
         capture_starts = self.capture.slot_starts(slots)
         control_rows = self._control_row[slots]
-        controlled = bool(control_rows.any())
+        controlled = np.count_nonzero(control_rows) > 0
         tokens = int(counts.sum())
         positions = pos_entries = None
         if any_gated:
             positions, pos_entries = self._gate_positions(slots, gated, num_computed, counts,
-                                                          controlled)
+                                                          tokens, controlled)
         if positions is not None and (controlled or self.telemetry.wants_tokens):
             request = np.repeat(np.arange(len(counts)), counts)
             mine = gated[request]
@@ -448,23 +448,28 @@ class SteeringState:
             self.capture.record(slots, capture_starts, num_computed, num_scheduled)
 
     def _gate_positions(self, slots: np.ndarray, gated: np.ndarray, num_computed: np.ndarray,
-                        counts: np.ndarray, controlled: bool
+                        counts: np.ndarray, tokens: int, controlled: bool
                         ) -> tuple[np.ndarray | None, np.ndarray]:
         """The token positions (None where nothing needs them this step) and the index's
         position entries of a gated step: each token's offset from where its request's
         previous step ended, so a decode step's entries repeat (no upload), and the position
         itself (``POS_ABSOLUTE``) for requests that did not continue where they ended (just
-        admitted, resumed, recomputed, or rejected speculative tokens)."""
-        starts = np.cumsum(counts) - counts
-        offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)
+        admitted, resumed, recomputed, or rejected speculative tokens). ``tokens``: the
+        step's token count (the sum of ``counts``)."""
+        one_each = tokens == len(counts)  # a decode step: every offset is 0
+        if one_each:
+            offsets = np.zeros(tokens, dtype=np.int64)
+        else:
+            starts = np.cumsum(counts) - counts
+            offsets = np.arange(tokens) - np.repeat(starts, counts)
         moved = gated & (num_computed != self._next_pos[slots])
-        any_moved = bool(moved.any())
+        any_moved = np.count_nonzero(moved) > 0
         self._next_pos[slots] = num_computed + counts
         positions = None
         if any_moved or controlled or self.telemetry.wants_tokens:
-            positions = offsets + np.repeat(num_computed, counts)
+            positions = offsets + per_token(num_computed, counts, one_each)
         if any_moved:
-            jumps = np.repeat(moved, counts)
+            jumps = per_token(moved, counts, one_each)
             offsets[jumps] = positions[jumps] | POS_ABSOLUTE
         return positions, offsets
 
