@@ -75,10 +75,13 @@ def make_state(requests: int, controller: dict[str, Any] | None, device: Any) ->
     return state
 
 
-def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = False) -> float:
-    """µs per decode step (after a prefill step and a warm-up). ``churn``: in every step one
-    request finishes and a new one takes its slot, its prompt in the step (an admission
-    step, where serving latency is host-bound)."""
+def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = False
+              ) -> tuple[float, float]:
+    """µs per decode step (after a prefill step and a warm-up), and the µs of CPU time of
+    the index fill alone (the ``step`` hook; the thread's clock, which another process's
+    load on the machine does not inflate). ``churn``: in every step one request finishes and
+    a new one takes its slot, its prompt in the step (an admission step, where serving
+    latency is host-bound)."""
     import numpy as np
     import torch
 
@@ -89,7 +92,7 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = 
     gates = torch.rand(steps + 8, requests * PROMPT, device=device)
     computed = np.full(requests, PROMPT, np.int64)
     ids = [f"r{i}" for i in range(requests)]
-    elapsed = 0.0
+    elapsed = fill_cpu = 0.0
     for k in range(steps + 8):
         scheduled = np.ones(requests, np.int64)
         state.gate[: requests * PROMPT] = gates[k]  # what the forward would have written
@@ -101,16 +104,20 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = 
             ids[i] = f"r{i}-{k}"
             state.add_request(ids[i], i + 1, state.bench_wire, PROMPT)
             computed[i], scheduled[i] = 0, PROMPT
+        fill_start = time.thread_time()
         state.fill(slots, computed, scheduled)
+        fill_end = time.thread_time()
         state.cache_report()
         computed += scheduled
         if k >= 8:
             elapsed += time.perf_counter() - start
-    return elapsed / steps * 1e6
+            fill_cpu += fill_end - fill_start
+    return elapsed / steps * 1e6, fill_cpu / steps * 1e6
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """One process's figures: µs per step per scenario and request count, and a profile."""
+    """One process's figures: µs per step per scenario and request count (and of the fill's
+    CPU time, as scenario ``"<name> fill CPU"``), and a profile."""
     import bench_controllers
     import torch
 
@@ -123,7 +130,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         churn = name == "gated-churn"
         for n in args.requests:
             state = make_state(n, None if churn else SCENARIOS[name], device)
-            table.setdefault(name, {})[n] = run_steps(state, n, args.steps, device, churn)
+            step, fill = run_steps(state, n, args.steps, device, churn)
+            table.setdefault(name, {})[n] = step
+            table.setdefault(f"{name} fill CPU", {})[n] = fill
     profiler = cProfile.Profile()
     state = make_state(32, SCENARIOS[args.profile], device)
     profiler.enable()
@@ -173,14 +182,15 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], args: argparse.Namespace
     result: dict[str, Any] = {"device": args.device, "rounds": args.rounds, "versions": {},
                               "profile": rounds["current"][-1]["profile"]}
     print(f"host µs per step ({args.device}), median [min-max] over {args.rounds} processes:")
+    names = list(rounds["current"][0]["us_per_step"])
     for version in rounds:
         result["versions"][version] = {
             name: {n: {"median": statistics.median(cells(version, name, n)),
                        "range": [min(cells(version, name, n)), max(cells(version, name, n))]}
-                   for n in args.requests} for name in args.scenarios}
-    for name in args.scenarios:
+                   for n in args.requests} for name in names}
+    for name in names:
         for n in args.requests:
-            line = f"{name:<14}{n:>5}"
+            line = f"{name:<24}{n:>5}"
             for version in rounds:
                 c = result["versions"][version][name][n]
                 line += f"  {version} {c['median']:7.0f} [{c['range'][0]:.0f}-{c['range'][1]:.0f}]"
@@ -216,9 +226,9 @@ def main() -> None:
         result = measure(args)
         if not args.one:
             print(f"host µs per decode step ({args.device}):")
-            print(f"{'scenario':<14}" + "".join(f"{n:>10}" for n in args.requests))
+            print(f"{'scenario':<24}" + "".join(f"{n:>10}" for n in args.requests))
             for name, row in result["us_per_step"].items():
-                print(f"{name:<14}" + "".join(f"{row[n]:>10.0f}" for n in args.requests))
+                print(f"{name:<24}" + "".join(f"{row[n]:>10.0f}" for n in args.requests))
             print(result["profile"])
     else:
         result = in_processes(args)
