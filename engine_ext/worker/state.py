@@ -443,6 +443,7 @@ class SteeringState:
             control_rows,
             slots if any_gated else None,
             pos_entries,
+            tokens,
         )
         if capture_starts is not None:
             self.capture.record(slots, capture_starts, num_computed, num_scheduled)

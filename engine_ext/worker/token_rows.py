@@ -96,6 +96,7 @@ class TokenRows:
         control_rows: np.ndarray | None = None,
         slots: np.ndarray | None = None,
         pos_entries: np.ndarray | None = None,
+        tokens: int | None = None,
     ) -> None:
         """Set this step's tokens; arrays are per request, in batch order (``positions``, per
         token, may be passed by a caller that computed them already).
@@ -107,9 +108,10 @@ class TokenRows:
         token of a request uses its ``control_rows`` value (None: no controller). With
         ``slots`` (the requests' slots, given when a probe row is set) the slot row is set
         too, and the position row to ``pos_entries`` (per token, see ``ops.POS_ABSOLUTE``).
+        ``tokens``: the sum of ``num_scheduled``, where the caller has it already.
         """
         counts = num_scheduled.astype(np.int64, copy=False)
-        tokens = int(counts.sum()) if positions is None else len(positions)
+        tokens = int(counts.sum()) if tokens is None else tokens
         one_each = tokens == len(counts)
         capturing = capture_starts is not None and np.count_nonzero(capture_starts) > 0
         by_phase = not same(prefill_rows, decode_rows)
