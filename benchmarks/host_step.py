@@ -16,8 +16,11 @@ this repository, e.g. from ``git archive``) alternates processes of that version
 of the installed one, ``--rounds`` of each, and reports the paired ratios (baseline / current
 per round: > 1 means the current version is faster).
 
+Scenario ``NAME-device`` is ``NAME`` with the device filling the index from the runner's
+device tensors (vLLM's V2 runner on CUDA; on CPU the kernel runs in Triton's interpreter only).
+
 Usage: python benchmarks/host_step.py --out DIR [--device cuda] [--steps 400]
-       [--rounds K] [--baseline SRC]
+       [--rounds K] [--baseline SRC] [--scenarios gated gated-device ...]
 """
 
 from __future__ import annotations
@@ -75,13 +78,30 @@ def make_state(requests: int, controller: dict[str, Any] | None, device: Any) ->
     return state
 
 
-def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = False
-              ) -> tuple[float, float]:
+def device_batch(slots: Any, computed: Any, scheduled: Any, device: Any) -> Any:
+    """The step's tensors as vLLM's V2 runner has them on the device (made outside the timed
+    part: they are the runner's work, not ours)."""
+    import numpy as np
+    import torch
+
+    from dynsteer.engine_ext.compat.worker import DeviceBatch
+    from dynsteer.engine_ext.worker.token_rows import expand_positions
+
+    query_start = np.zeros(len(slots) + 1, np.int32)
+    query_start[1:] = np.cumsum(scheduled)
+    return DeviceBatch(torch.from_numpy(slots.astype(np.int32)).to(device),
+                       torch.from_numpy(query_start).to(device),
+                       torch.from_numpy(expand_positions(computed, scheduled)).to(device))
+
+
+def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = False,
+              on_device: bool = False) -> tuple[float, float]:
     """µs per decode step (after a prefill step and a warm-up), and the µs of CPU time of
     the index fill alone (the ``step`` hook; the thread's clock, which another process's
     load on the machine does not inflate). ``churn``: in every step one request finishes and
     a new one takes its slot, its prompt in the step (an admission step, where serving
-    latency is host-bound)."""
+    latency is host-bound). ``on_device``: the runner hands over its device tensors, so the
+    device fills the index (vLLM's V2 runner on CUDA)."""
     import numpy as np
     import torch
 
@@ -95,17 +115,19 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = 
     elapsed = fill_cpu = 0.0
     for k in range(steps + 8):
         scheduled = np.ones(requests, np.int64)
+        i = k % requests
+        if churn:
+            computed[i], scheduled[i] = 0, PROMPT
+        extra = (device_batch(slots, computed, scheduled, device),) if on_device else ()
         state.gate[: requests * PROMPT] = gates[k]  # what the forward would have written
         sync()
         start = time.perf_counter()
         if churn:
-            i = k % requests
             state.remove_request(ids[i])
             ids[i] = f"r{i}-{k}"
             state.add_request(ids[i], i + 1, state.bench_wire, PROMPT)
-            computed[i], scheduled[i] = 0, PROMPT
         fill_start = time.thread_time()
-        state.fill(slots, computed, scheduled)
+        state.fill(slots, computed, scheduled, *extra)
         fill_end = time.thread_time()
         state.cache_report()
         computed += scheduled
@@ -127,10 +149,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     table: dict[str, dict[int, float]] = {}
     for name in args.scenarios:  # gated-churn: an admission and a finish in every step
-        churn = name == "gated-churn"
+        base = name.removesuffix("-device")  # "-device": the device fills the index
+        churn = base == "gated-churn"
         for n in args.requests:
-            state = make_state(n, None if churn else SCENARIOS[name], device)
-            step, fill = run_steps(state, n, args.steps, device, churn)
+            state = make_state(n, None if churn else SCENARIOS[base], device)
+            step, fill = run_steps(state, n, args.steps, device, churn, base != name)
             table.setdefault(name, {})[n] = step
             table.setdefault(f"{name} fill CPU", {})[n] = fill
     profiler = cProfile.Profile()
@@ -212,8 +235,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--profile", default="latch", choices=list(SCENARIOS))
-    ap.add_argument("--scenarios", nargs="+", default=[*SCENARIOS, "gated-churn"],
-                    choices=[*SCENARIOS, "gated-churn"])
+    every = [*SCENARIOS, "gated-churn"]
+    ap.add_argument("--scenarios", nargs="+", default=every,
+                    choices=[*every, *(f"{name}-device" for name in every)],
+                    help="NAME-device: the device fills the index (the V2 runner on CUDA)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="fresh processes per version, run in turn (medians and ranges)")
     ap.add_argument("--baseline", type=Path, default=None,
@@ -222,6 +247,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.baseline is not None and not (args.baseline / "engine_ext").is_dir():
         ap.error(f"--baseline {args.baseline}: no engine_ext folder (a checkout of this repo?)")
+    if args.baseline is not None and any(n.endswith("-device") for n in args.scenarios):
+        ap.error("--baseline: the device fill is newer than any baseline (compare NAME with "
+                 "NAME-device in one run instead)")
     if args.one or (args.rounds == 1 and args.baseline is None):
         result = measure(args)
         if not args.one:

@@ -16,7 +16,8 @@
    gates and logprobs against the step-by-step reference of tests/test_controllers_engine.py
    and HF steered with those decisions.
    The gate statistics' fold (issue 12): compiled Triton vs numpy, and the CUDA GateStats
-   (graph replays, staging) vs the CPU one.
+   (graph replays, staging) vs the CPU one; the device index fill (V2 runner) vs the host
+   fill (tests/test_device_fill.py, compiled).
 4. Input safety (issue 10): the kernel never writes NaN/inf/overflowing steered values
    (poisoned rows of tests/test_ops.py), and overflowing rows written straight into the workers
    (bypassing validation) change neither those requests nor the ones after them, under graphs.
@@ -178,8 +179,15 @@ def stats_kernel_check() -> list[dict[str, Any]]:
             seen.append(rows.buffer.cpu().numpy().copy())
         return seen
 
+    from test_device_fill import compare_fills
+
     from dynsteer.engine_ext.worker import ops as ops_mod
 
+    for seed in (0, 1, 2):
+        got = compare_fills(seed, "cuda")
+        results.append({"what": f"device index fill vs host fill seed {seed}", "equal": bool(
+            got["steps"] > 20 and not got["mismatch"] and got["reports"]
+            and all(a == b for a, b in got["reports"])), "mismatch": got["mismatch"][:3]})
     results.append({"what": "TokenRows publish cuda vs cpu", "equal": all(
         np.array_equal(a, b) for a, b in zip(publish("cuda"), publish("cpu"), strict=True))})
     gpu, cpu = run("cuda"), run("cpu")

@@ -16,7 +16,7 @@ import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -126,6 +126,24 @@ def is_internal_id_of(internal_id: str, request_id: str) -> bool:
     return internal_id.startswith(prefix) and len(internal_id) == len(prefix) + 8
 
 
+class DeviceBatch(NamedTuple):
+    """The model runner's device tensors of a step (the V2 runner on CUDA keeps them): request
+    ``b`` of the batch is in slot ``idx_mapping[b]`` and owns tokens ``query_start_loc[b]`` to
+    ``query_start_loc[b + 1]``, at ``positions``."""
+
+    idx_mapping: Any
+    query_start_loc: Any
+    positions: Any
+
+
+def _device_batch(batch: Any) -> DeviceBatch | None:
+    """The step's device tensors, where they are on CUDA and positions are one per token."""
+    positions = batch.positions
+    if positions.device.type != "cuda" or positions.dim() != 1:
+        return None
+    return DeviceBatch(batch.idx_mapping, batch.query_start_loc, positions)
+
+
 def is_v2_runner(runner: Any) -> bool:
     return type(runner).__module__.startswith("vllm.v1.worker.gpu.")
 
@@ -138,7 +156,8 @@ def install_step_hooks(runner: Any, on_add: Callable[..., None], on_remove: Call
 
     ``on_add(req_id, slot_or_None, extra_args, prompt_len)`` (V1 passes None: the caller
     picks a slot), ``on_remove(req_id)``, ``on_step(req_ids, slots_or_None, num_computed,
-    num_scheduled)``; ``on_output()`` returns the prefix-guard report that rides on the step's
+    num_scheduled, device_batch_or_None)`` (:class:`DeviceBatch`: V2 on CUDA);
+    ``on_output()`` returns the prefix-guard report that rides on the step's
     ``ModelRunnerOutput`` to the scheduler. ``on_idle()`` runs before every forward the
     scheduler did not schedule (``_dummy_run``: a data-parallel rank's idle batch, which the
     other ranks' MoE collectives need, warm-up, graph capture): no real request's tokens are
@@ -199,7 +218,8 @@ def _install_v1(runner: Any, on_add: Callable[..., None], on_remove: Callable[[s
         result = prepare_inputs(scheduler_output, num_scheduled_tokens)
         batch = runner.input_batch
         n = batch.num_reqs
-        on_step(batch.req_ids[:n], None, batch.num_computed_tokens_cpu[:n], num_scheduled_tokens)
+        on_step(batch.req_ids[:n], None, batch.num_computed_tokens_cpu[:n], num_scheduled_tokens,
+                None)
         return result
 
     runner._update_states = _update_states
@@ -229,7 +249,7 @@ def _install_v2(runner: Any, on_add: Callable[..., None], on_remove: Callable[[s
     def _prepare_inputs(scheduler_output: Any, batch_desc: Any) -> Any:
         batch = prepare_inputs(scheduler_output, batch_desc)
         on_step(batch.req_ids, batch.idx_mapping_np, batch.num_computed_tokens_np,
-                batch.num_scheduled_tokens)
+                batch.num_scheduled_tokens, _device_batch(batch))
         return batch
 
     runner.add_requests = _add_requests

@@ -20,6 +20,13 @@ others (measured, 16 requests: ``x.any()`` 2.5 µs against ``np.count_nonzero(x)
 ``np.array_equal`` 4.8 µs against comparing ``tobytes()`` 0.4 µs; inside a serving engine
 each costs 3-4x that). The step path uses the cheap forms, and skips ``np.repeat`` when every
 request has one token (a decode step).
+
+Where the model runner keeps the step's batch on the device (vLLM's V2 runner on CUDA) and the
+step needs nothing per token on the host (no capture, no controller, no gate traces), the
+index is filled there instead (:meth:`TokenRows.fill_from_slots`): a table of per-slot values
+(:class:`SlotTable`, uploaded only when one changed) and one kernel that maps each token to
+its request's slot. A step that admits requests, where the engine core's host time sets
+everyone's inter-token latency, then costs the host one launch instead of the numpy fill.
 """
 
 from __future__ import annotations
@@ -56,6 +63,76 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+SLOT_PREFILL, SLOT_DECODE, SLOT_PROBE, SLOT_PROMPT_LEN = range(4)
+"""Rows of the per-slot table the device fill reads (:meth:`TokenRows.fill_from_slots`): a
+request slot's ``INDEX_ROW`` entry for prompt positions and for generated positions, its
+probe row and its prompt length."""
+SLOT_ROWS = 4
+
+
+class Staged:
+    """A device tensor rewritten from the host through two pinned staging buffers in turn:
+    each upload is one contiguous non-blocking copy, and a staging buffer is reused only once
+    the copy that last read it is done (on the host, the tensor is written directly)."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target
+        self._on_host = target.device.type == "cpu"
+        if not self._on_host:
+            self._pinned = [torch.zeros_like(target, device="cpu").pin_memory()
+                            for _ in range(2)]
+            self._host = [p.numpy() for p in self._pinned]
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
+        """The staging buffer :meth:`stage` hands out next."""
+
+    def stage(self) -> np.ndarray:
+        """The buffer to write the tensor's new contents into (all of it is copied)."""
+        if self._on_host:
+            return self.target.numpy()
+        self._events[self.turn].synchronize()
+        return self._host[self.turn]
+
+    def send(self) -> None:
+        """Copy the staged contents to the device (after :meth:`stage`)."""
+        if not self._on_host:
+            self.target.copy_(self._pinned[self.turn], non_blocking=True)
+            self._events[self.turn].record()
+            self.turn ^= 1
+
+
+class SlotTable:
+    """The per-slot values of the device fill, kept in step with the host's (uploaded only in
+    steps where one changed: an admission, a finish, a controller's switch)."""
+
+    def __init__(self, max_slots: int, device: torch.device) -> None:
+        self._device = device
+        self._allocate(max_slots)
+
+    def _allocate(self, slots: int) -> None:
+        self.device = torch.zeros(SLOT_ROWS, slots, dtype=torch.int32, device=self._device)
+        self._staged = Staged(self.device)
+        self._next = np.zeros((SLOT_ROWS, slots), dtype=np.int32)
+        self._last = self._next.copy()
+
+    def sync(self, entries: np.ndarray, prefill_rows: np.ndarray, decode_rows: np.ndarray,
+             probe_rows: np.ndarray, prompt_lens: np.ndarray) -> None:
+        """Every slot's values (rows are mapped to their ``INDEX_ROW`` entries here); the
+        table grows with the host's per-slot arrays."""
+        if len(prefill_rows) != self._next.shape[1]:
+            self._allocate(len(prefill_rows))
+            self._last[:] = -1  # uploaded below
+        table = self._next
+        np.take(entries, prefill_rows, out=table[SLOT_PREFILL])
+        np.take(entries, decode_rows, out=table[SLOT_DECODE])
+        table[SLOT_PROBE] = probe_rows
+        table[SLOT_PROMPT_LEN] = prompt_lens
+        if not same(table, self._last):
+            self._staged.stage()[:] = table
+            self._staged.send()
+            self._last[:] = table
+
+
 class TokenRows:
     """Owns the device index buffer the ops read and fills it each step."""
 
@@ -65,16 +142,11 @@ class TokenRows:
         self.rows = self.buffer[INDEX_ROW]
         self.probe_rows = self.buffer[INDEX_PROBE]
         self.capture_rows = self.buffer[INDEX_CAPTURE]
-        self._on_host = device.type == "cpu"
-        if not self._on_host:  # whole-buffer staging: one contiguous DMA, no slicing
-            shape = (INDEX_ROWS, max_tokens)
-            self._pinned = [torch.zeros(shape, dtype=torch.int32).pin_memory() for _ in range(2)]
-            self._host = [p.numpy() for p in self._pinned]
-            self._host_dirty = [0, 0]
-            """Columns [0, d) of each staging buffer may be non-zero."""
-            self._events = [torch.cuda.Event(), torch.cuda.Event()]
-        self._turn = 0
+        self._staged = Staged(self.buffer)  # whole-buffer staging: one DMA, no slicing
+        self._staged_dirty = [0, 0]
+        """Columns [0, d) of each staging buffer may be non-zero."""
         self._last = np.zeros((INDEX_ROWS, 0), dtype=np.int32)
+        """The index last published from the host (None: the device fill wrote since)."""
         self._dirty = 0
         """Columns [0, dirty) of the device buffer may be non-zero."""
 
@@ -138,8 +210,32 @@ class TokenRows:
             index[INDEX_CAPTURE] = np.where(in_prompt & (starts != 0), starts + positions, 0)
         if not np.count_nonzero(index):
             self.clear()
-        elif not same(index, self._last):
+        elif self._last is None or not same(index, self._last):
             self._publish(index)
+
+    def fill_from_slots(self, table: SlotTable, idx_mapping: torch.Tensor,
+                        query_start_loc: torch.Tensor, positions: torch.Tensor, tokens: int,
+                        gated: bool) -> None:
+        """Set this step's tokens on the device, from per-slot values and the model runner's
+        own device tensors of the step (see :func:`.triton_kernels.index_fill_triton`): one
+        launch, no per-token or per-request work on the host and no upload. The index is the
+        one :meth:`fill` makes with the same values and no capture or controller rows, except
+        that a gated step's positions are absolute (``POS_ABSOLUTE``) throughout."""
+        from .triton_kernels import index_fill_triton
+
+        index_fill_triton(self.buffer, table.device, idx_mapping, query_start_loc, positions,
+                          tokens, self._dirty, gated)
+        self._dirty = tokens
+        self._last = None
+
+    def warm_device_fill(self, table: SlotTable) -> None:
+        """Compile the device fill's kernel now (an empty step), not in the first step that
+        uses it, where it would stall every running request."""
+        from .triton_kernels import index_fill_triton
+
+        one = torch.zeros(2, dtype=torch.int32, device=self.device)
+        index_fill_triton(self.buffer, table.device, one[:1], one,
+                          torch.zeros(1, dtype=torch.int64, device=self.device), 0, 0, False)
 
     def _publish(self, index: np.ndarray) -> None:
         """The buffer's first columns become ``index``, the rest zeros. On CUDA the whole
@@ -148,19 +244,11 @@ class TokenRows:
         are strided, and a strided copy from the host goes through pageable memory and
         waits; slicing costs host time)."""
         n = index.shape[1]
-        if self._on_host:
-            self.buffer.numpy()[:, :n] = index
-            self.buffer.numpy()[:, n:self._dirty] = 0
-        else:
-            turn = self._turn
-            # The copy that last read this staging buffer must be done before it is rewritten.
-            self._events[turn].synchronize()
-            host = self._host[turn]
-            host[:, :n] = index
-            host[:, n:self._host_dirty[turn]] = 0
-            self._host_dirty[turn] = n
-            self.buffer.copy_(self._pinned[turn], non_blocking=True)
-            self._events[turn].record()
-            self._turn ^= 1
+        turn = self._staged.turn
+        host = self._staged.stage()
+        host[:, :n] = index
+        host[:, n:max(self._staged_dirty[turn], self._dirty)] = 0
+        self._staged_dirty[turn] = n
+        self._staged.send()
         self._last = index.copy()
         self._dirty = n

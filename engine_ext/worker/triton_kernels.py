@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..prefix_guard.guard import DYNAMIC_EPSILON
-from . import gate_stats, ops
+from . import gate_stats, ops, token_rows
 
 # The layout constants of ops.py, as globals a jitted function may read.
 STATIC_FLAG = tl.constexpr(ops.STATIC_FLAG)
@@ -68,6 +68,11 @@ ST_DYNAMIC_FROM = tl.constexpr(gate_stats.DYNAMIC_FROM)
 ST_SITE = tl.constexpr(gate_stats.SITE)
 GATE = tl.constexpr(ops.GATE)
 SCORE = tl.constexpr(ops.SCORE)
+INDEX_ROWS = tl.constexpr(ops.INDEX_ROWS)
+SLOT_PREFILL = tl.constexpr(token_rows.SLOT_PREFILL)
+SLOT_DECODE = tl.constexpr(token_rows.SLOT_DECODE)
+SLOT_PROBE = tl.constexpr(token_rows.SLOT_PROBE)
+SLOT_PROMPT_LEN = tl.constexpr(token_rows.SLOT_PROMPT_LEN)
 
 
 @triton.jit
@@ -256,6 +261,8 @@ def new_fold_scratch(control: torch.Tensor) -> torch.Tensor:
 
 
 FOLD_BLOCK = 256
+INDEX_BLOCK = 128
+"""Tokens per loop iteration of the index fill (a decode request has one)."""
 
 
 def control_step_triton(index: torch.Tensor, gate_score: torch.Tensor, control: torch.Tensor,
@@ -378,6 +385,59 @@ def stats_step_triton(ops: torch.Tensor, index: torch.Tensor, gate_score: torch.
         gate_score.stride(0), gate_stats.GATE_ON, DYNAMIC_EPSILON, BLOCK=FOLD_BLOCK,
         num_warps=4)
     _stats_frontier_kernel[per_slot](ops, stats, slots, BLOCK=FOLD_BLOCK)
+
+
+@triton.jit(do_not_specialize=["requests", "tokens", "clear_to", "gated"])
+def _index_fill_kernel(index_ptr, table_ptr, idx_mapping_ptr, query_start_ptr, positions_ptr,
+                       index_stride, table_stride, requests, tokens, clear_to, gated,
+                       BLOCK: tl.constexpr):
+    """Program ``b < requests``: the tokens of the b-th request of the batch; program
+    ``requests``: zeroes the columns ``[tokens, clear_to)`` (an earlier, longer step's)."""
+    b = tl.program_id(0)
+    if b == requests:
+        for first in range(tokens, clear_to, BLOCK):
+            offs = first + tl.arange(0, BLOCK)
+            inside = offs < clear_to
+            for r in tl.static_range(INDEX_ROWS):
+                tl.store(index_ptr + r * index_stride + offs, tl.zeros([BLOCK], tl.int32),
+                         mask=inside)
+    else:
+        slot = tl.load(idx_mapping_ptr + b)
+        start = tl.load(query_start_ptr + b)
+        end = tl.load(query_start_ptr + b + 1)
+        prefill = tl.load(table_ptr + SLOT_PREFILL * table_stride + slot)
+        decode = tl.load(table_ptr + SLOT_DECODE * table_stride + slot)
+        probe = tl.load(table_ptr + SLOT_PROBE * table_stride + slot)
+        prompt_len = tl.load(table_ptr + SLOT_PROMPT_LEN * table_stride + slot)
+        zero = tl.zeros([BLOCK], tl.int32)
+        keyed = (gated != 0).to(tl.int32)  # slot and position rows only in gated steps
+        for first in range(start, end, BLOCK):
+            offs = first + tl.arange(0, BLOCK)
+            inside = offs < end
+            pos = tl.load(positions_ptr + offs, mask=inside, other=0).to(tl.int32)
+            row = tl.where(pos < prompt_len, prefill, decode)
+            tl.store(index_ptr + INDEX_ROW * index_stride + offs, row, mask=inside)
+            tl.store(index_ptr + INDEX_PROBE * index_stride + offs, zero + probe, mask=inside)
+            tl.store(index_ptr + INDEX_CAPTURE * index_stride + offs, zero, mask=inside)
+            tl.store(index_ptr + INDEX_CONTROL * index_stride + offs, zero, mask=inside)
+            tl.store(index_ptr + INDEX_SLOT * index_stride + offs, zero + slot * keyed,
+                     mask=inside)
+            tl.store(index_ptr + INDEX_POS * index_stride + offs,
+                     (pos | POS_ABSOLUTE) * keyed, mask=inside)
+
+
+def index_fill_triton(index: torch.Tensor, table: torch.Tensor, idx_mapping: torch.Tensor,
+                      query_start_loc: torch.Tensor, positions: torch.Tensor, tokens: int,
+                      clear_to: int, gated: bool) -> None:
+    """CUDA implementation of the per-token index fill from per-slot values (see
+    :meth:`.token_rows.TokenRows.fill_from_slots`): one launch, its inputs the model
+    runner's own device tensors of the step (request ``b`` of the batch is in slot
+    ``idx_mapping[b]`` and owns the tokens ``query_start_loc[b]`` to ``query_start_loc[b +
+    1]``, at ``positions``)."""
+    requests = idx_mapping.shape[0]
+    _index_fill_kernel[(requests + 1,)](
+        index, table, idx_mapping, query_start_loc, positions, index.stride(0), table.stride(0),
+        requests, tokens, clear_to, int(gated), BLOCK=INDEX_BLOCK, num_warps=1)
 
 
 def captured(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
