@@ -78,20 +78,27 @@ def make_state(requests: int, controller: dict[str, Any] | None, device: Any) ->
     return state
 
 
-def device_batch(slots: Any, computed: Any, scheduled: Any, device: Any) -> Any:
-    """The step's tensors as vLLM's V2 runner has them on the device (made outside the timed
-    part: they are the runner's work, not ours)."""
+def batch_buffers(state: Any, requests: int, device: Any) -> Any:
+    """Persistent ``query_start_loc`` and ``positions`` buffers as vLLM's V2 runner keeps
+    them, handed to the state's device fill; returns a function that writes a step's batch
+    into them (outside the timed part: that is the runner's work, not ours) and returns its
+    slots as a device tensor."""
     import numpy as np
     import torch
 
-    from dynsteer.engine_ext.compat.worker import DeviceBatch
     from dynsteer.engine_ext.worker.token_rows import expand_positions
 
-    query_start = np.zeros(len(slots) + 1, np.int32)
-    query_start[1:] = np.cumsum(scheduled)
-    return DeviceBatch(torch.from_numpy(slots.astype(np.int32)).to(device),
-                       torch.from_numpy(query_start).to(device),
-                       torch.from_numpy(expand_positions(computed, scheduled)).to(device))
+    query_start = torch.zeros(requests + 1, dtype=torch.int32, device=device)
+    positions = torch.zeros(requests * PROMPT, dtype=torch.int64, device=device)
+    state.enable_device_fill(query_start, positions)
+
+    def write(slots: Any, computed: Any, scheduled: Any) -> Any:
+        starts = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
+        query_start.copy_(torch.from_numpy(starts))
+        positions[: starts[-1]] = torch.from_numpy(expand_positions(computed, scheduled))
+        return torch.from_numpy(slots.astype(np.int32)).to(device)
+
+    return write
 
 
 def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = False,
@@ -106,6 +113,7 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = 
     import torch
 
     slots = np.arange(1, requests + 1)
+    write = batch_buffers(state, requests, device) if on_device else None
     state.fill(slots, np.zeros(requests, np.int64), np.full(requests, PROMPT))
     state.cache_report()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -118,7 +126,7 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = 
         i = k % requests
         if churn:
             computed[i], scheduled[i] = 0, PROMPT
-        extra = (device_batch(slots, computed, scheduled, device),) if on_device else ()
+        extra = (write(slots, computed, scheduled),) if on_device else ()
         state.gate[: requests * PROMPT] = gates[k]  # what the forward would have written
         sync()
         start = time.perf_counter()

@@ -13,6 +13,8 @@ from triton_interpreter import run_interpreted
 
 SITES = (("post_block", 0), ("post_block", 1), ("post_block", 2))
 WIDTH = 48
+MAX_BATCH = 8
+"""Requests a step can hold (the runner's ``max_num_reqs``)."""
 
 
 def _kinds() -> dict[str, Any]:
@@ -41,7 +43,6 @@ def compare_fills(seed: int, device: str) -> dict[str, Any]:
     positions, prefix-guard reports) and both states' final gate reports per request."""
     import torch
 
-    from dynsteer.engine_ext.compat.worker import DeviceBatch
     from dynsteer.engine_ext.worker import ops
     from dynsteer.engine_ext.worker.state import SteeringState
     from dynsteer.engine_ext.worker.token_rows import expand_positions
@@ -50,6 +51,10 @@ def compare_fills(seed: int, device: str) -> dict[str, Any]:
     on = torch.device(device)
     host, dev = (SteeringState(SITES, 4, max_rows=8, max_tokens=WIDTH, max_slots=8, device=on,
                                block_size=2) for _ in range(2))
+    # The runner's persistent batch buffers, rewritten in place each step as vLLM does.
+    query_start = torch.zeros(MAX_BATCH + 1, dtype=torch.int32, device=on)
+    positions_buffer = torch.zeros(WIDTH, dtype=torch.int64, device=on)
+    dev.enable_device_fill(query_start, positions_buffer)
     rng = np.random.default_rng(seed)
     live: dict[int, list[Any]] = {}  # slot -> [request id, prompt length, computed]
     out: dict[str, Any] = {"steps": 0, "mismatch": [], "reports": []}
@@ -85,25 +90,28 @@ def compare_fills(seed: int, device: str) -> dict[str, Any]:
         if tokens > WIDTH - 8:
             continue
         positions = expand_positions(comp, sched)
-        padded = torch.zeros(tokens + 8, dtype=torch.int64)  # graph padding after the tokens
-        padded[:tokens] = torch.from_numpy(positions)
-        query_start = torch.zeros(len(slots) + 1, dtype=torch.int32)
-        query_start[1:] = torch.from_numpy(np.cumsum(sched))
-        batch = DeviceBatch(torch.tensor(slots, dtype=torch.int32).to(on), query_start.to(on),
-                            padded.to(on))
+        starts = np.full(MAX_BATCH + 1, tokens, np.int32)  # padded with the token count
+        starts[: len(slots) + 1] = np.concatenate([[0], np.cumsum(sched)])
+        query_start.copy_(torch.from_numpy(starts))
+        positions_buffer[:tokens] = torch.from_numpy(positions)
+        positions_buffer[tokens:] = 7  # stale values past the step: never read
         host.fill(np.array(slots), comp, sched)
-        dev.fill(np.array(slots), comp, sched, batch)
+        dev.fill(np.array(slots), comp, sched, torch.tensor(slots, dtype=torch.int32).to(on))
         a, b = host.token_rows.buffer.cpu().numpy(), dev.token_rows.buffer.cpu().numpy()
-        for row in (ops.INDEX_ROW, ops.INDEX_PROBE, ops.INDEX_CAPTURE, ops.INDEX_CONTROL,
-                    ops.INDEX_SLOT):
+        for row in (ops.INDEX_ROW, ops.INDEX_PROBE, ops.INDEX_CAPTURE, ops.INDEX_CONTROL):
             if not np.array_equal(a[row], b[row]):
                 out["mismatch"].append([step, row, a[row, :tokens + 2].tolist(),
                                         b[row, :tokens + 2].tolist()])
-        probe = b[ops.INDEX_PROBE, :tokens] != 0
+        probe = b[ops.INDEX_PROBE, :tokens] != 0  # slot and position: read for these only
         want = np.where(probe, positions | ops.POS_ABSOLUTE, 0)
         got = np.where(probe, b[ops.INDEX_POS, :tokens], 0)
-        if not np.array_equal(want, got) or b[ops.INDEX_POS, tokens:].any():
+        if not np.array_equal(want, got):
             out["mismatch"].append([step, "pos", want.tolist(), got.tolist()])
+        if not np.array_equal(np.where(probe, a[ops.INDEX_SLOT, :tokens], 0),
+                              np.where(probe, b[ops.INDEX_SLOT, :tokens], 0)):
+            out["mismatch"].append([step, "slot"])
+        if b[:, tokens:].any():
+            out["mismatch"].append([step, "past the step's tokens"])
         gates = torch.from_numpy(rng.random(tokens).astype(np.float32)).to(on)
         for s in (host, dev):
             s.gate[:tokens] = gates
@@ -131,8 +139,9 @@ print(json.dumps(compare_fills({seed}, "cpu")))
 def test_device_fill_matches_the_host_fill_in_the_interpreter(seed):
     """Random admissions, finishes, prefill chunks, decode steps and recomputed requests of
     every kind (by-phase static, static, gated, plain): the device-filled index equals the
-    host's in every row (positions: absolute where the host's are relative), padding stays
-    zero, and the gate statistics and prefix-guard reports built from either are equal."""
+    host's in every row (slots and positions where a probe reads them; positions absolute
+    where the host's are relative), columns past the step are zero, and the gate statistics
+    and prefix-guard reports built from either are equal."""
     pytest.importorskip("triton")
     got = run_interpreted(INTERPRETED.replace("{seed}", str(seed)))
     assert got["steps"] > 20

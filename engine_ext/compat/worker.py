@@ -126,22 +126,35 @@ def is_internal_id_of(internal_id: str, request_id: str) -> bool:
     return internal_id.startswith(prefix) and len(internal_id) == len(prefix) + 8
 
 
-class DeviceBatch(NamedTuple):
-    """The model runner's device tensors of a step (the V2 runner on CUDA keeps them): request
-    ``b`` of the batch is in slot ``idx_mapping[b]`` and owns tokens ``query_start_loc[b]`` to
-    ``query_start_loc[b + 1]``, at ``positions``."""
+class BatchBuffers(NamedTuple):
+    """The V2 runner's persistent device buffers of each step's batch (rewritten in place
+    every step): ``query_start_loc`` (``int32[max_reqs + 1]``: request ``b`` of the batch owns
+    tokens ``[q[b], q[b + 1])``, entries past the batch hold the step's token count) and
+    ``positions`` (``int64[max_tokens]``)."""
 
-    idx_mapping: Any
     query_start_loc: Any
     positions: Any
 
 
-def _device_batch(batch: Any) -> DeviceBatch | None:
-    """The step's device tensors, where they are on CUDA and positions are one per token."""
-    positions = batch.positions
-    if positions.device.type != "cuda" or positions.dim() != 1:
+def batch_buffers(runner: Any) -> BatchBuffers | None:
+    """The runner's :class:`BatchBuffers`: the V2 runner on CUDA (None elsewhere)."""
+    buffers = getattr(runner, "input_buffers", None)
+    if not is_v2_runner(runner) or buffers is None or runner.device.type != "cuda":
         return None
-    return DeviceBatch(batch.idx_mapping, batch.query_start_loc, positions)
+    if buffers.positions.dim() != 1:
+        return None
+    return BatchBuffers(buffers.query_start_loc, buffers.positions)
+
+
+def _step_slots(runner: Any, batch: Any) -> Any:
+    """The batch's request slots on the device, when its ``query_start_loc`` and
+    ``positions`` are the views of the runner's persistent buffers (from their start) that
+    :func:`batch_buffers` hands out; else None (the host fills the index)."""
+    buffers = runner.input_buffers
+    if (batch.query_start_loc.data_ptr() != buffers.query_start_loc.data_ptr()
+            or batch.positions.data_ptr() != buffers.positions.data_ptr()):
+        return None
+    return batch.idx_mapping
 
 
 def is_v2_runner(runner: Any) -> bool:
@@ -156,7 +169,8 @@ def install_step_hooks(runner: Any, on_add: Callable[..., None], on_remove: Call
 
     ``on_add(req_id, slot_or_None, extra_args, prompt_len)`` (V1 passes None: the caller
     picks a slot), ``on_remove(req_id)``, ``on_step(req_ids, slots_or_None, num_computed,
-    num_scheduled, device_batch_or_None)`` (:class:`DeviceBatch`: V2 on CUDA);
+    num_scheduled, device_slots_or_None)`` (the slots as a device tensor: V2 on CUDA, see
+    :func:`batch_buffers`);
     ``on_output()`` returns the prefix-guard report that rides on the step's
     ``ModelRunnerOutput`` to the scheduler. ``on_idle()`` runs before every forward the
     scheduler did not schedule (``_dummy_run``: a data-parallel rank's idle batch, which the
@@ -249,7 +263,7 @@ def _install_v2(runner: Any, on_add: Callable[..., None], on_remove: Callable[[s
     def _prepare_inputs(scheduler_output: Any, batch_desc: Any) -> Any:
         batch = prepare_inputs(scheduler_output, batch_desc)
         on_step(batch.req_ids, batch.idx_mapping_np, batch.num_computed_tokens_np,
-                batch.num_scheduled_tokens, _device_batch(batch))
+                batch.num_scheduled_tokens, _step_slots(runner, batch))
         return batch
 
     runner.add_requests = _add_requests

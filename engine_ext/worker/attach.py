@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..compat import model as vllm_model
 from ..compat import worker as vllm_worker
@@ -77,8 +78,9 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         state.set_events(EngineEvents(EventPublisher(options.events_address,
                                                      options.events_queue),
                                       options.events_every))
-    if vllm_worker.is_v2_runner(runner) and facts.device.type == "cuda":
-        state.token_rows.warm_device_fill(state.slot_table)  # the runner's device batches
+    buffers = vllm_worker.batch_buffers(runner)
+    if buffers is not None:
+        state.enable_device_fill(buffers.query_start_loc, buffers.positions)
     installed = install_sites(facts.model, state.site_buffers())
     vllm_model.relay_between_stages(facts.model, state.gate_score,
                                     vllm_worker.stage_buffers(runner))
@@ -96,12 +98,12 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         slot_map.drop(req_id)
 
     def on_step(req_ids: list[str], slots: np.ndarray | None, num_computed: np.ndarray,
-                num_scheduled: np.ndarray, device_batch: vllm_worker.DeviceBatch | None) -> None:
+                num_scheduled: np.ndarray, device_slots: torch.Tensor | None) -> None:
         if not state.needs_fill:
             state.skip_step()
             return
         state.fill(slot_map.lookup(req_ids) if slots is None else slots, num_computed,
-                   num_scheduled, device_batch)
+                   num_scheduled, device_slots)
 
     timer = state.host_time
     vllm_worker.install_step_hooks(

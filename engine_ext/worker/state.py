@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -54,10 +54,7 @@ from .rows import (
 )
 from .sites import SiteBuffers
 from .telemetry import GateTelemetry
-from .token_rows import SlotTable, TokenRows, per_token
-
-if TYPE_CHECKING:
-    from ..compat.worker import DeviceBatch
+from .token_rows import DeviceFill, SlotTable, TokenRows, per_token
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -173,6 +170,9 @@ class SteeringState:
         self.token_rows = TokenRows(max_tokens, device)
         self.slot_table = SlotTable(max_slots, device)
         """Per-slot values of the device fill (see :meth:`fill`)."""
+        self.device_fill: DeviceFill | None = None
+        """The index filled on the device, where the runner keeps its batch there (see
+        :meth:`enable_device_fill`)."""
         self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
         """Per-token gate (row ``GATE``, written at each token's monitor site) and probe score
         (row ``SCORE``) of the step: one buffer, so the read-back is one copy."""
@@ -401,15 +401,24 @@ class SteeringState:
         return self._num_steered > 0 or self.capture.active
 
     # ---- per step ------------------------------------------------------------------------
+    def enable_device_fill(self, query_start_loc: torch.Tensor, positions: torch.Tensor
+                           ) -> None:
+        """Let the device fill the index from the runner's persistent buffers of each step's
+        batch (see :class:`.token_rows.DeviceFill`); steps then pass their batch's slots as a
+        device tensor to :meth:`fill`."""
+        self.device_fill = DeviceFill(self.token_rows, self.slot_table, query_start_loc,
+                                      positions)
+
     def fill(self, slots: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray,
-             device_batch: DeviceBatch | None = None) -> None:
+             device_slots: torch.Tensor | None = None) -> None:
         """Fill the token index for one step; arrays are per request in batch order.
 
         Whole-array work only (no Python per request or per token): the step's host cost does
         not grow with the number of requests beyond numpy's vectorized passes.
-        ``device_batch``: the runner's device tensors of the step, where it keeps them (then,
-        unless a token needs host work of its own, the device fills the index: see
-        :mod:`.token_rows`).
+        ``device_slots``: ``slots`` on the device, where the runner has them and its
+        persistent buffers hold the step's batch (see :meth:`enable_device_fill`); then,
+        unless a token needs host work of its own (capture, a controller, gate traces), the
+        device fills the index.
 
         Order matters: the previous step's copies are launched first (the controller table
         as it was during that step), then Python controllers act (they may switch rows), the
@@ -425,9 +434,10 @@ class SteeringState:
         control_rows = self._control_row[slots]
         controlled = np.count_nonzero(control_rows) > 0
         tokens = int(counts.sum())
-        if (device_batch is not None and capture_starts is None and not controlled
-                and not self.telemetry.wants_tokens):
-            self._fill_on_device(device_batch, slots, num_computed, counts, tokens, any_gated)
+        if (device_slots is not None and self.device_fill is not None
+                and capture_starts is None and not controlled and not self.telemetry.wants_tokens
+                and self.slot_table.fits(len(self._prefill_row))):
+            self._fill_on_device(device_slots, slots, num_computed, counts, tokens, any_gated)
             return
         positions = pos_entries = None
         if any_gated:
@@ -460,17 +470,17 @@ class SteeringState:
         if capture_starts is not None:
             self.capture.record(slots, capture_starts, num_computed, num_scheduled)
 
-    def _fill_on_device(self, batch: DeviceBatch, slots: np.ndarray, num_computed: np.ndarray,
-                        counts: np.ndarray, tokens: int, any_gated: bool) -> None:
+    def _fill_on_device(self, device_slots: torch.Tensor, slots: np.ndarray,
+                        num_computed: np.ndarray, counts: np.ndarray, tokens: int,
+                        any_gated: bool) -> None:
         """:meth:`fill` by the device, from the slot table (uploaded if a slot changed)."""
+        assert self.device_fill is not None
         self.telemetry.before_step(tokens, any_gated)
         self.control.before_step(tokens)
         self._next_pos[slots] = num_computed + counts  # the host fill's offsets stay right
         self.slot_table.sync(self.rows.entries, self._prefill_row, self._decode_row,
                              self._probe_row, self._prompt_len)
-        self.token_rows.fill_from_slots(self.slot_table, batch.idx_mapping,
-                                        batch.query_start_loc, batch.positions, tokens,
-                                        any_gated)
+        self.token_rows.fill_from_slots(self.device_fill, device_slots, tokens)
 
     def _gate_positions(self, slots: np.ndarray, gated: np.ndarray, num_computed: np.ndarray,
                         counts: np.ndarray, tokens: int, controlled: bool

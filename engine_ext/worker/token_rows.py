@@ -23,13 +23,16 @@ request has one token (a decode step).
 
 Where the model runner keeps the step's batch on the device (vLLM's V2 runner on CUDA) and the
 step needs nothing per token on the host (no capture, no controller, no gate traces), the
-index is filled there instead (:meth:`TokenRows.fill_from_slots`): a table of per-slot values
-(:class:`SlotTable`, uploaded only when one changed) and one kernel that maps each token to
-its request's slot. A step that admits requests, where the engine core's host time sets
-everyone's inter-token latency, then costs the host one launch instead of the numpy fill.
+index is filled there instead (:class:`DeviceFill`): a table of per-slot values
+(:class:`SlotTable`, uploaded only when one changed) and one kernel, replayed from a CUDA
+graph, that maps each token to its request's slot. A step that admits requests, where the
+engine core's host time sets everyone's inter-token latency, then costs the host a copy and a
+replay instead of the numpy fill.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -103,34 +106,61 @@ class Staged:
 
 class SlotTable:
     """The per-slot values of the device fill, kept in step with the host's (uploaded only in
-    steps where one changed: an admission, a finish, a controller's switch)."""
+    steps where one changed: an admission, a finish, a controller's switch). Its device
+    tensor never moves (a captured fill reads it)."""
 
     def __init__(self, max_slots: int, device: torch.device) -> None:
-        self._device = device
-        self._allocate(max_slots)
-
-    def _allocate(self, slots: int) -> None:
-        self.device = torch.zeros(SLOT_ROWS, slots, dtype=torch.int32, device=self._device)
+        self.device = torch.zeros(SLOT_ROWS, max_slots, dtype=torch.int32, device=device)
         self._staged = Staged(self.device)
-        self._next = np.zeros((SLOT_ROWS, slots), dtype=np.int32)
+        self._next = np.zeros((SLOT_ROWS, max_slots), dtype=np.int32)
         self._last = self._next.copy()
+
+    def fits(self, slots: int) -> bool:
+        return slots <= self._next.shape[1]
 
     def sync(self, entries: np.ndarray, prefill_rows: np.ndarray, decode_rows: np.ndarray,
              probe_rows: np.ndarray, prompt_lens: np.ndarray) -> None:
-        """Every slot's values (rows are mapped to their ``INDEX_ROW`` entries here); the
-        table grows with the host's per-slot arrays."""
-        if len(prefill_rows) != self._next.shape[1]:
-            self._allocate(len(prefill_rows))
-            self._last[:] = -1  # uploaded below
-        table = self._next
-        np.take(entries, prefill_rows, out=table[SLOT_PREFILL])
-        np.take(entries, decode_rows, out=table[SLOT_DECODE])
-        table[SLOT_PROBE] = probe_rows
-        table[SLOT_PROMPT_LEN] = prompt_lens
+        """Every slot's values (rows are mapped to their ``INDEX_ROW`` entries here; the
+        arrays may be shorter than the table, never longer: see :meth:`fits`)."""
+        table, n = self._next, len(prefill_rows)
+        np.take(entries, prefill_rows, out=table[SLOT_PREFILL, :n])
+        np.take(entries, decode_rows, out=table[SLOT_DECODE, :n])
+        table[SLOT_PROBE, :n] = probe_rows
+        table[SLOT_PROMPT_LEN, :n] = prompt_lens
         if not same(table, self._last):
             self._staged.stage()[:] = table
             self._staged.send()
             self._last[:] = table
+
+
+class DeviceFill:
+    """The index filled on the device from the slot table and the model runner's persistent
+    device buffers of the step's batch (``query_start_loc`` and ``positions``, rewritten by
+    the runner each step at the same address): one kernel over the largest batch, captured
+    once in a CUDA graph. Per step the host copies the batch's slots (the runner's
+    ``idx_mapping``, a fresh tensor each step) into a persistent buffer and replays the graph:
+    two launches, whatever the batch (a Triton launch from Python costs ~45 µs of host time,
+    a replay a few)."""
+
+    def __init__(self, rows: TokenRows, table: SlotTable, query_start_loc: torch.Tensor,
+                 positions: torch.Tensor) -> None:
+        from .triton_kernels import captured, index_fill_triton
+
+        self.query_start_loc, self.positions = query_start_loc, positions
+        self._slots = torch.zeros(query_start_loc.shape[0] - 1, dtype=torch.int32,
+                                  device=query_start_loc.device)
+        self._launch = functools.partial(index_fill_triton, rows.buffer, table.device,
+                                         self._slots, query_start_loc, positions)
+        self._graph = captured(self._launch) if self._slots.is_cuda else None
+
+    def run(self, slots: torch.Tensor) -> None:
+        """Fill the index of the step whose batch is in ``slots`` (a device tensor, one slot
+        per request, in batch order)."""
+        self._slots[: slots.shape[0]].copy_(slots, non_blocking=True)
+        if self._graph is not None:
+            self._graph.replay()
+        else:  # CPU tensors: Triton's interpreter (tests)
+            self._launch()
 
 
 class TokenRows:
@@ -213,29 +243,15 @@ class TokenRows:
         elif self._last is None or not same(index, self._last):
             self._publish(index)
 
-    def fill_from_slots(self, table: SlotTable, idx_mapping: torch.Tensor,
-                        query_start_loc: torch.Tensor, positions: torch.Tensor, tokens: int,
-                        gated: bool) -> None:
-        """Set this step's tokens on the device, from per-slot values and the model runner's
-        own device tensors of the step (see :func:`.triton_kernels.index_fill_triton`): one
-        launch, no per-token or per-request work on the host and no upload. The index is the
-        one :meth:`fill` makes with the same values and no capture or controller rows, except
-        that a gated step's positions are absolute (``POS_ABSOLUTE``) throughout."""
-        from .triton_kernels import index_fill_triton
-
-        index_fill_triton(self.buffer, table.device, idx_mapping, query_start_loc, positions,
-                          tokens, self._dirty, gated)
+    def fill_from_slots(self, fill: DeviceFill, slots: torch.Tensor, tokens: int) -> None:
+        """Set this step's ``tokens`` on the device (see :class:`DeviceFill`): no per-token or
+        per-request work on the host, and no upload. The index is the one :meth:`fill` makes
+        with the same values and no capture or controller rows, except that positions are
+        absolute (``POS_ABSOLUTE``) and the slot and position rows are set for every token
+        (the gate statistics read them only for tokens with a probe row)."""
+        fill.run(slots)
         self._dirty = tokens
         self._last = None
-
-    def warm_device_fill(self, table: SlotTable) -> None:
-        """Compile the device fill's kernel now (an empty step), not in the first step that
-        uses it, where it would stall every running request."""
-        from .triton_kernels import index_fill_triton
-
-        one = torch.zeros(2, dtype=torch.int32, device=self.device)
-        index_fill_triton(self.buffer, table.device, one[:1], one,
-                          torch.zeros(1, dtype=torch.int64, device=self.device), 0, 0, False)
 
     def _publish(self, index: np.ndarray) -> None:
         """The buffer's first columns become ``index``, the rest zeros. On CUDA the whole

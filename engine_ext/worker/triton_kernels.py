@@ -263,6 +263,8 @@ def new_fold_scratch(control: torch.Tensor) -> torch.Tensor:
 FOLD_BLOCK = 256
 INDEX_BLOCK = 128
 """Tokens per loop iteration of the index fill (a decode request has one)."""
+INDEX_TAIL = 1024
+"""Columns past the step's tokens each zeroing program of the index fill covers."""
 
 
 def control_step_triton(index: torch.Tensor, gate_score: torch.Tensor, control: torch.Tensor,
@@ -387,57 +389,62 @@ def stats_step_triton(ops: torch.Tensor, index: torch.Tensor, gate_score: torch.
     _stats_frontier_kernel[per_slot](ops, stats, slots, BLOCK=FOLD_BLOCK)
 
 
-@triton.jit(do_not_specialize=["requests", "tokens", "clear_to", "gated"])
-def _index_fill_kernel(index_ptr, table_ptr, idx_mapping_ptr, query_start_ptr, positions_ptr,
-                       index_stride, table_stride, requests, tokens, clear_to, gated,
-                       BLOCK: tl.constexpr):
-    """Program ``b < requests``: the tokens of the b-th request of the batch; program
-    ``requests``: zeroes the columns ``[tokens, clear_to)`` (an earlier, longer step's)."""
+@triton.jit
+def _index_fill_kernel(index_ptr, table_ptr, slots_ptr, query_start_ptr, positions_ptr,
+                       index_stride, table_stride, requests, width, BLOCK: tl.constexpr,
+                       TAIL: tl.constexpr):
+    """Program ``b < requests``: the tokens of the b-th request of the batch (none for a
+    request past the batch: vLLM pads ``query_start_loc`` with the step's token count);
+    program ``requests + c``: zeroes columns ``[c * TAIL, (c + 1) * TAIL)`` past the step's
+    tokens."""
     b = tl.program_id(0)
-    if b == requests:
-        for first in range(tokens, clear_to, BLOCK):
-            offs = first + tl.arange(0, BLOCK)
-            inside = offs < clear_to
-            for r in tl.static_range(INDEX_ROWS):
-                tl.store(index_ptr + r * index_stride + offs, tl.zeros([BLOCK], tl.int32),
-                         mask=inside)
+    tokens = tl.load(query_start_ptr + requests)
+    if b >= requests:
+        offs = (b - requests) * TAIL + tl.arange(0, TAIL)
+        past = (offs >= tokens) & (offs < width)
+        for r in tl.static_range(INDEX_ROWS):
+            tl.store(index_ptr + r * index_stride + offs, tl.zeros([TAIL], tl.int32), mask=past)
     else:
-        slot = tl.load(idx_mapping_ptr + b)
         start = tl.load(query_start_ptr + b)
         end = tl.load(query_start_ptr + b + 1)
-        prefill = tl.load(table_ptr + SLOT_PREFILL * table_stride + slot)
-        decode = tl.load(table_ptr + SLOT_DECODE * table_stride + slot)
-        probe = tl.load(table_ptr + SLOT_PROBE * table_stride + slot)
-        prompt_len = tl.load(table_ptr + SLOT_PROMPT_LEN * table_stride + slot)
-        zero = tl.zeros([BLOCK], tl.int32)
-        keyed = (gated != 0).to(tl.int32)  # slot and position rows only in gated steps
-        for first in range(start, end, BLOCK):
-            offs = first + tl.arange(0, BLOCK)
-            inside = offs < end
-            pos = tl.load(positions_ptr + offs, mask=inside, other=0).to(tl.int32)
-            row = tl.where(pos < prompt_len, prefill, decode)
-            tl.store(index_ptr + INDEX_ROW * index_stride + offs, row, mask=inside)
-            tl.store(index_ptr + INDEX_PROBE * index_stride + offs, zero + probe, mask=inside)
-            tl.store(index_ptr + INDEX_CAPTURE * index_stride + offs, zero, mask=inside)
-            tl.store(index_ptr + INDEX_CONTROL * index_stride + offs, zero, mask=inside)
-            tl.store(index_ptr + INDEX_SLOT * index_stride + offs, zero + slot * keyed,
-                     mask=inside)
-            tl.store(index_ptr + INDEX_POS * index_stride + offs,
-                     (pos | POS_ABSOLUTE) * keyed, mask=inside)
+        if start < end:
+            slot = tl.load(slots_ptr + b)
+            prefill = tl.load(table_ptr + SLOT_PREFILL * table_stride + slot)
+            decode = tl.load(table_ptr + SLOT_DECODE * table_stride + slot)
+            probe = tl.load(table_ptr + SLOT_PROBE * table_stride + slot)
+            prompt_len = tl.load(table_ptr + SLOT_PROMPT_LEN * table_stride + slot)
+            zero = tl.zeros([BLOCK], tl.int32)
+            for first in range(start, end, BLOCK):
+                offs = first + tl.arange(0, BLOCK)
+                inside = offs < end
+                pos = tl.load(positions_ptr + offs, mask=inside, other=0).to(tl.int32)
+                row = tl.where(pos < prompt_len, prefill, decode)
+                tl.store(index_ptr + INDEX_ROW * index_stride + offs, row, mask=inside)
+                tl.store(index_ptr + INDEX_PROBE * index_stride + offs, zero + probe,
+                         mask=inside)
+                tl.store(index_ptr + INDEX_CAPTURE * index_stride + offs, zero, mask=inside)
+                tl.store(index_ptr + INDEX_CONTROL * index_stride + offs, zero, mask=inside)
+                tl.store(index_ptr + INDEX_SLOT * index_stride + offs, zero + slot,
+                         mask=inside)
+                tl.store(index_ptr + INDEX_POS * index_stride + offs, pos | POS_ABSOLUTE,
+                         mask=inside)
 
 
-def index_fill_triton(index: torch.Tensor, table: torch.Tensor, idx_mapping: torch.Tensor,
-                      query_start_loc: torch.Tensor, positions: torch.Tensor, tokens: int,
-                      clear_to: int, gated: bool) -> None:
+def index_fill_triton(index: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
+                      query_start_loc: torch.Tensor, positions: torch.Tensor) -> None:
     """CUDA implementation of the per-token index fill from per-slot values (see
-    :meth:`.token_rows.TokenRows.fill_from_slots`): one launch, its inputs the model
-    runner's own device tensors of the step (request ``b`` of the batch is in slot
-    ``idx_mapping[b]`` and owns the tokens ``query_start_loc[b]`` to ``query_start_loc[b +
-    1]``, at ``positions``)."""
-    requests = idx_mapping.shape[0]
-    _index_fill_kernel[(requests + 1,)](
-        index, table, idx_mapping, query_start_loc, positions, index.stride(0), table.stride(0),
-        requests, tokens, clear_to, int(gated), BLOCK=INDEX_BLOCK, num_warps=1)
+    :class:`.token_rows.DeviceFill`). Request ``b`` of the step is in slot ``slots[b]`` and
+    owns tokens ``query_start_loc[b]`` to ``query_start_loc[b + 1]``, at ``positions``; the
+    step's token count is ``query_start_loc[-1]``. Every argument is a persistent buffer and
+    the grid covers the largest batch, so the launch is captured once and replayed."""
+    requests, width = slots.shape[0], index.shape[1]
+    if query_start_loc.shape[0] != requests + 1 or table.stride(1) != 1:
+        raise ValueError("dynsteer index fill: query_start_loc needs one entry per slot of "
+                         "the batch and one more; the slot table must be row-major")
+    grid = (requests + triton.cdiv(width, INDEX_TAIL),)
+    _index_fill_kernel[grid](index, table, slots, query_start_loc, positions, index.stride(0),
+                             table.stride(0), requests, width, BLOCK=INDEX_BLOCK,
+                             TAIL=INDEX_TAIL, num_warps=1)
 
 
 def captured(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
