@@ -188,6 +188,18 @@ def stats_kernel_check() -> list[dict[str, Any]]:
         results.append({"what": f"device index fill vs host fill seed {seed}", "equal": bool(
             got["steps"] > 20 and not got["mismatch"] and got["reports"]
             and all(a == b for a, b in got["reports"])), "mismatch": got["mismatch"][:3]})
+    from dynsteer.engine_ext.worker import cuda_events
+
+    side, event = torch.cuda.Stream(), torch.cuda.Event()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s on the side stream
+        cuda_events.record(event, torch.cuda.current_device())
+    on_side = not event.query()  # recorded behind the sleep
+    cuda_events.record(event, torch.cuda.current_device())  # the default stream is idle
+    torch.cuda.current_stream().synchronize()
+    results.append({"what": "cuda_events.record uses the current stream",
+                    "equal": on_side and event.query()})
     results.append({"what": "TokenRows publish cuda vs cpu", "equal": all(
         np.array_equal(a, b) for a, b in zip(publish("cuda"), publish("cpu"), strict=True))})
     gpu, cpu = run("cuda"), run("cpu")

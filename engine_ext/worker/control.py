@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import cuda_events
 from .ops import CTL_COLS, CTL_FLOOR, CTL_KIND, CTL_P0, CTL_SCALE, control_step
 
 
@@ -121,6 +122,6 @@ class ControlTable:
         staged_values, staged_index = self._staged
         staged_values[:n].copy_(values[:n], non_blocking=True)
         staged_index[:n].copy_(index[:n], non_blocking=True)
-        self._events[self._turn].record()
+        cuda_events.record(self._events[self._turn], self.table.device.index)
         self._turn ^= 1
         self.table.index_copy_(0, staged_index[:n], staged_values[:n])

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from ..prefix_guard.guard import DYNAMIC_EPSILON, NONE
+from . import cuda_events
 from .ops import GATE, INDEX_POS, INDEX_PROBE, INDEX_SLOT, POS_ABSOLUTE, SCORE
 
 GATE_ON = 0.5
@@ -204,7 +205,7 @@ class GateStats:
         ring = self.folds % RING
         owners, self._owners = self._owners, []
         self._graphs[ring, bool(owners)].replay()
-        self._events[ring].record()
+        cuda_events.record(self._events[ring], self.stats.device.index)
         self._in_flight.append((self.folds, ring, owners))
 
     def frontiers(self) -> tuple[np.ndarray, np.ndarray]:

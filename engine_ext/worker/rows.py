@@ -224,6 +224,8 @@ class RowTable:
         self.entries = np.arange(max_rows + 1, dtype=np.int32)
         """Per row: its token-index entry, the row and the bits of the site groups its
         contents occupy (:func:`.ops.row_entry`); row 0's is 0."""
+        self.entries_version = 0
+        """Counts the changes of :attr:`entries` (the device fill's slot table follows)."""
 
     def site_index(self, site: Site) -> int:
         return self._site_index[site]
@@ -296,6 +298,7 @@ class RowTable:
         sites = sorted(used | self._written.get(row, frozenset()))
         self._written[row] = used
         self.entries[row] = row_entry(row, used, len(self.sites)) if self.site_groups else row
+        self.entries_version += 1
         position = {i: k for k, i in enumerate(sites)}
         device = self.table.device
         host = _host_buffer((2, len(sites), self.hidden_size), torch.float32, device)

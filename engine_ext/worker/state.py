@@ -212,6 +212,9 @@ class SteeringState:
         self._control_row = np.zeros(max_slots, dtype=np.int32)
         self._next_pos = np.full(max_slots, -1, dtype=np.int64)
         """Where each slot's request's last step ended (-1: no step yet)."""
+        self._slots_version = 0
+        """Counts the changes of the per-slot rows and prompt lengths (the device fill's slot
+        table follows)."""
         self._num_steered = 0
         self.requests_steered = 0
         """Requests admitted with a nonzero row (counter)."""
@@ -339,6 +342,7 @@ class SteeringState:
         self._requests[req_id] = req
         self._prompt_len[slot] = prompt_len
         self._next_pos[slot] = -1
+        self._slots_version += 1
         self._assign(req)
         self.capture.admit(req_id, slot, extra_args, prompt_len)
         if self._steers(slot):
@@ -478,9 +482,10 @@ class SteeringState:
         self.telemetry.before_step(tokens, any_gated)
         self.control.before_step(tokens)
         self._next_pos[slots] = num_computed + counts  # the host fill's offsets stay right
-        self.slot_table.sync(self.rows.entries, self._prefill_row, self._decode_row,
+        self.slot_table.sync((self._slots_version, self.rows.entries_version),
+                             self.rows.entries, self._prefill_row, self._decode_row,
                              self._probe_row, self._prompt_len)
-        self.token_rows.fill_from_slots(self.device_fill, device_slots, tokens)
+        self.token_rows.fill_from_slots(self.device_fill, slots, device_slots, tokens)
 
     def _gate_positions(self, slots: np.ndarray, gated: np.ndarray, num_computed: np.ndarray,
                         counts: np.ndarray, tokens: int, controlled: bool
@@ -611,6 +616,7 @@ class SteeringState:
                 grown.append(new)
             (self._prefill_row, self._decode_row, self._prompt_len, self._probe_row,
              self._control_row, self._next_pos) = grown
+            self._slots_version += 1
 
     def _assign(self, req: _Request) -> None:
         """Take the request's rows. Row keys name what determines the contents (spec key,
@@ -649,8 +655,10 @@ class SteeringState:
             target[req.slot] = row
         if self._steers(req.slot):
             self._num_steered += 1
+        self._slots_version += 1
 
     def _release(self, req: _Request) -> None:
+        self._slots_version += 1
         if self._steers(req.slot):
             self._num_steered -= 1
         for target in (self._prefill_row, self._decode_row):

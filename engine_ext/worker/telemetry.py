@@ -39,6 +39,7 @@ import torch
 
 from ..compat.worker import is_internal_id_of
 from ..prefix_guard.guard import DYNAMIC_EPSILON, NONE, grown_frontiers
+from . import cuda_events
 from .gate_stats import (
     COUNTERS,
     FIRST_DECODE_GATED,
@@ -350,7 +351,7 @@ class GateTelemetry:
                 ring.copy_(self._control, non_blocking=True)
                 step.control = ring.numpy()
             step.event = torch.cuda.Event()
-            step.event.record()
+            cuda_events.record(step.event, part.device.index)
         self._in_flight.append(step)
 
     def _fold(self, wait: bool, limit: int | None = None) -> None:

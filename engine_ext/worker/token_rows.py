@@ -37,6 +37,7 @@ import functools
 import numpy as np
 import torch
 
+from . import cuda_events
 from .ops import (
     INDEX_CAPTURE,
     INDEX_CONTROL,
@@ -100,7 +101,7 @@ class Staged:
         """Copy the staged contents to the device (after :meth:`stage`)."""
         if not self._on_host:
             self.target.copy_(self._pinned[self.turn], non_blocking=True)
-            self._events[self.turn].record()
+            cuda_events.record(self._events[self.turn], self.target.device.index)
             self.turn ^= 1
 
 
@@ -114,14 +115,19 @@ class SlotTable:
         self._staged = Staged(self.device)
         self._next = np.zeros((SLOT_ROWS, max_slots), dtype=np.int32)
         self._last = self._next.copy()
+        self._version: object = None
 
     def fits(self, slots: int) -> bool:
         return slots <= self._next.shape[1]
 
-    def sync(self, entries: np.ndarray, prefill_rows: np.ndarray, decode_rows: np.ndarray,
-             probe_rows: np.ndarray, prompt_lens: np.ndarray) -> None:
+    def sync(self, version: object, entries: np.ndarray, prefill_rows: np.ndarray,
+             decode_rows: np.ndarray, probe_rows: np.ndarray, prompt_lens: np.ndarray) -> None:
         """Every slot's values (rows are mapped to their ``INDEX_ROW`` entries here; the
-        arrays may be shorter than the table, never longer: see :meth:`fits`)."""
+        arrays may be shorter than the table, never longer: see :meth:`fits`). ``version``
+        changes whenever any of them does: with the last one's, nothing is read."""
+        if version == self._version:
+            return
+        self._version = version
         table, n = self._next, len(prefill_rows)
         np.take(entries, prefill_rows, out=table[SLOT_PREFILL, :n])
         np.take(entries, decode_rows, out=table[SLOT_DECODE, :n])
@@ -137,10 +143,10 @@ class DeviceFill:
     """The index filled on the device from the slot table and the model runner's persistent
     device buffers of the step's batch (``query_start_loc`` and ``positions``, rewritten by
     the runner each step at the same address): one kernel over the largest batch, captured
-    once in a CUDA graph. Per step the host copies the batch's slots (the runner's
-    ``idx_mapping``, a fresh tensor each step) into a persistent buffer and replays the graph:
-    two launches, whatever the batch (a Triton launch from Python costs ~45 µs of host time,
-    a replay a few)."""
+    once in a CUDA graph. Per step the host replays the graph, after copying the batch's slots
+    (the runner's ``idx_mapping``, a fresh tensor each step) into a persistent buffer when
+    they changed: at most two launches, whatever the batch (a Triton launch from Python costs
+    ~45 µs of host time on the lent H100 host, a replay ~5)."""
 
     def __init__(self, rows: TokenRows, table: SlotTable, query_start_loc: torch.Tensor,
                  positions: torch.Tensor) -> None:
@@ -152,11 +158,17 @@ class DeviceFill:
         self._launch = functools.partial(index_fill_triton, rows.buffer, table.device,
                                          self._slots, query_start_loc, positions)
         self._graph = captured(self._launch) if self._slots.is_cuda else None
+        self._last = b""
+        """The slots last copied (bytes of the host array)."""
 
-    def run(self, slots: torch.Tensor) -> None:
-        """Fill the index of the step whose batch is in ``slots`` (a device tensor, one slot
-        per request, in batch order)."""
-        self._slots[: slots.shape[0]].copy_(slots, non_blocking=True)
+    def run(self, slots: np.ndarray, device_slots: torch.Tensor) -> None:
+        """Fill the index of the step whose batch is in ``slots`` (one slot per request, in
+        batch order; ``device_slots``: the same on the device), copied only when they
+        differ from the last step's (a decode step's batch usually does not change)."""
+        key = slots.tobytes()
+        if key != self._last:
+            self._slots[: len(slots)].copy_(device_slots, non_blocking=True)
+            self._last = key
         if self._graph is not None:
             self._graph.replay()
         else:  # CPU tensors: Triton's interpreter (tests)
@@ -243,13 +255,14 @@ class TokenRows:
         elif self._last is None or not same(index, self._last):
             self._publish(index)
 
-    def fill_from_slots(self, fill: DeviceFill, slots: torch.Tensor, tokens: int) -> None:
+    def fill_from_slots(self, fill: DeviceFill, slots: np.ndarray, device_slots: torch.Tensor,
+                        tokens: int) -> None:
         """Set this step's ``tokens`` on the device (see :class:`DeviceFill`): no per-token or
         per-request work on the host, and no upload. The index is the one :meth:`fill` makes
         with the same values and no capture or controller rows, except that positions are
         absolute (``POS_ABSOLUTE``) and the slot and position rows are set for every token
         (the gate statistics read them only for tokens with a probe row)."""
-        fill.run(slots)
+        fill.run(slots, device_slots)
         self._dirty = tokens
         self._last = None
 
