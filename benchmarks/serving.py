@@ -264,6 +264,9 @@ def worker_host_time(url: str) -> dict[str, dict[str, float]]:
     for hook, value in re.findall(r'^dynsteer_worker_host_cpu_seconds_total{hook="(\w+)"} (\S+)$',
                                   text, re.MULTILINE):
         found.setdefault(hook, {})["cpu"] = float(value)
+    for where, value in re.findall(r'^dynsteer_index_fills_total{on="(\w+)"} (\S+)$', text,
+                                   re.MULTILINE):  # steps filled there, as a pseudo hook
+        found.setdefault(f"fill_{where}", {})["count"] = float(value)
     return found
 
 
@@ -287,8 +290,8 @@ def host_time_delta(before: dict[str, dict[str, float]],
 
         out[hook] = {"calls": calls, "mean_us": delta.get("sum", 0.0) / max(calls, 1.0) * 1e6,
                      "mean_cpu_us": delta.get("cpu", 0.0) / max(calls, 1.0) * 1e6,
-                     "p99_le_us": within(0.99) if calls else None,
-                     "max_le_us": within(1.0) if calls else None}
+                     "p99_le_us": within(0.99) if calls and bounds else None,
+                     "max_le_us": within(1.0) if calls and bounds else None}
     return out
 
 

@@ -192,8 +192,10 @@ def test_metrics_move(openai_client, server):
                          ("dynsteer_worker_host_seconds_sum", 'hook="step"'),
                          ("dynsteer_worker_host_seconds_sum", 'hook="output"'),
                          ("dynsteer_worker_host_seconds_bucket", 'hook="step",le="+Inf"'),
-                         ("dynsteer_worker_host_cpu_seconds_total", 'hook="step"')):
+                         ("dynsteer_worker_host_cpu_seconds_total", 'hook="step"'),
+                         ("dynsteer_index_fills_total", 'on="host"')):  # CPU: the V1 runner
         assert _metric(after, name, labels) > _metric(before, name, labels), (name, labels)
+    assert _metric(after, "dynsteer_index_fills_total", 'on="device"') == 0
     assert "dynsteer_rows_capacity 64.0" in after
     assert "dynsteer_prefix_guarded_requests_total" in after
     # Gauges of what the workers hold: back at rest once the requests finished.

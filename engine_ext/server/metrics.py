@@ -84,6 +84,13 @@ class DynsteerCollector(Collector):
             "dynsteer_prefix_guarded_requests", "Gated requests whose blocks were cached only "
             "once reported free of dynamic steering", value=guard.get("guarded_requests", 0))
         yield from _host_time_metrics(stats.get("host_time", {}))
+        fills = CounterMetricFamily(
+            "dynsteer_index_fills", "Steps whose per-token index was filled, by where: the "
+            "device (vLLM's V2 runner on CUDA) or the host (capture, controllers, gate traces, "
+            "the V1 runner, CPU)", labels=["on"])
+        for where, value in sorted(stats.get("index_fills", {}).items()):
+            fills.add_metric([where], value)
+        yield fills
         yield from _controller_metrics(stats, self.server.commands)
         yield GaugeMetricFamily("dynsteer_vectors_registered", "Named vectors",
                                 value=len(self.server.frontend.vectors))

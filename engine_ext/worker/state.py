@@ -171,6 +171,8 @@ class SteeringState:
         self.slot_table = SlotTable(max_slots, device)
         """Per-slot values of the device fill (see :meth:`fill`)."""
         self.device_fill: DeviceFill | None = None
+        self.index_fills = {"device": 0, "host": 0}
+        """Steps whose index the device filled, and those the host filled (counters)."""
         """The index filled on the device, where the runner keeps its batch there (see
         :meth:`enable_device_fill`)."""
         self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
@@ -442,7 +444,9 @@ class SteeringState:
                 and capture_starts is None and not controlled and not self.telemetry.wants_tokens
                 and self.slot_table.fits(len(self._prefill_row))):
             self._fill_on_device(device_slots, slots, num_computed, counts, tokens, any_gated)
+            self.index_fills["device"] += 1
             return
+        self.index_fills["host"] += 1
         positions = pos_entries = None
         if any_gated:
             positions, pos_entries = self._gate_positions(slots, gated, num_computed, counts,
@@ -739,6 +743,7 @@ class SteeringState:
             "tokens_monitored": dict(self.telemetry.tokens_monitored),
             "tokens_gated": dict(self.telemetry.tokens_gated),
             "host_time": self.host_time.summary(),
+            "index_fills": dict(self.index_fills),
         }
 
 
