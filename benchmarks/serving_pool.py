@@ -1,0 +1,75 @@
+"""Pooled serving latencies over several ``serving.py`` calls (its ``latencies.npz`` files).
+
+One pair of runs cannot tell a 5% bound at ITL p99: on the lent machines the ratio of a single
+pair ranged 0.90-1.36 for the same code. This pools every inter-token gap and TTFT of each
+server over the calls (each file one pair or more, either order), prints the ratios of the
+pooled percentiles (``--server`` over ``--base``), and bootstraps the ITL p99 ratio over
+calls (calls drawn with replacement, then pooled), which gives its spread between machines
+and orders rather than between tokens.
+
+Usage: python benchmarks/serving_pool.py A/latencies.npz B/latencies.npz ... [--json FILE]
+       [--base vllm] [--server dynsteer] [--draws 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 95, 99, 99.9)
+
+
+def load(path: Path, server: str, what: str) -> np.ndarray:
+    """Every ``what`` (``itl_s``, ``ttft_s``) sample of ``server``'s runs in one file (keys
+    ``<position>_<server>_<what>``)."""
+    data = np.load(path, allow_pickle=False)
+    parts = [data[k] for k in data.files
+             if k.endswith(f"_{what}") and k.split("_", 1)[1] == f"{server}_{what}"]
+    if not parts:
+        raise SystemExit(f"{path}: no {server!r} run")
+    return np.concatenate(parts)
+
+
+def pooled(calls: list[dict[str, np.ndarray]], what: str) -> dict[str, float]:
+    """Percentile ratios (server / base) of the samples of ``calls``, pooled."""
+    base = np.concatenate([c[f"base_{what}"] for c in calls])
+    other = np.concatenate([c[f"server_{what}"] for c in calls])
+    return {f"p{q:g}": float(np.percentile(other, q) / np.percentile(base, q))
+            for q in PERCENTILES}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--base", default="vllm")
+    ap.add_argument("--server", default="dynsteer")
+    ap.add_argument("--draws", type=int, default=2000)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    calls = [{f"{role}_{what}": load(f, name, what)
+              for role, name in (("base", args.base), ("server", args.server))
+              for what in ("itl_s", "ttft_s")} for f in args.files]
+    result: dict[str, Any] = {"files": [str(f) for f in args.files], "base": args.base,
+                              "server": args.server,
+                              "itl": pooled(calls, "itl_s"), "ttft": pooled(calls, "ttft_s"),
+                              "itl_p99_per_call": [pooled([c], "itl_s")["p99"] for c in calls]}
+    rng = np.random.default_rng(0)
+    draws = [pooled([calls[i] for i in rng.integers(len(calls), size=len(calls))],
+                    "itl_s")["p99"] for _ in range(args.draws)]
+    result["itl_p99_bootstrap_5_50_95"] = [float(np.percentile(draws, q)) for q in (5, 50, 95)]
+    print(f"{args.server} / {args.base}, {len(calls)} calls pooled")
+    for what in ("itl", "ttft"):
+        print(f"  {what}: " + "  ".join(f"{k} {v:.3f}" for k, v in result[what].items()))
+    print("  ITL p99 per call: " + " ".join(f"{v:.3f}" for v in result["itl_p99_per_call"]))
+    low, mid, high = result["itl_p99_bootstrap_5_50_95"]
+    print(f"  ITL p99 over calls, bootstrap 5/50/95%: {low:.3f} / {mid:.3f} / {high:.3f}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
