@@ -326,12 +326,17 @@ def poison_engine_check(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
     return report
 
 
-def _count_replays(worker: Any) -> dict[str, int]:
-    """Runs inside the worker: wrap the graph manager to count FULL-graph replays."""
+def _count_replays(worker: Any) -> dict[str, Any]:
+    """Runs inside the worker: wrap the graph manager to count FULL-graph replays; with the
+    steps whose index dynsteer filled on the device and on the host."""
+    from dynsteer.engine_ext.compat.worker import runner_state
+
     runner = worker.model_runner
+    state = runner_state(runner)
+    fills = dict(state.index_fills) if state is not None else {}
     mgr = getattr(runner, "cudagraph_manager", None)
     if mgr is None:  # the V1 runner keeps its graphs elsewhere; only the runner is reported
-        return {"runner": type(runner).__module__}
+        return {"runner": type(runner).__module__, "index_fills": fills}
     if not hasattr(mgr, "_dynsteer_replays"):
         mgr._dynsteer_replays = 0
         original = mgr.run_fullgraph
@@ -342,7 +347,7 @@ def _count_replays(worker: Any) -> dict[str, int]:
 
         mgr.run_fullgraph = run_fullgraph
     return {"replays": mgr._dynsteer_replays, "graphs": len(mgr.graphs),
-            "runner": type(worker.model_runner).__module__}
+            "runner": type(worker.model_runner).__module__, "index_fills": fills}
 
 
 def gating_check(llm: Any, hf: Any, steering: Any) -> dict[str, Any]:
@@ -575,6 +580,8 @@ def engine_verdicts(engine: dict[str, Any], tag: str = "") -> dict[str, bool]:
     if "replays" in after:
         checks[f"{tag}FULL graphs replayed"] = after["replays"] > before["replays"]
         checks[f"{tag}no graph captured after startup"] = after["graphs"] == before["graphs"]
+        checks[f"{tag}index filled on the device (V2 runner)"] = (
+            after["index_fills"].get("device", 0) > before["index_fills"].get("device", 0))
     return checks
 
 
