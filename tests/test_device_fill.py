@@ -148,3 +148,48 @@ def test_device_fill_matches_the_host_fill_in_the_interpreter(seed):
     assert got["mismatch"] == []
     assert got["reports"] and all(a == b for a, b in got["reports"])
     assert any(a is not None for a, _ in got["reports"])
+
+
+def _gated_spec(trace: bool = False, **extra: Any) -> dict[str, Any]:
+    from dynsteer.controller.spec import parse_spec
+    from dynsteer.controller.wire import WIRE_KEY, spec_to_wire
+
+    gate = {"probe": {"weights": [1, 0, 0, 0], "threshold": 0.5}, "layer": 1, "trace": trace,
+            "hook": "post_block", "steer": [{"vector": [0, 0, 0, 1], "layers": [2]}]}
+    return {WIRE_KEY: spec_to_wire(parse_spec({"gate": gate, **extra}))}
+
+
+@pytest.mark.parametrize("case", ["controller", "trace", "capture", "slot past the table"])
+def test_steps_that_need_the_host_are_filled_there(case):
+    """A step with a controlled request, a traced gate or a captured prompt needs per-token
+    values on the host, and a slot past the slot table has no device entry: the host fills
+    those steps (the device fill's kernel is not launched, so this runs without Triton's
+    interpreter) and the index is the host's."""
+    import torch
+
+    from dynsteer.engine_ext.worker.capture_buffers import CAPTURE_KEY
+    from dynsteer.engine_ext.worker.state import SteeringState
+
+    states = [SteeringState(SITES, 4, max_rows=8, max_tokens=WIDTH, max_slots=4,
+                            device=torch.device("cpu"), capture_lanes=2, capture_tokens=8)
+              for _ in range(2)]
+    states[1].enable_device_fill(torch.zeros(MAX_BATCH + 1, dtype=torch.int32),
+                                 torch.zeros(WIDTH, dtype=torch.int64))
+    slot, extra = 1, _gated_spec()
+    if case == "controller":
+        extra = _gated_spec(controller={"name": "latch", "k": 2})
+    elif case == "trace":
+        extra = _gated_spec(trace=True)
+    elif case == "capture":
+        extra = {CAPTURE_KEY: "t.0:0"}
+    else:  # a static request (the V1 adapter's slots stay below the table; tests may not)
+        slot, extra = 6, _kinds()["static"]
+    for state in states:
+        if case == "capture":
+            state.capture.begin("t.0", ["post_block@1"])
+        state.add_request("r", slot, extra, prompt_len=3)
+        state.fill(np.array([slot]), np.zeros(1, np.int64), np.array([3]),
+                   *([torch.tensor([slot], dtype=torch.int32)] if state is states[1] else []))
+    assert states[1].index_fills == {"device": 0, "host": 1}
+    assert torch.equal(states[0].token_rows.buffer, states[1].token_rows.buffer)
+    assert states[1].token_rows.buffer.any()

@@ -187,7 +187,7 @@ class TokenRows:
         self._staged = Staged(self.buffer)  # whole-buffer staging: one DMA, no slicing
         self._staged_dirty = [0, 0]
         """Columns [0, d) of each staging buffer may be non-zero."""
-        self._last = np.zeros((INDEX_ROWS, 0), dtype=np.int32)
+        self._last: np.ndarray | None = np.zeros((INDEX_ROWS, 0), dtype=np.int32)
         """The index last published from the host (None: the device fill wrote since)."""
         self._dirty = 0
         """Columns [0, dirty) of the device buffer may be non-zero."""
