@@ -54,7 +54,7 @@ from .rows import (
 )
 from .sites import SiteBuffers
 from .telemetry import GateTelemetry
-from .token_rows import DeviceFill, SlotTable, TokenRows, per_token
+from .token_rows import DeviceFill, TokenRows, per_token
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -168,13 +168,11 @@ class SteeringState:
         self.rows = RowTable(sites, hidden_size, max_rows, device, max_projections, site_groups)
         self.probe_table = ProbeTable(sites, hidden_size, max_gates or max_rows, device)
         self.token_rows = TokenRows(max_tokens, device)
-        self.slot_table = SlotTable(max_slots, device)
-        """Per-slot values of the device fill (see :meth:`fill`)."""
         self.device_fill: DeviceFill | None = None
-        self.index_fills = {"device": 0, "host": 0}
-        """Steps whose index the device filled, and those the host filled (counters)."""
         """The index filled on the device, where the runner keeps its batch there (see
         :meth:`enable_device_fill`)."""
+        self.index_fills = {"device": 0, "host": 0}
+        """Steps whose index the device filled, and those the host filled (counters)."""
         self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
         """Per-token gate (row ``GATE``, written at each token's monitor site) and probe score
         (row ``SCORE``) of the step: one buffer, so the read-back is one copy."""
@@ -412,7 +410,7 @@ class SteeringState:
         """Let the device fill the index from the runner's persistent buffers of each step's
         batch (see :class:`.token_rows.DeviceFill`); steps then pass their batch's slots as a
         device tensor to :meth:`fill`."""
-        self.device_fill = DeviceFill(self.token_rows, self.slot_table, query_start_loc,
+        self.device_fill = DeviceFill(self.token_rows, len(self._prefill_row), query_start_loc,
                                       positions)
 
     def fill(self, slots: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray,
@@ -442,7 +440,7 @@ class SteeringState:
         tokens = int(counts.sum())
         if (device_slots is not None and self.device_fill is not None
                 and capture_starts is None and not controlled and not self.telemetry.wants_tokens
-                and self.slot_table.fits(len(self._prefill_row))):
+                and self.device_fill.table.fits(len(self._prefill_row))):
             self._fill_on_device(device_slots, slots, num_computed, counts, tokens, any_gated)
             self.index_fills["device"] += 1
             return
@@ -486,9 +484,9 @@ class SteeringState:
         self.telemetry.before_step(tokens, any_gated)
         self.control.before_step(tokens)
         self._next_pos[slots] = num_computed + counts  # the host fill's offsets stay right
-        self.slot_table.sync((self._slots_version, self.rows.entries_version),
-                             self.rows.entries, self._prefill_row, self._decode_row,
-                             self._probe_row, self._prompt_len)
+        self.device_fill.table.sync((self._slots_version, self.rows.entries_version),
+                                    self.rows.entries, self._prefill_row, self._decode_row,
+                                    self._probe_row, self._prompt_len)
         self.token_rows.fill_from_slots(self.device_fill, slots, device_slots, tokens)
 
     def _gate_positions(self, slots: np.ndarray, gated: np.ndarray, num_computed: np.ndarray,

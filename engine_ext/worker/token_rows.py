@@ -113,30 +113,27 @@ class SlotTable:
     def __init__(self, max_slots: int, device: torch.device) -> None:
         self.device = torch.zeros(SLOT_ROWS, max_slots, dtype=torch.int32, device=device)
         self._staged = Staged(self.device)
-        self._next = np.zeros((SLOT_ROWS, max_slots), dtype=np.int32)
-        self._last = self._next.copy()
+        self._slots = max_slots
         self._version: object = None
 
     def fits(self, slots: int) -> bool:
-        return slots <= self._next.shape[1]
+        return slots <= self._slots
 
     def sync(self, version: object, entries: np.ndarray, prefill_rows: np.ndarray,
              decode_rows: np.ndarray, probe_rows: np.ndarray, prompt_lens: np.ndarray) -> None:
         """Every slot's values (rows are mapped to their ``INDEX_ROW`` entries here; the
-        arrays may be shorter than the table, never longer: see :meth:`fits`). ``version``
-        changes whenever any of them does: with the last one's, nothing is read."""
+        arrays are as long as the table: see :meth:`fits`), staged and uploaded whole.
+        ``version`` changes whenever any of them does: with the last one's, nothing is
+        read."""
         if version == self._version:
             return
         self._version = version
-        table, n = self._next, len(prefill_rows)
+        table, n = self._staged.stage(), len(prefill_rows)
         np.take(entries, prefill_rows, out=table[SLOT_PREFILL, :n])
         np.take(entries, decode_rows, out=table[SLOT_DECODE, :n])
         table[SLOT_PROBE, :n] = probe_rows
         table[SLOT_PROMPT_LEN, :n] = prompt_lens
-        if not same(table, self._last):
-            self._staged.stage()[:] = table
-            self._staged.send()
-            self._last[:] = table
+        self._staged.send()
 
 
 class DeviceFill:
@@ -148,14 +145,14 @@ class DeviceFill:
     they changed: at most two launches, whatever the batch (a Triton launch from Python costs
     ~45 µs of host time on the lent H100 host, a replay ~5)."""
 
-    def __init__(self, rows: TokenRows, table: SlotTable, query_start_loc: torch.Tensor,
+    def __init__(self, rows: TokenRows, max_slots: int, query_start_loc: torch.Tensor,
                  positions: torch.Tensor) -> None:
         from .triton_kernels import captured, index_fill_triton
 
-        self.query_start_loc, self.positions = query_start_loc, positions
+        self.table = SlotTable(max_slots, query_start_loc.device)
         self._slots = torch.zeros(query_start_loc.shape[0] - 1, dtype=torch.int32,
                                   device=query_start_loc.device)
-        self._launch = functools.partial(index_fill_triton, rows.buffer, table.device,
+        self._launch = functools.partial(index_fill_triton, rows.buffer, self.table.device,
                                          self._slots, query_start_loc, positions)
         self._graph = captured(self._launch) if self._slots.is_cuda else None
         self._last = b""
