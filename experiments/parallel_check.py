@@ -74,6 +74,14 @@ def requests() -> tuple[list[list[int]], list[Any]]:
     return [prompts[i % 2] for i in range(len(specs))], specs
 
 
+def untraced(specs: list[Any]) -> list[Any]:
+    """The static and gated specs again, without traces and controllers: the steps that run
+    only these are the ones vLLM's V2 runner on CUDA fills on the device (a traced gate or a
+    controller needs the host fill)."""
+    return [s if s is None or "gate" not in s else {"gate": {**s["gate"], "trace": False}}
+            for s in specs if s is None or "controller" not in s]
+
+
 def guard_run(llm: Any, steering: Any, model: str) -> dict[str, Any]:
     """The prefix guard under one layout (as ``tests/test_prefix_cache.py`` checks it on one
     rank). A gate whose probe is the embedding of a token the model first generates at decode
@@ -146,6 +154,12 @@ def run_layout(layout: str, model: str, out: Path) -> None:
     ready = time.monotonic() - started
     try:
         outs = run(llm, prompts, [params(8, spec=s) for s in specs])
+        fills_before = [dict(rank["index_fills"]) for rank in Steering(llm).info()]
+        plain_specs = untraced(specs)
+        plain_outs = run(llm, prompts[:len(plain_specs)],
+                         [params(8, spec=s) for s in plain_specs])
+        fills = [{k: rank["index_fills"][k] - before.get(k, 0) for k in rank["index_fills"]}
+                 for rank, before in zip(Steering(llm).info(), fills_before, strict=True)]
         per_rank = [llm.collective_rpc("dynsteer_telemetry", args=(o.request_id,))
                     for o, s in zip(outs, specs, strict=True) if s and "gate" in s]
         steering = Steering(llm)
@@ -166,6 +180,8 @@ def run_layout(layout: str, model: str, out: Path) -> None:
     out.write_text(json.dumps({
         "layout": layout, "ready_s": ready,
         "outputs": [tokens_and_logprobs(o) for o in outs],
+        "untraced_outputs": [tokens_and_logprobs(o) for o in plain_outs],
+        "untraced_index_fills": fills, "cuda": torch.cuda.is_available(),
         "global": tokens_and_logprobs(under_global), "cleared": tokens_and_logprobs(cleared),
         "capture": {site: [a.tolist() for a in arrays] for site, arrays in capture.items()},
         "guard": guard,
@@ -188,6 +204,13 @@ def compare(one: dict[str, Any], other: dict[str, Any], atol: float) -> dict[str
     checks: dict[str, Any] = {}
     for i, (a, b) in enumerate(zip(other["outputs"], one["outputs"], strict=True)):
         checks[f"request {i} equals one rank"], checks[f"request {i} max err"] = same(a, b)
+    for i, (a, b) in enumerate(zip(other["untraced_outputs"], one["untraced_outputs"],
+                                   strict=True)):
+        checks[f"untraced request {i} equals one rank"], _ = same(a, b)
+    if other["cuda"]:  # vLLM's V2 runner fills the index on the device on CUDA only
+        checks["untraced steps filled on the device on every rank"] = all(
+            f.get("device", 0) > 0 and f.get("host", 0) == 0
+            for f in other["untraced_index_fills"])
     checks["global equals one rank"], _ = same(other["global"], one["global"])
     checks["cleared equals unsteered"], _ = same(other["cleared"], one["outputs"][0])
     checks["global changed the output"] = bool(
