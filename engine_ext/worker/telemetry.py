@@ -138,8 +138,9 @@ class GateTelemetry:
         self._in_flight: list[_Step] = []
         self._live: dict[str, _Request] = {}
         self._done: OrderedDict[str, _Request] = OrderedDict()
-        self._req_of_slot: list[str | None] = [None] * max_slots
-        """Live gated request of each runner slot (the prefix-guard report's ids)."""
+        self._req_of_slot = np.full(max_slots, None, dtype=object)
+        """Live gated request id of each runner slot, or None (the prefix-guard report's ids;
+        an object array, so a step's report picks its ids without a Python loop)."""
         self._reported = np.zeros(max_slots, dtype=np.int64)
         """Blocks of each slot's clean prefix reported so far."""
         self._record_of_slot = np.zeros(max_slots, dtype=np.int64)
@@ -153,6 +154,8 @@ class GateTelemetry:
         self._retiring: deque[tuple[int, str, _Request]] = deque()
         """Finished requests whose counters have not landed or whose per-token steps are not
         all folded: (per-token steps started, id, request)."""
+        self._retiring_ids: set[str] = set()
+        """The ids in ``_retiring`` (an admission asks whether its id is one)."""
         self._traced = 0
         self._grow(max_slots)
 
@@ -167,7 +170,7 @@ class GateTelemetry:
               dynamic_from: int | None, trace: bool, session: str | None = None) -> None:
         """Start a record for the request in runner slot ``slot`` (a resumed request continues
         its old counters)."""
-        if any(rid == req_id for _, rid, _ in self._retiring):
+        if req_id in self._retiring_ids:
             self.drain()  # resumed before its counters landed (rare)
         if not self._free_records:
             self._grow(2 * len(self._req_of_record))
@@ -209,6 +212,7 @@ class GateTelemetry:
         self.launch_copy()  # its last step's fold comes before the read-out
         self._stats.read(req.slot, req)
         self._retiring.append((self._steps_started, req_id, req))
+        self._retiring_ids.add(req_id)
 
     def _retire_landed(self, wait: bool = False) -> None:
         for req, column in self._stats.take(wait):
@@ -218,6 +222,7 @@ class GateTelemetry:
             if req.column is None or started > self._steps_folded:
                 return
             self._retiring.popleft()
+            self._retiring_ids.discard(req_id)
             self._retire(req_id, req)
 
     def _retire(self, req_id: str, req: _Request) -> None:
@@ -265,13 +270,11 @@ class GateTelemetry:
         self._retire_landed()
         upto, first_dynamic = self._stats.frontiers()
         grown = grown_frontiers(upto, first_dynamic, self._reported, self._block)
-        report = {}
-        for slot in grown.tolist():
-            req_id = self._req_of_slot[slot]
-            if req_id is not None:
-                first = int(first_dynamic[slot])
-                report[req_id] = (int(upto[slot]), None if first == NONE else first)
-        return report
+        slots = grown[np.not_equal(self._req_of_slot[grown], None)]
+        first = first_dynamic[slots].astype(object)
+        first[first_dynamic[slots] == NONE] = None
+        return dict(zip(self._req_of_slot[slots].tolist(),
+                        zip(upto[slots].tolist(), first.tolist(), strict=True), strict=True))
 
     # ---- queries -------------------------------------------------------------------------
     def drain(self) -> None:
