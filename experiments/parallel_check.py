@@ -153,16 +153,16 @@ def run_layout(layout: str, model: str, out: Path) -> None:
                     enable_prefix_caching=True, block_size=GUARD_BLOCK, **extra)
     ready = time.monotonic() - started
     try:
+        steering = Steering(llm)
         outs = run(llm, prompts, [params(8, spec=s) for s in specs])
-        fills_before = [dict(rank["index_fills"]) for rank in Steering(llm).info()]
+        fills_before = [rank["index_fills"] for rank in steering.info()]
         plain_specs = untraced(specs)
         plain_outs = run(llm, prompts[:len(plain_specs)],
                          [params(8, spec=s) for s in plain_specs])
         fills = [{k: rank["index_fills"][k] - before.get(k, 0) for k in rank["index_fills"]}
-                 for rank, before in zip(Steering(llm).info(), fills_before, strict=True)]
+                 for rank, before in zip(steering.info(), fills_before, strict=True)]
         per_rank = [llm.collective_rpc("dynsteer_telemetry", args=(o.request_id,))
                     for o, s in zip(outs, specs, strict=True) if s and "gate" in s]
-        steering = Steering(llm)
         steering.set_global([{"vector": vec(41), "layers": [0, 3]}])
         (under_global,) = run(llm, prompts[:1], [params(8)])
         steering.clear_global()

@@ -271,10 +271,10 @@ class GateTelemetry:
         upto, first_dynamic = self._stats.frontiers()
         grown = grown_frontiers(upto, first_dynamic, self._reported, self._block)
         slots = grown[np.not_equal(self._req_of_slot[grown], None)]
-        first = first_dynamic[slots].astype(object)
-        first[first_dynamic[slots] == NONE] = None
+        first = first_dynamic[slots]
         return dict(zip(self._req_of_slot[slots].tolist(),
-                        zip(upto[slots].tolist(), first.tolist(), strict=True), strict=True))
+                        zip(upto[slots].tolist(), np.where(first == NONE, None, first).tolist(),
+                            strict=True), strict=True))
 
     # ---- queries -------------------------------------------------------------------------
     def drain(self) -> None:
