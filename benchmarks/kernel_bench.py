@@ -11,7 +11,15 @@ the per-launch time. Kernel time is measured by replaying a CUDA graph of many l
 vLLM runs it), so the ~40 us Python launch path of an eager call is not counted; the eager
 time of one call is reported beside it.
 
-Usage: python benchmarks/kernel_bench.py --out DIR
+``--against FILE`` compares the kernel with another version of
+``engine_ext/worker/triton_kernels.py`` (e.g. ``git show HEAD~1:engine_ext/worker/triton_kernels.py
+> old.py``) in one process: both run in turn over rounds (graph replays), idle and gated, at
+1, 32 and 256 tokens of hidden size 4096, once *hot* (launch after launch, the op's buffers in
+L2) and once *cold* (each launch after a write of 128 MB, as a site in a decoder layer runs
+after its layer's weights streamed through L2; the write alone is timed and subtracted), and
+the per-launch times and their paired ratio (new / old) are printed and written.
+
+Usage: python benchmarks/kernel_bench.py --out DIR [--against OLD_TRITON_KERNELS.py]
 """
 
 from __future__ import annotations
@@ -69,6 +77,18 @@ MODES = {"gated": 4, "idle": 2, "capture": 6}
 
 
 def case(tokens: int, hidden: int, mode: str) -> dict[str, Any]:
+    from dynsteer.engine_ext.worker.triton_kernels import steer_triton
+
+    run = steer_call(steer_triton, tokens, hidden, mode)
+    eager_ms = _time_ms(run, 50)
+    graph_us = _graph_time_us(run, launches=200 if tokens <= 256 else 20)
+    moved = MODES[mode] * tokens * hidden * 2
+    return {"tokens": tokens, "hidden": hidden, "mode": mode, "eager_call_us": eager_ms * 1000,
+            "graph_launch_us": graph_us, "bytes_per_s": moved / (graph_us / 1e6)}
+
+
+def steer_call(steer_triton, tokens: int, hidden: int, mode: str):
+    """A call of ``steer_triton`` on fresh buffers of ``mode``'s traffic."""
     import torch
 
     from dynsteer.engine_ext.worker.ops import (
@@ -77,11 +97,10 @@ def case(tokens: int, hidden: int, mode: str) -> dict[str, Any]:
         INDEX_PROBE,
         INDEX_ROW,
         INDEX_ROWS,
+        PROJ_PARAMS,
         SteerBuffers,
         stream_limit,
     )
-    from dynsteer.engine_ext.worker.triton_kernels import steer_triton
-
     steered = mode == "gated"
     captured = mode == "capture"
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -102,25 +121,93 @@ def case(tokens: int, hidden: int, mode: str) -> dict[str, Any]:
         capture=torch.zeros(1, tokens + 1 if captured else 1, hidden, device="cuda"),
         site_lane=torch.tensor([0 if captured else -1], dtype=torch.int32, device="cuda"),
         control=torch.zeros(1, CTL_COLS, device="cuda"),
+        proj_dir=torch.zeros(3, 0, hidden, device="cuda"),
+        proj_par=torch.zeros(3, 0, PROJ_PARAMS, device="cuda"),
+        proj_gram=torch.zeros(3, 0, 0, device="cuda"),
     )
     limit = stream_limit(x.dtype)
 
     def run() -> Any:
         return steer_triton(x, h, buffers, 0, limit)
 
-    eager_ms = _time_ms(run, 50)
-    graph_us = _graph_time_us(run, launches=200 if tokens <= 256 else 20)
-    moved = MODES[mode] * tokens * hidden * 2
-    return {"tokens": tokens, "hidden": hidden, "mode": mode, "eager_call_us": eager_ms * 1000,
-            "graph_launch_us": graph_us, "bytes_per_s": moved / (graph_us / 1e6)}
+    return run
+
+
+def load_kernels(path: Path):
+    """Another version of ``triton_kernels.py`` as a module of its own (its relative imports
+    made absolute; Triton reads a kernel's source from its file, so it is imported from one)."""
+    import importlib.util
+    import tempfile
+
+    source = path.read_text().replace("from ..", "from dynsteer.engine_ext.")
+    source = source.replace("from . import", "from dynsteer.engine_ext.worker import")
+    copy = Path(tempfile.mkdtemp()) / "kernels_against.py"
+    copy.write_text(source)
+    spec = importlib.util.spec_from_file_location("kernels_against", copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare(against: Path, out: Path, rounds: int = 15, launches: int = 50) -> None:
+    """``--against``: see the module docstring."""
+    import torch
+
+    from dynsteer.engine_ext.worker import triton_kernels
+
+    old = load_kernels(against)
+    flush = torch.empty(64 * 1024**2, dtype=torch.float16, device="cuda")
+
+    def graph(fns) -> Any:
+        for fn in fns:
+            fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(launches):
+                for fn in fns:
+                    fn()
+        return g
+
+    flush_graph = graph([flush.zero_])
+    rows = []
+    print(f"{'tokens':>6} {'mode':<6} {'L2':<4} {'old us':>8} {'new us':>8} {'new/old':>8}")
+    for tokens in (1, 32, 256):
+        for mode in ("idle", "gated"):
+            calls = {"old": steer_call(old.steer_triton, tokens, 4096, mode),
+                     "new": steer_call(triton_kernels.steer_triton, tokens, 4096, mode)}
+            for cache in ("hot", "cold"):
+                graphs = {name: graph([fn] if cache == "hot" else [flush.zero_, fn])
+                          for name, fn in calls.items()}
+                times: dict[str, list[float]] = {"old": [], "new": []}
+                for _ in range(rounds):
+                    base = _time_ms(flush_graph.replay, 1) if cache == "cold" else 0.0
+                    for name, g in graphs.items():
+                        times[name].append((_time_ms(g.replay, 1) - base) * 1000 / launches)
+                ratio = statistics.median(n / o for n, o in zip(times["new"], times["old"],
+                                                                strict=True))
+                row = {"tokens": tokens, "mode": mode, "cache": cache,
+                       "old_us": statistics.median(times["old"]),
+                       "new_us": statistics.median(times["new"]), "new_over_old": ratio}
+                rows.append(row)
+                print(f"{tokens:>6} {mode:<6} {cache:<4} {row['old_us']:>8.2f} "
+                      f"{row['new_us']:>8.2f} {ratio:>8.3f}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernel_ab.json").write_text(json.dumps(
+        {"device": torch.cuda.get_device_name(), "against": str(against), "hidden": 4096,
+         "launches_per_graph": launches, "rounds": rounds, "rows": rows}, indent=2))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--against", type=Path, help="another triton_kernels.py to compare with")
     args = ap.parse_args()
     import torch
 
+    if args.against:
+        compare(args.against, args.out)
+        return
     bw = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "cases": []}
     print(f"device {results['device']}, copy bandwidth {bw / 1e12:.2f} TB/s (read+write)")

@@ -14,7 +14,9 @@ the site:
 * ``gate_masked`` ``fused`` with the dynamic tier read only where the token's gate is open (a
                 statically steered token loads one row per site): 6 us per stack faster here
                 for registered traffic, 0.8% of a decode step slower in the engine, idle
-                included (``benchmarks/RESULTS.md``, session 14).
+                included (``benchmarks/RESULTS.md``, session 14);
+* ``index``     only the token's index entry read (nothing steered): the floor of any site that
+                reads per-token data inside the norm kernel.
 
 ``experiments/site_forms.py`` times forms that skip the rows where a row does not steer.
 
@@ -26,7 +28,12 @@ Three kinds of traffic: ``idle`` (every token on row 0, the serving default), ``
 default 4: 128 MB, so the L2 is flushed as a layer's weights flush it in a model; 1 fits in an
 H100's 50 MB L2, so the site's small buffers can stay there) after each norm, as in a decoder
 layer: Inductor then compiles each site and norm into a kernel of its own between GEMMs, as it
-does in the engine, instead of fusing the stack together. ``--inductor KEY=VALUE ...`` compiles
+does in the engine, instead of fusing the stack together. ``--mlp`` makes each layer what
+a Llama-8B decoder layer is around a ``post_block`` site, attention aside: the site steers
+the residual tied to the MLP's output ``h`` (as the worker calls it), the residual add and
+RMSNorm, then an MLP with the 8B shapes and weights of its own (352 MB a layer, 11 GB in
+all), so between two sites as many bytes stream through L2 as in the engine and the site's
+small buffers are evicted as they are there. ``--inductor KEY=VALUE ...`` compiles
 every variant under those Inductor settings (integers), e.g. its store-or-recompute
 thresholds ``realize_reads_threshold`` / ``realize_opcount_threshold``.
 
@@ -38,8 +45,8 @@ writes ``site_cost.json``.
 (:mod:`l2_window`) over the index and gate buffer (``variant_l2``),
 and writes the windowed graphs at 1 token as DOT (``graph_*.dot``: the kernel nodes' attributes).
 
-Usage: python benchmarks/site_cost.py --out DIR [--variants op fused] [--gemm [N]]
-       [--l2-window] [--inductor realize_reads_threshold=16]
+Usage: python benchmarks/site_cost.py --out DIR [--variants op fused] [--gemm [N] | --mlp]
+       [--tokens 1 32] [--l2-window] [--inductor realize_reads_threshold=16]
 """
 
 from __future__ import annotations
@@ -53,7 +60,9 @@ LAYERS = 32
 HIDDEN = 4096
 STEERED_LAYER = 16
 TOKENS = (1, 32, 256, 2048)
-VARIANTS = ("none", "op", "gather", "fused", "gate_masked")
+VARIANTS = ("none", "op", "gather", "fused", "gate_masked", "index")
+INTERMEDIATE = 14336
+"""The MLP's width with ``--mlp`` (Llama-8B)."""
 TRAFFIC = ("idle", "registered", "gated")
 
 
@@ -129,6 +138,10 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--gemm", type=int, nargs="?", const=4, default=0, metavar="N",
                         help="a GEMM after each norm, cycling through N weights (default 4)")
+    parser.add_argument("--mlp", action="store_true",
+                        help="each layer an 8B-shaped MLP with weights of its own, the site "
+                             "tied to its output as in the worker")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--l2-window", action="store_true",
                         help="also capture every variant on a stream whose L2 access-policy "
                              "window keeps the index and gate persisting (variant_l2)")
@@ -139,6 +152,7 @@ def main() -> None:
     inductor = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.inductor)}
     variants = ["none", *(v for v in args.variants if v != "none")]
     import torch
+    import torch.nn.functional as F
 
     from dynsteer.engine_ext.worker import ops
 
@@ -174,6 +188,10 @@ def main() -> None:
     weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
     gemms = [torch.randn(HIDDEN, HIDDEN, dtype=torch.bfloat16, device=device) / HIDDEN**0.5
              for _ in range(args.gemm)]
+    mlps = [(torch.randn(HIDDEN, 2 * INTERMEDIATE, dtype=torch.bfloat16, device=device)
+             / HIDDEN**0.5,
+             torch.randn(INTERMEDIATE, HIDDEN, dtype=torch.bfloat16, device=device)
+             / INTERMEDIATE**0.5) for _ in range(LAYERS if args.mlp else 0)]
 
     def gather_add(x: torch.Tensor, b: ops.SteerBuffers) -> torch.Tensor:
         n = x.shape[0]
@@ -184,33 +202,48 @@ def main() -> None:
         y = torch.where(y.abs() <= ops.stream_limit(x.dtype), y, x32)
         return y.to(x.dtype)
 
-    def site(variant: str, x: torch.Tensor, layer: int) -> torch.Tensor:
+    def site(variant: str, x: torch.Tensor, h: torch.Tensor | None,
+             layer: int) -> torch.Tensor:
         b = site_buffers[layer]
         if variant == "op":
-            return torch.ops.dynsteer.steer(x, None, *b, layer)
+            return torch.ops.dynsteer.steer(x, h, *b, layer)
         if variant == "fused":
-            return ops.steer_add(x, None, b.index, b.gate_score, b.table, b.dyn, b.proj_dir,
+            return ops.steer_add(x, h, b.index, b.gate_score, b.table, b.dyn, b.proj_dir,
                                  b.proj_par, b.proj_gram, ops.site_bit(layer, LAYERS))
         if variant == "gather":
             return gather_add(x, b)
         if variant == "gate_masked":
-            return gate_masked_add(x, None, *b)
+            return gate_masked_add(x, h, *b)
+        if variant == "index":
+            entry = b.index[ops.INDEX_ROW, :x.shape[0]]
+            return (x.float() + (entry != 0).float()[:, None]).to(x.dtype)
         return x
+
+    def rmsnorm(x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + 1e-5)).to(x.dtype) * weight
 
     def stack(variant: str):
         def forward(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
             for layer in range(LAYERS):
-                x = site(variant, x + h, layer)
-                var = x.float().pow(2).mean(-1, keepdim=True)
-                h = (x.float() * torch.rsqrt(var + 1e-5)).to(x.dtype) * weight
+                x = site(variant, x + h, None, layer)
+                h = rmsnorm(x)
                 if gemms:
                     h = h @ gemms[layer % len(gemms)]
             return x + h
-        return torch.compile(forward, fullgraph=True)
+
+        def decoder(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+            for layer in range(LAYERS):
+                x = site(variant, x, h, layer) + h
+                gate_up = rmsnorm(x) @ mlps[layer][0]
+                act = F.silu(gate_up[:, :INTERMEDIATE]) * gate_up[:, INTERMEDIATE:]
+                h = act @ mlps[layer][1]
+            return x + h
+        return torch.compile(decoder if mlps else forward, fullgraph=True)
 
     results: dict[str, dict[str, dict[str, float]]] = {}
     ratios: dict[str, dict[str, dict[str, float]]] = {}
-    for tokens in TOKENS:
+    for tokens in args.tokens:
         x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=device)
         h = torch.randn_like(x)
         graphs = {}
@@ -227,12 +260,14 @@ def main() -> None:
             index[ops.INDEX_ROW] = (ops.row_entry(1, range(LAYERS), LAYERS)
                                     if traffic != "idle" else 0)
             gate_score[ops.GATE] = float(traffic == "gated")
-            us = interleaved_us({name: g.replay for name, g in graphs.items()}, 20)
+            us = interleaved_us({name: g.replay for name, g in graphs.items()}, 5 if mlps else 20)
             results.setdefault(traffic, {})[str(tokens)] = {
                 name: statistics.median(t) for name, t in us.items()}
             ratios.setdefault(traffic, {})[str(tokens)] = {
                 name: statistics.median(a / b for a, b in zip(t, us["none"], strict=True))
                 for name, t in us.items()}
+            print(tokens, traffic, {name: round(r, 4) for name, r in
+                                    ratios[traffic][str(tokens)].items()}, flush=True)
     names = list(graphs)
     for traffic, by_tokens in results.items():
         print(f"\n{traffic}\n{'tokens':>7} "
@@ -243,7 +278,7 @@ def main() -> None:
                                              for v in names))
     (args.out / "site_cost.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "layers": LAYERS, "hidden": HIDDEN,
-         "gemm": args.gemm, "inductor": inductor, "l2_window": args.l2_window,
+         "gemm": args.gemm, "mlp": args.mlp, "inductor": inductor, "l2_window": args.l2_window,
          "steered_layer": STEERED_LAYER, "us_per_stack": results,
          "paired_ratio_to_none": ratios}, indent=2))
 

@@ -86,14 +86,22 @@ def _steer_kernel(
     HAS_H: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    # The stream's first block, loaded before anything that depends on the index, so that its
+    # latency overlaps the index's: a token neither steered nor monitored here then waits on
+    # one round trip to memory, not three (``BLOCK`` covers a whole row up to ``MAX_BLOCK``).
+    first = tl.arange(0, BLOCK)
+    x_first = tl.load(x_ptr + t * x_stride + first, mask=first < hidden,
+                      other=0.0).to(tl.float32)
     c = tl.load(index_ptr + INDEX_CAPTURE * index_stride + t)
     row = (tl.load(index_ptr + INDEX_ROW * index_stride + t) & ROW_MASK).to(tl.int64)
-    flags = tl.load(flags_ptr + row)
+    # Row 0 (not steered) and probe 0 (not monitored) read nothing: their loads would be
+    # a second dependent round trip for most tokens.
+    flags = tl.load(flags_ptr + row, mask=row != 0, other=0)
     p = tl.load(index_ptr + INDEX_PROBE * index_stride + t).to(tl.int64)
     gate_ptr = gate_score_ptr + GATE * gate_score_stride + t
     g = tl.load(gate_ptr)
     param_ptr = params_ptr + p * params_stride
-    monitor_site = tl.load(param_ptr + PARAM_SITE).to(tl.int32)
+    monitor_site = tl.load(param_ptr + PARAM_SITE, mask=p != 0, other=-1.0).to(tl.int32)
     if (p != 0) & (monitor_site == site):
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, hidden, BLOCK):
@@ -153,7 +161,9 @@ def _steer_kernel(
     for start in range(0, hidden, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hidden
-        x = tl.load(x_ptr + t * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + t * x_stride + offs, mask=mask & (start > 0),
+                    other=0.0).to(tl.float32)
+        x = tl.where(start > 0, x, x_first)
         d = tl.load(table_ptr + row * hidden + offs, mask=mask & use_static, other=0.0)
         dd = tl.load(dyn_ptr + row * hidden + offs, mask=mask & use_dynamic, other=0.0)
         out = x + d + g * dd
@@ -458,8 +468,13 @@ def captured(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+MAX_BLOCK = 4096
+"""The longest stream block of ``_steer_kernel``: one block holds a row of hidden size up to
+this (one pass, no loop, at batch 1 where the kernel's time is its load latency)."""
+
+
 def _block_for(hidden: int) -> int:
-    return min(2048, triton.next_power_of_2(hidden))
+    return min(MAX_BLOCK, triton.next_power_of_2(hidden))
 
 
 def steer_triton(x: torch.Tensor, h: torch.Tensor | None, b: ops.SteerBuffers, site: int,
@@ -489,6 +504,6 @@ def steer_triton(x: torch.Tensor, h: torch.Tensor | None, b: ops.SteerBuffers, s
         x, hh, out, *b, site, hidden, x.stride(0), hh.stride(0), out.stride(0),
         b.index.stride(0), b.gate_score.stride(0), b.params.stride(0), b.capture.stride(0),
         limit, HAS_H=h is not None, BLOCK=block, SLOTS=slots,
-        SLOTS_P2=max(1, triton.next_power_of_2(slots)), num_warps=4 if block <= 1024 else 8,
+        SLOTS_P2=max(1, triton.next_power_of_2(slots)), num_warps=max(4, block // 256),
     )
     return out
