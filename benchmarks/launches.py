@@ -122,13 +122,19 @@ def per_step(llm: Any, spec: dict[str, Any] | None, batch: int,
     return {k: (many[k] - one.get(k, 0.0)) / DECODE_STEPS for k in many}
 
 
-def start(path: Path, dynsteer: dict[str, Any] | None, mem: float) -> Any:
+def start(path: Path, dynsteer: dict[str, Any] | None, mem: float,
+          inductor: dict[str, Any] | None = None) -> Any:
+    """An engine of the shape at ``path`` (graphs off); ``inductor``: Inductor settings to
+    compile under (vLLM's ``inductor_compile_config``)."""
     from vllm import LLM
 
     extra = {"additional_config": {"dynsteer": dynsteer}} if dynsteer is not None else {}
+    compilation: dict[str, Any] = {"cudagraph_mode": "NONE"}
+    if inductor:
+        compilation["inductor_compile_config"] = inductor
     return LLM(str(path), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                max_model_len=512, max_num_seqs=256, gpu_memory_utilization=mem, seed=0,
-               compilation_config={"cudagraph_mode": "NONE"}, **extra)
+               compilation_config=compilation, **extra)
 
 
 def one_engine(name: str, shape: dict[str, Any], batch: int, out: Path) -> None:

@@ -133,7 +133,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--code", type=Path, default=None,
                         help="keep Inductor's generated code under this directory")
+    parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="Inductor settings (integers) to compile under")
     args = parser.parse_args()
+    inductor = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.inductor)}
     args.out.mkdir(parents=True, exist_ok=True)
     if args.code is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(args.code.resolve() / args.variant)
@@ -141,9 +144,9 @@ def main() -> None:
     path = Path(tempfile.mkdtemp()) / "llama32"
     path.mkdir()
     (path / "config.json").write_text(json.dumps(LLAMA_8B))
-    llm = launches.start(path, {}, 0.8)
+    llm = launches.start(path, {}, 0.8, inductor)
     result = launches.per_step(llm, None, args.batch)
-    name = f"idle-{args.variant}"
+    name = "-".join(["idle", args.variant, *(f"{k}{v}" for k, v in inductor.items())])
     print(f"{name}: {result['kernels']:.1f} kernels, {result['kernel_us']:.1f} GPU us per step")
     (args.out / f"launches_{name}.json").write_text(json.dumps(
         {"engine": name, "batch": args.batch, "per_decode_step": result}, indent=2))
