@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 
-def _time_ms(fn, reps: int) -> float:
+def _time_ms(fn, reps: int, warmup: int = 3) -> float:
     import torch
 
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
@@ -170,6 +170,7 @@ def compare(against: Path, out: Path, rounds: int = 15, launches: int = 50) -> N
         return g
 
     flush_graph = graph([flush.zero_])
+    flush_graph.replay()
     rows = []
     print(f"{'tokens':>6} {'mode':<6} {'L2':<4} {'old us':>8} {'new us':>8} {'new/old':>8}")
     for tokens in (1, 32, 256):
@@ -179,11 +180,13 @@ def compare(against: Path, out: Path, rounds: int = 15, launches: int = 50) -> N
             for cache in ("hot", "cold"):
                 graphs = {name: graph([fn] if cache == "hot" else [flush.zero_, fn])
                           for name, fn in calls.items()}
+                for g in graphs.values():
+                    g.replay()
                 times: dict[str, list[float]] = {"old": [], "new": []}
                 for _ in range(rounds):
-                    base = _time_ms(flush_graph.replay, 1) if cache == "cold" else 0.0
+                    base = _time_ms(flush_graph.replay, 1, 0) if cache == "cold" else 0.0
                     for name, g in graphs.items():
-                        times[name].append((_time_ms(g.replay, 1) - base) * 1000 / launches)
+                        times[name].append((_time_ms(g.replay, 1, 0) - base) * 1000 / launches)
                 ratio = statistics.median(n / o for n, o in zip(times["new"], times["old"],
                                                                 strict=True))
                 row = {"tokens": tokens, "mode": mode, "cache": cache,

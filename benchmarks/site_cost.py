@@ -116,6 +116,11 @@ def gate_masked_add(x, h, index, gate_score, table, dyn, *_):
     return (x32 + ops._within_limit(x32, h, delta, x.dtype)).to(x.dtype)
 
 
+def inductor_settings(pairs: list[str]) -> dict[str, int]:
+    """``KEY=VALUE`` arguments as Inductor settings (integers)."""
+    return {k: int(v) for k, v in (kv.split("=", 1) for kv in pairs)}
+
+
 def interleaved_us(fns: dict, calls: int, rounds: int = 30) -> dict[str, list[float]]:
     """GPU microseconds per call of each of ``fns``, timed in turn ``rounds`` times
     (``calls`` back-to-back calls per timing), so that drift in the GPU's clock falls on all
@@ -149,7 +154,7 @@ def main() -> None:
                         help="Inductor config (integers) to compile under")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    inductor = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.inductor)}
+    inductor = inductor_settings(args.inductor)
     variants = ["none", *(v for v in args.variants if v != "none")]
     import torch
     import torch.nn.functional as F

@@ -51,7 +51,7 @@ os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")  # variants share a con
 
 import launches
 from overhead import LLAMA_8B
-from site_cost import gate_masked_add
+from site_cost import gate_masked_add, inductor_settings
 
 from dynsteer.engine_ext.worker import ops, sites
 
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
                         help="Inductor settings (integers) to compile under")
     args = parser.parse_args()
-    inductor = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.inductor)}
+    inductor = inductor_settings(args.inductor)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.code is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(args.code.resolve() / args.variant)
