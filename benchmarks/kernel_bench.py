@@ -19,7 +19,12 @@ L2) and once *cold* (each launch after a write of 128 MB, as a site in a decoder
 after its layer's weights streamed through L2; the write alone is timed and subtracted), and
 the per-launch times and their paired ratio (new / old) are printed and written.
 
-Usage: python benchmarks/kernel_bench.py --out DIR [--against OLD_TRITON_KERNELS.py]
+``--norm`` times the site and the RMSNorm after it as one kernel (``steer_norm_triton``,
+session 26) the same way, against the stock fused add + RMSNorm as Inductor compiles it (and,
+with ``--against``, that file's ``steer_norm_triton``): the kernel that replaces a norm of
+the decoder layer, against the one it replaces.
+
+Usage: python benchmarks/kernel_bench.py --out DIR [--against OLD_TRITON_KERNELS.py] [--norm]
 """
 
 from __future__ import annotations
@@ -130,6 +135,7 @@ def steer_call(steer_triton, tokens: int, hidden: int, mode: str):
     def run() -> Any:
         return steer_triton(x, h, buffers, 0, limit)
 
+    run.inputs = (x, h, buffers, limit)  # type: ignore[attr-defined]
     return run
 
 
@@ -149,13 +155,40 @@ def load_kernels(path: Path):
     return module
 
 
-def compare(against: Path, out: Path, rounds: int = 15, launches: int = 50) -> None:
-    """``--against``: see the module docstring."""
+def norm_call(steer_norm_triton, tokens: int, hidden: int, mode: str):
+    """A call of ``steer_norm_triton`` (the site and the RMSNorm after it) on the buffers of
+    :func:`steer_call`, with an RMSNorm weight."""
     import torch
 
-    from dynsteer.engine_ext.worker import triton_kernels
+    site = steer_call(None, tokens, hidden, mode)
+    x, h, buffers, limit = site.inputs
+    weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    return lambda: steer_norm_triton(x, h, buffers, 0, limit, weight, 1e-5)
 
-    old = load_kernels(against)
+
+def inductor_norm_call(tokens: int, hidden: int, mode: str):
+    """Stock vLLM's fused add + RMSNorm (its native math, as vLLM's compiled graph has it),
+    compiled by Inductor for this shape: what a site's norm kernel is measured against."""
+    import torch
+
+    def fused_add_rms_norm(x, residual, weight):
+        s = x.to(torch.float32) + residual.to(torch.float32)
+        n = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return (n.to(weight.dtype) * weight).to(x.dtype), s.to(x.dtype)
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(fused_add_rms_norm, dynamic=False)
+    return lambda: compiled(x, residual, weight)
+
+
+def compare(contenders: dict[str, Any], out: Path, rounds: int = 15,
+            launches: int = 50) -> None:
+    """``--against`` / ``--norm``: see the module docstring. ``contenders`` maps a name to
+    ``make(tokens, mode) -> fn``; every time is also given as a paired ratio to the first."""
+    import torch
+
     flush = torch.empty(64 * 1024**2, dtype=torch.float16, device="cuda")
 
     def graph(fns) -> Any:
@@ -171,33 +204,37 @@ def compare(against: Path, out: Path, rounds: int = 15, launches: int = 50) -> N
 
     flush_graph = graph([flush.zero_])
     flush_graph.replay()
+    names = list(contenders)
     rows = []
-    print(f"{'tokens':>6} {'mode':<6} {'L2':<4} {'old us':>8} {'new us':>8} {'new/old':>8}")
+    print(f"{'tokens':>6} {'mode':<6} {'L2':<4} " + " ".join(f"{n + ' us':>14}" for n in names)
+          + " " + " ".join(f"{n + '/' + names[0]:>18}" for n in names[1:]))
     for tokens in (1, 32, 256):
         for mode in ("idle", "gated"):
-            calls = {"old": steer_call(old.steer_triton, tokens, 4096, mode),
-                     "new": steer_call(triton_kernels.steer_triton, tokens, 4096, mode)}
+            calls = {name: make(tokens, mode) for name, make in contenders.items()}
             for cache in ("hot", "cold"):
                 graphs = {name: graph([fn] if cache == "hot" else [flush.zero_, fn])
                           for name, fn in calls.items()}
                 for g in graphs.values():
                     g.replay()
-                times: dict[str, list[float]] = {"old": [], "new": []}
+                times: dict[str, list[float]] = {name: [] for name in names}
                 for _ in range(rounds):
                     base = _time_ms(flush_graph.replay, 1, 0) if cache == "cold" else 0.0
                     for name, g in graphs.items():
                         times[name].append((_time_ms(g.replay, 1, 0) - base) * 1000 / launches)
-                ratio = statistics.median(n / o for n, o in zip(times["new"], times["old"],
-                                                                strict=True))
-                row = {"tokens": tokens, "mode": mode, "cache": cache,
-                       "old_us": statistics.median(times["old"]),
-                       "new_us": statistics.median(times["new"]), "new_over_old": ratio}
+                row: dict[str, Any] = {"tokens": tokens, "mode": mode, "cache": cache}
+                for name in names:
+                    row[f"{name}_us"] = statistics.median(times[name])
+                for name in names[1:]:
+                    row[f"{name}_over_{names[0]}"] = statistics.median(
+                        a / b for a, b in zip(times[name], times[names[0]], strict=True))
                 rows.append(row)
-                print(f"{tokens:>6} {mode:<6} {cache:<4} {row['old_us']:>8.2f} "
-                      f"{row['new_us']:>8.2f} {ratio:>8.3f}", flush=True)
+                print(f"{tokens:>6} {mode:<6} {cache:<4} "
+                      + " ".join(f"{row[n + '_us']:>14.2f}" for n in names) + " "
+                      + " ".join(f"{row[n + '_over_' + names[0]]:>18.3f}" for n in names[1:]),
+                      flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_ab.json").write_text(json.dumps(
-        {"device": torch.cuda.get_device_name(), "against": str(against), "hidden": 4096,
+        {"device": torch.cuda.get_device_name(), "contenders": names, "hidden": 4096,
          "launches_per_graph": launches, "rounds": rounds, "rows": rows}, indent=2))
 
 
@@ -205,11 +242,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--against", type=Path, help="another triton_kernels.py to compare with")
+    ap.add_argument("--norm", action="store_true",
+                    help="time the site + RMSNorm kernel against Inductor's stock norm")
     args = ap.parse_args()
     import torch
 
-    if args.against:
-        compare(args.against, args.out)
+    from dynsteer.engine_ext.worker import triton_kernels
+
+    old = load_kernels(args.against) if args.against else None
+    if args.norm:
+        contenders = {"inductor": inductor_norm_call,
+                      "new": lambda t, m: norm_call(triton_kernels.steer_norm_triton, t, 4096, m)}
+        if old is not None:
+            contenders["old"] = lambda t, m: norm_call(old.steer_norm_triton, t, 4096, m)
+        compare(contenders, args.out)
+        return
+    if old is not None:
+        compare({"old": lambda t, m: steer_call(old.steer_triton, t, 4096, m),
+                 "new": lambda t, m: steer_call(triton_kernels.steer_triton, t, 4096, m)},
+                args.out)
         return
     bw = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "cases": []}

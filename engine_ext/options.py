@@ -63,6 +63,11 @@ class EngineOptions(BaseModel):
     its group of consecutive sites (a row steering layer 16 is read at one or two sites, not
     at every one). False compiles the form before the groups (a steered token's row read at
     every site, zeros included), kept to measure them against."""
+    fused_norms: bool = True
+    """Whether a site whose stream the next RMSNorm adds (``post_block``, ``post_attn``) runs
+    in that norm's kernel on CUDA (``dynsteer::steer_norm``: one kernel for the site and the
+    norm). False compiles the form before (the site's ops, which Inductor fuses into the norm's
+    kernel; monitor sites a kernel of their own), kept to measure against."""
     max_gates: int = Field(default=128, ge=1, le=65536)
     """Distinct probes (with their threshold, sharpness and monitor site) gating requests in
     flight; each costs ``hidden * 4`` bytes of device memory."""

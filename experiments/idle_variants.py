@@ -25,12 +25,17 @@ tell the parts apart. Variants (none steers anything here: every token is on row
 * ``site-groups-tied``: ``site-groups`` with ``delta`` also dropped where ``h`` is NaN (no value
   changes), which ties the site to the kernel that adds ``h`` (session 15, ``3146929``).
 
+``--unfused-norm`` starts the engine with ``fused_norms: false``: each site and the norm
+after it as two ops, as before session 26 (the site fused by Inductor into the norm's
+kernel), instead of ``dynsteer::steer_norm``.
+
 ``--code DIR`` keeps Inductor's generated code (its cache directory) under ``DIR``, to diff
 the kernels a site fuses into between variants.
 
 Experiment code, not the product: variants are exact only for unsteered traffic.
 
 Usage: python experiments/idle_variants.py --out DIR --variant NAME [--batch 32] [--code DIR]
+       [--unfused-norm]
        python benchmarks/launches.py --compare DIR
 """
 
@@ -135,18 +140,22 @@ def main() -> None:
                         help="keep Inductor's generated code under this directory")
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
                         help="Inductor settings (integers) to compile under")
+    parser.add_argument("--unfused-norm", action="store_true",
+                        help="the site, then the norm (not dynsteer::steer_norm)")
     args = parser.parse_args()
     inductor = inductor_settings(args.inductor)
+    name = "-".join(["idle", args.variant, *(["unfused"] if args.unfused_norm else []),
+                     *(f"{k}{v}" for k, v in inductor.items())])
     args.out.mkdir(parents=True, exist_ok=True)
     if args.code is not None:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(args.code.resolve() / args.variant)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(args.code.resolve() / name)
     sites.steer_add = VARIANTS[args.variant]
     path = Path(tempfile.mkdtemp()) / "llama32"
     path.mkdir()
     (path / "config.json").write_text(json.dumps(LLAMA_8B))
-    llm = launches.start(path, {}, 0.8, inductor)
+    options = {"fused_norms": False} if args.unfused_norm else {}
+    llm = launches.start(path, options, 0.8, inductor)
     result = launches.per_step(llm, None, args.batch)
-    name = "-".join(["idle", args.variant, *(f"{k}{v}" for k, v in inductor.items())])
     print(f"{name}: {result['kernels']:.1f} kernels, {result['kernel_us']:.1f} GPU us per step")
     (args.out / f"launches_{name}.json").write_text(json.dumps(
         {"engine": name, "batch": args.batch, "per_decode_step": result}, indent=2))

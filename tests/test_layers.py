@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.utils import PPMissingLayer
 
 from dynsteer.controller.contract import resolve_sites
@@ -264,6 +266,73 @@ def test_install_sites_steers_each_site_from_its_own_buffers():
         got, want = steered(positions, x), reference(positions, x)
     torch.testing.assert_close(got, want)
     assert (got[1] - unsteered[1]).abs().max() > 0.1
+
+
+class FakeEntryNormLayer(FakeDecoderLayer):
+    """A layer whose input norm is vLLM's RMSNorm, called as Llama's is: ``(hidden_states,
+    residual)`` from layer 1 on, the stream after the layer before first exists inside it."""
+
+    def __init__(self, index: int, log: list) -> None:
+        super().__init__(index, log)
+        self.input_layernorm = RMSNorm(H, eps=1e-5)
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is not None:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        return super().forward(positions, hidden_states, residual)
+
+
+class FakeNormedCausalLM(FakeCausalLM):
+    """Llama's outer loop: the final norm adds the last layer's two halves."""
+
+    def forward(self, positions, x):
+        hidden_states, residual = super().forward(positions, x)
+        return self.model.norm(hidden_states, residual)[0]
+
+
+def normed_model() -> nn.Module:
+    with set_current_vllm_config(VllmConfig()):
+        model = type("LlamaForCausalLM", (FakeNormedCausalLM,), {})([])
+        model.model.layers = nn.ModuleList(FakeEntryNormLayer(i, []) for i in range(LAYERS))
+        model.model.norm = RMSNorm(H, eps=1e-5)
+    gen = torch.Generator().manual_seed(4)
+    for norm in [layer.input_layernorm for layer in model.model.layers] + [model.model.norm]:
+        norm.weight.data = 1 + torch.randn(H, generator=gen)
+    return model
+
+
+def test_post_block_runs_inside_the_norm_that_adds_its_stream():
+    """Where the next layer's input norm (after the last layer: the final norm) is vLLM's
+    RMSNorm, a ``post_block`` site becomes a SteeredNorm there (on CUDA: one kernel); it stays
+    around its layer where the next layer has a ``pre_attn`` site. Either way the model computes
+    what the sites at their places compute: the same forward as with every ``post_block`` kept
+    around its layer."""
+    sites = (("post_block", 0), ("pre_attn", 1), ("post_block", 1), ("post_block", 3))
+    gen = torch.Generator().manual_seed(5)
+    deltas = {site: torch.randn(H, generator=gen) for site in sites}
+    model = normed_model()
+    reference = normed_model()
+    inner = list(model.model.layers)
+    wrap_sites(model, {site: RecordingOp(f"{site}", [], d) for site, d in deltas.items()})
+    layers = model.model.layers
+    assert isinstance(layers[0], SteeredLayer) and layers[0].post is not None  # pre_attn@1
+    assert isinstance(layers[1], SteeredLayer) and layers[1].post is None
+    assert isinstance(inner[2].input_layernorm, SteeredNorm)
+    assert isinstance(model.model.norm, SteeredNorm)
+    assert layers[3] is inner[3]
+
+    reference.model.layers = nn.ModuleList(
+        SteeredLayer(layer, RecordingOp("", [], deltas[("pre_attn", i)])
+                     if ("pre_attn", i) in deltas else None,
+                     RecordingOp("", [], deltas[("post_block", i)])
+                     if ("post_block", i) in deltas else None)
+        for i, layer in enumerate(reference.model.layers))
+    positions = torch.arange(TOKENS, dtype=torch.float32)
+    x = torch.randn(TOKENS, H, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got, want = model(positions, x), reference(positions, x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (got - normed_model()(positions, x)).abs().max() > 0.1
 
 
 class FakeStreamNorm(nn.Module):

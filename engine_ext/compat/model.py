@@ -126,17 +126,36 @@ class SteeredStreamLayer(_LayerWrapper):
         return hidden_states if self.post is None else self.post(hidden_states)
 
 
+def fusable_norm(norm: nn.Module) -> bool:
+    """Whether ``norm`` is vLLM's plain weighted RMSNorm, whose fused add + norm
+    ``dynsteer::steer_norm`` computes in the site's kernel (Gemma's ``1 + weight`` norm, a
+    norm without weight or over part of the row are not)."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    return (type(norm) is RMSNorm and norm.has_weight and norm.pass_weight_add
+            and norm.variance_size_override is None)
+
+
 class SteeredNorm(nn.Module):
-    """A fused add+norm whose residual input is steered first (split stream's ``post_attn``)."""
+    """A fused add+norm whose residual input is steered first: split stream's ``post_attn``,
+    and ``post_block`` moved into the next layer's input norm (see :func:`wrap_sites`).
+
+    Where the site can (:meth:`.SiteOp.fuses_norm`: on CUDA) and the norm is vLLM's plain
+    RMSNorm, the site and the norm run as one op (``dynsteer::steer_norm``, one kernel),
+    with the norm's weight and epsilon; elsewhere the site runs, then the norm."""
 
     def __init__(self, norm: nn.Module, site: nn.Module) -> None:
         super().__init__()
         self.norm = norm
         self.site = site
+        self.fusable = fusable_norm(norm) and hasattr(site, "fuses_norm")
 
     def forward(self, x, residual=None):
         if residual is None:
-            raise RuntimeError("dynsteer post_attn site expects the norm to receive a residual")
+            raise RuntimeError("dynsteer: a steered norm expects to receive a residual")
+        if self.fusable and self.site.fuses_norm(residual):
+            return self.site.steer_norm(residual, x, self.norm.weight,
+                                        self.norm.variance_epsilon)
         return self.norm(x, self.site(residual, x))
 
 
@@ -184,17 +203,48 @@ def _owned(layer: nn.Module) -> bool:
     return not isinstance(layer, PPMissingLayer)
 
 
+ENTRY_NORM = "input_layernorm"
+"""The norm a split-stream layer (other than layer 0) first calls, as ``norm(hidden_states,
+residual)``: the stream after the layer before exists first inside it."""
+
+
+def _norm_after(model: nn.Module, layers: list[nn.Module], index: int,
+                ops: dict[tuple[str, int], nn.Module]) -> tuple[nn.Module, str] | None:
+    """Where a ``post_block`` site of layer ``index`` can run inside the norm that adds its
+    stream: ``(module, attribute)`` of the next layer's input norm (the model's final norm
+    after the last layer), or None. None where the next layer belongs to another pipeline
+    stage, has a ``pre_attn`` site (that site steers the same stream after this one), or
+    either layer is not split-stream or the norm is not vLLM's plain RMSNorm."""
+    if not splits_stream(layers[index]):
+        return None
+    if index + 1 < len(layers):
+        nxt = layers[index + 1]
+        if (not _owned(nxt) or ("pre_attn", index + 1) in ops or not splits_stream(nxt)
+                or not fusable_norm(getattr(nxt, ENTRY_NORM, None))):
+            return None
+        return nxt, ENTRY_NORM
+    inner = getattr(model, "model", None)
+    return (inner, "norm") if fusable_norm(getattr(inner, "norm", None)) else None
+
+
 def wrap_sites(model: nn.Module, ops: dict[tuple[str, int], nn.Module]) -> list[tuple[str, int]]:
     """Put each ``(hook, layer)`` op into the model; returns the sites installed here (sites
-    on layers another pipeline stage owns are skipped)."""
+    on layers another pipeline stage owns are skipped).
+
+    A ``post_block`` site runs inside the norm that adds its stream (a :class:`SteeredNorm`
+    in place of the next layer's input norm, or of the final norm), so that on CUDA the site
+    and that norm are one kernel; it steers the same tensor with the same inputs as around the
+    layer, which is where it stays when :func:`_norm_after` finds no such norm. (vLLM's EAGLE-3
+    auxiliary hidden states, read between layers, then see the stream before the site.)"""
     spec = arch_spec_for(model)
     layers = decoder_layers(model)
+    raw = list(layers)
     by_layer: dict[int, dict[str, nn.Module]] = {}
     for (hook, index), op in ops.items():
         by_layer.setdefault(index, {})[hook] = op
     installed: list[tuple[str, int]] = []
     for index, at in by_layer.items():
-        layer = layers[index]
+        layer = raw[index]
         if not _owned(layer):
             continue
         split = splits_stream(layer)
@@ -202,9 +252,15 @@ def wrap_sites(model: nn.Module, ops: dict[tuple[str, int], nn.Module]) -> list[
             norm = getattr(layer, spec.mid_norm)
             steered = SteeredNorm if split else SteeredStreamNorm
             setattr(layer, spec.mid_norm, steered(norm, at["post_attn"]))
-        if "pre_attn" in at or "post_block" in at:
+        post = at.get("post_block")
+        into = None if post is None else _norm_after(model, raw, index, ops)
+        if into is not None:
+            module, name = into
+            setattr(module, name, SteeredNorm(getattr(module, name), post))
+            post = None
+        if "pre_attn" in at or post is not None:
             wrapper = SteeredLayer if split else SteeredStreamLayer
-            layers[index] = wrapper(layer, at.get("pre_attn"), at.get("post_block"))
+            layers[index] = wrapper(layer, at.get("pre_attn"), post)
         installed.extend((hook, index) for hook in at)
     return installed
 

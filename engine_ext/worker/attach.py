@@ -81,7 +81,7 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
     buffers = vllm_worker.batch_buffers(runner)
     if buffers is not None:
         state.enable_device_fill(buffers.query_start_loc, buffers.positions)
-    installed = install_sites(facts.model, state.site_buffers())
+    installed = install_sites(facts.model, state.site_buffers(), options.fused_norms)
     vllm_model.relay_between_stages(facts.model, state.gate_score,
                                     vllm_worker.stage_buffers(runner))
     state.capture.installed = frozenset(installed)

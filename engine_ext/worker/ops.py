@@ -181,11 +181,19 @@ class SteerBuffers(NamedTuple):
     """float32 ``[R, D, D]``: dot products of each row's directions."""
 
 
-STEER_SCHEMA = ("(Tensor x, Tensor? h, " + "".join(f"Tensor {f}, " for f in SteerBuffers._fields)
-                + "int site) -> Tensor")
+MAX_NORM_ROW = 16384
+"""The widest row ``dynsteer::steer_norm`` normalizes on CUDA (one block of at most 32 warps
+holds the row)."""
+_BUFFER_ARGS = "".join(f"Tensor {f}, " for f in SteerBuffers._fields)
+STEER_SCHEMA = f"(Tensor x, Tensor? h, {_BUFFER_ARGS}int site) -> Tensor"
 """The op's schema, derived from :class:`SteerBuffers` (nothing declared as mutated: see the
 module docstring), so adding an input is adding a field there and reading it in both
 implementations."""
+STEER_NORM_SCHEMA = (f"(Tensor x, Tensor h, {_BUFFER_ARGS}int site, Tensor weight, float eps,"
+                     " bool monitor) -> (Tensor, Tensor)")
+"""``dynsteer::steer_norm``: ``steer``'s inputs, then the weight and epsilon of the RMSNorm
+that follows the site, and whether probes or capture may read this site (False: the kernel
+leaves their code out)."""
 
 
 def _monitor(x, h, probe_rows, control_rows, probes, params, control, gate, score,
@@ -443,3 +451,40 @@ def steer(x: torch.Tensor, h: torch.Tensor | None, *args) -> torch.Tensor:
 @steer.register_fake
 def _steer_fake(x, h, *args):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op(f"{OP_NAMESPACE}::steer_norm", mutates_args=(),
+                         schema=STEER_NORM_SCHEMA)
+def steer_norm(x: torch.Tensor, h: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """A site and the fused add + RMSNorm after it, as one op: ``steer(x, h, ...)`` followed
+    by vLLM's ``fused_add_rms_norm(h, steered x, weight, eps)``; returns ``(normed, stream)``,
+    the norm's ``(hidden_states, residual)``. ``steer_norm(x, h, *buffers, site, weight,
+    eps, monitor)``.
+
+    Why: a site fused by Inductor into the norm's kernel (:func:`steer_add`) made each of 29
+    add + RMSNorm kernels of an 8B decode step ~1 us slower at batch 1 (the per-token index
+    read and the steered stream stored and read back between the norm's two loops); on CUDA
+    this is one Triton program per token that loads the stream, ``h``, the weight and the
+    token's index in one round trip, reads no row for an unsteered token, and normalizes the
+    row from registers. Engines with projection slots (``max_projections``) keep the unfused
+    form (see :meth:`.sites.SiteOp.fuses_norm`)."""
+    *buffers, site, weight, eps, monitor = args
+    b = SteerBuffers(*buffers)
+    if x.is_cuda:
+        from .triton_kernels import steer_norm_triton
+
+        return steer_norm_triton(x, h, b, site, stream_limit(x.dtype), weight, eps, monitor)
+    return rms_norm_after(steer(x, h, *b, site), h, weight, eps)
+
+
+@steer_norm.register_fake
+def _steer_norm_fake(x, h, *args):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def rms_norm_after(steered: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's native fused add + RMSNorm of ``(h, steered)``: ``(normed, stream)``."""
+    s = h.to(torch.float32) + steered.to(torch.float32)
+    n = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    return (n.to(weight.dtype) * weight).to(steered.dtype), s.to(steered.dtype)

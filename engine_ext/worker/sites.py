@@ -24,7 +24,7 @@ from torch import nn
 from dynsteer.controller.contract import Site
 
 from ..compat.model import wrap_sites
-from .ops import SteerBuffers, steer_add
+from .ops import MAX_NORM_ROW, SteerBuffers, steer_add
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,9 @@ class SiteBuffers:
 class SiteOp(nn.Module):
     """The steering op of one site; buffers are shared with the worker's steering state."""
 
-    def __init__(self, site: SiteBuffers) -> None:
+    def __init__(self, site: SiteBuffers, fuse_norm: bool = True) -> None:
         super().__init__()
+        self.fuse_norm = fuse_norm
         self.position = site.position
         self.monitor = site.monitor
         self.site_bit = site.site_bit
@@ -59,11 +60,30 @@ class SiteOp(nn.Module):
         if not self.monitor and x.is_cuda:
             return steer_add(x, h, self.index, self.gate_score, self.table, self.dyn,
                              self.proj_dir, self.proj_par, self.proj_gram, self.site_bit)
-        buffers = [getattr(self, name) for name in SteerBuffers._fields]
-        return torch.ops.dynsteer.steer(x, h, *buffers, self.position)
+        return torch.ops.dynsteer.steer(x, h, *self._steer_buffers(), self.position)
+
+    def fuses_norm(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`steer_norm` runs the site and the norm after it as one kernel here
+        (CUDA, no projection slots, a row one block holds, engine option ``fused_norms``);
+        elsewhere the caller runs the site and then the norm."""
+        return (self.fuse_norm and x.is_cuda and self.proj_dir.shape[1] == 0
+                and x.shape[-1] <= MAX_NORM_ROW)
+
+    def steer_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steer ``x`` and apply the fused add + RMSNorm of ``(h, steered x)`` that follows
+        the site: ``(normed, stream)`` (``dynsteer::steer_norm``)."""
+        return torch.ops.dynsteer.steer_norm(x, h, *self._steer_buffers(), self.position,
+                                             weight, eps, self.monitor)
+
+    def _steer_buffers(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in SteerBuffers._fields]
 
 
-def install_sites(model: nn.Module, buffers: dict[Site, SiteBuffers]) -> list[Site]:
+def install_sites(model: nn.Module, buffers: dict[Site, SiteBuffers],
+                  fuse_norms: bool = True) -> list[Site]:
     """Put one op per configured site into the model (see :mod:`..compat.model`); returns
-    the sites installed here (a pipeline stage installs those on its own layers)."""
-    return wrap_sites(model, {site: SiteOp(b) for site, b in buffers.items()})  # type: ignore[return-value]
+    the sites installed here (a pipeline stage installs those on its own layers).
+    ``fuse_norms``: the engine option ``fused_norms``."""
+    ops = {site: SiteOp(b, fuse_norms) for site, b in buffers.items()}
+    return wrap_sites(model, ops)  # type: ignore[return-value]
