@@ -11,20 +11,21 @@ the per-launch time. Kernel time is measured by replaying a CUDA graph of many l
 vLLM runs it), so the ~40 us Python launch path of an eager call is not counted; the eager
 time of one call is reported beside it.
 
-``--against FILE`` compares the kernel with another version of
+``--against FILE...`` compares the kernel with other versions of
 ``engine_ext/worker/triton_kernels.py`` (e.g. ``git show HEAD~1:engine_ext/worker/triton_kernels.py
-> old.py``) in one process: both run in turn over rounds (graph replays), idle and gated, at
-1, 32 and 256 tokens of hidden size 4096, once *hot* (launch after launch, the op's buffers in
-L2) and once *cold* (each launch after a write of 128 MB, as a site in a decoder layer runs
-after its layer's weights streamed through L2; the write alone is timed and subtracted), and
-the per-launch times and their paired ratio (new / old) are printed and written.
+> old.py``; each named by its file) in one process: all run in turn over rounds (graph
+replays), idle and gated, at 1, 32 and 256 tokens of hidden size 4096, once *hot* (launch after
+launch, the op's buffers in L2) and once *cold* (each launch after a write of 128 MB, as a site
+in a decoder layer runs after its layer's weights streamed through L2; the write alone is timed
+and subtracted), and the per-launch times and their paired ratio to the first file's are
+printed and written.
 
 ``--norm`` times the site and the RMSNorm after it as one kernel (``steer_norm_triton``,
 session 26) the same way, against the stock fused add + RMSNorm as Inductor compiles it (and,
 with ``--against``, that file's ``steer_norm_triton``): the kernel that replaces a norm of
 the decoder layer, against the one it replaces.
 
-Usage: python benchmarks/kernel_bench.py --out DIR [--against OLD_TRITON_KERNELS.py] [--norm]
+Usage: python benchmarks/kernel_bench.py --out DIR [--against TRITON_KERNELS.py...] [--norm]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -157,13 +159,14 @@ def load_kernels(path: Path):
 
 def norm_call(steer_norm_triton, tokens: int, hidden: int, mode: str):
     """A call of ``steer_norm_triton`` (the site and the RMSNorm after it) on the buffers of
-    :func:`steer_call`, with an RMSNorm weight."""
+    :func:`steer_call`, with an RMSNorm weight; idle: the kernel of a site without monitor
+    (most sites), gated: of a monitor site."""
     import torch
 
     site = steer_call(None, tokens, hidden, mode)
     x, h, buffers, limit = site.inputs
     weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-    return lambda: steer_norm_triton(x, h, buffers, 0, limit, weight, 1e-5)
+    return lambda: steer_norm_triton(x, h, buffers, 0, limit, weight, 1e-5, mode != "idle")
 
 
 def inductor_norm_call(tokens: int, hidden: int, mode: str):
@@ -238,10 +241,19 @@ def compare(contenders: dict[str, Any], out: Path, rounds: int = 15,
          "launches_per_graph": launches, "rounds": rounds, "rows": rows}, indent=2))
 
 
+def _norm_contender(kernel, tokens: int, mode: str):
+    return norm_call(kernel, tokens, 4096, mode)
+
+
+def _steer_contender(kernel, tokens: int, mode: str):
+    return steer_call(kernel, tokens, 4096, mode)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--against", type=Path, help="another triton_kernels.py to compare with")
+    ap.add_argument("--against", type=Path, nargs="+", default=[],
+                    help="other versions of triton_kernels.py to compare with (named by file)")
     ap.add_argument("--norm", action="store_true",
                     help="time the site + RMSNorm kernel against Inductor's stock norm")
     args = ap.parse_args()
@@ -249,18 +261,18 @@ def main() -> None:
 
     from dynsteer.engine_ext.worker import triton_kernels
 
-    old = load_kernels(args.against) if args.against else None
+    others = {path.stem: load_kernels(path) for path in args.against}
     if args.norm:
-        contenders = {"inductor": inductor_norm_call,
-                      "new": lambda t, m: norm_call(triton_kernels.steer_norm_triton, t, 4096, m)}
-        if old is not None:
-            contenders["old"] = lambda t, m: norm_call(old.steer_norm_triton, t, 4096, m)
+        contenders = {"inductor": lambda t, m: inductor_norm_call(t, 4096, m)}
+        for name, kernels in {"new": triton_kernels, **others}.items():
+            contenders[name] = partial(_norm_contender, kernels.steer_norm_triton)
         compare(contenders, args.out)
         return
-    if old is not None:
-        compare({"old": lambda t, m: steer_call(old.steer_triton, t, 4096, m),
-                 "new": lambda t, m: steer_call(triton_kernels.steer_triton, t, 4096, m)},
-                args.out)
+    if others:
+        contenders = {name: partial(_steer_contender, kernels.steer_triton)
+                      for name, kernels in others.items()}
+        contenders["new"] = partial(_steer_contender, triton_kernels.steer_triton)
+        compare(contenders, args.out)
         return
     bw = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "cases": []}

@@ -71,27 +71,48 @@ def test_steer_norm_matches_float64(tokens, hidden, dtype, device):
     want = norm_reference(x, h, b, weight)
     xd, hd, bd = on(device, x, h, b)
     normed, stream = torch.ops.dynsteer.steer_norm(xd, hd, *bd, SITE, weight.to(device), EPS,
-                                                    True)
+                                                    True, 0)
     check(normed.cpu(), stream.cpu(), bd.gate_score.cpu(), want, tokens, dtype)
 
 
-INTERPRETED_CASES = ((1, 64, "float32", True), (5, 96, "float32", True),
-                     (3, 64, "bfloat16", True), (5, 96, "float32", False))
-"""``(tokens, hidden, dtype, monitor)``: a row narrower than its block (96 of 128), bfloat16
-rounding, and a site compiled without its probe and capture code."""
+INTERPRETED_CASES = ((1, 64, "float32", True, False), (5, 96, "float32", True, False),
+                     (3, 64, "bfloat16", True, False), (5, 96, "float32", False, False),
+                     (6, 64, "float32", True, True))
+"""``(tokens, hidden, dtype, monitor, groups)``: a row narrower than its block (96 of 128),
+bfloat16 rounding, a site compiled without its probe and capture code, and site groups."""
+GROUP_BIT = ops.site_bit(3, 8)
+"""The site's group bit in the ``groups`` case: every token's entry carries it but token 1's
+(steered by row 3, which then steers nothing at this site)."""
+
+
+def grouped(b: ops.SteerBuffers) -> ops.SteerBuffers:
+    """``b`` with site-group bits in the entries (see GROUP_BIT)."""
+    b.index[ops.INDEX_ROW] |= GROUP_BIT
+    b.index[ops.INDEX_ROW, 1] = 3
+    return b
+
+
+def ungrouped(b: ops.SteerBuffers) -> ops.SteerBuffers:
+    """What ``grouped(b)`` steers here, as plain rows: token 1 unsteered."""
+    b = ops.SteerBuffers(*(t.clone() for t in b))
+    b.index[ops.INDEX_ROW] &= ops.ROW_MASK
+    b.index[ops.INDEX_ROW, 1] = 0
+    return b
 
 INTERPRETED = """
 import json, sys
 sys.path.insert(0, {tests!r})
 import torch
-from test_steer_norm import EPS, INTERPRETED_CASES, inputs
+from test_steer_norm import EPS, GROUP_BIT, INTERPRETED_CASES, grouped, inputs
 from test_ops import SENTINEL, SITE
 from dynsteer.engine_ext.worker import ops, triton_kernels as tk
 out = []
-for tokens, hidden, dtype, monitor in INTERPRETED_CASES:
+for tokens, hidden, dtype, monitor, groups in INTERPRETED_CASES:
     x, h, b, weight = inputs(tokens, hidden, getattr(torch, dtype), tokens + hidden, monitor)
+    if groups:
+        b = grouped(b)
     normed, stream = tk.steer_norm_triton(x, h, b, SITE, ops.stream_limit(x.dtype), weight, EPS,
-                                          monitor)
+                                          monitor, GROUP_BIT if groups else 0)
     out.append([normed.float().tolist(), stream.float().tolist(), b.gate_score.tolist(),
                 (b.capture == SENTINEL).all().item()])
 print(json.dumps(out))
@@ -100,16 +121,17 @@ print(json.dumps(out))
 
 def test_steer_norm_kernel_matches_float64_in_the_interpreter():
     """The CUDA kernel's code (the ``NORM`` form of ``_steer_kernel``), run by Triton's CPU
-    interpreter, against float64; compiled without the monitor, it captures nothing."""
+    interpreter, against float64; compiled without the monitor, it captures nothing; with a
+    site bit, a token whose entry lacks it reads no row."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():  # the GPU image's Triton 3.6 interpreter cannot run it
         pytest.skip("on a GPU, test_steer_norm_matches_float64 runs the kernel compiled")
     got = run_interpreted(INTERPRETED)
-    for (tokens, hidden, dtype, monitor), (normed, stream, gate_score, untouched) in zip(
+    for (tokens, hidden, dtype, monitor, groups), (normed, stream, gate_score, untouched) in zip(
             INTERPRETED_CASES, got, strict=True):
         x, h, b, weight = inputs(tokens, hidden, getattr(torch, dtype), tokens + hidden,
                                  monitor)
-        want = norm_reference(x, h, b, weight)
+        want = norm_reference(x, h, ungrouped(grouped(b)) if groups else b, weight)
         check(torch.tensor(normed), torch.tensor(stream), torch.tensor(gate_score), want,
               tokens, x.dtype, monitored=monitor)
         assert untouched is not monitor  # captured tokens overwrite SENTINEL
@@ -132,7 +154,7 @@ def test_fake_impl_shapes():
         fx, fh = mode.from_tensor(x), mode.from_tensor(h)
         fb = [mode.from_tensor(t) for t in b]
         normed, stream = torch.ops.dynsteer.steer_norm(fx, fh, *fb, SITE,
-                                                       mode.from_tensor(weight), EPS, False)
+                                                       mode.from_tensor(weight), EPS, False, 0)
     assert normed.shape == stream.shape == x.shape
     assert normed.dtype == stream.dtype == x.dtype
     assert json.dumps(list(normed.shape)) == "[3, 64]"

@@ -190,10 +190,10 @@ STEER_SCHEMA = f"(Tensor x, Tensor? h, {_BUFFER_ARGS}int site) -> Tensor"
 module docstring), so adding an input is adding a field there and reading it in both
 implementations."""
 STEER_NORM_SCHEMA = (f"(Tensor x, Tensor h, {_BUFFER_ARGS}int site, Tensor weight, float eps,"
-                     " bool monitor) -> (Tensor, Tensor)")
+                     " bool monitor, int site_bit) -> (Tensor, Tensor)")
 """``dynsteer::steer_norm``: ``steer``'s inputs, then the weight and epsilon of the RMSNorm
-that follows the site, and whether probes or capture may read this site (False: the kernel
-leaves their code out)."""
+that follows the site, whether probes or capture may read this site (False: the kernel
+leaves their code out) and the site's group bit (:func:`site_bit`; 0: none)."""
 
 
 def _monitor(x, h, probe_rows, control_rows, probes, params, control, gate, score,
@@ -459,21 +459,23 @@ def steer_norm(x: torch.Tensor, h: torch.Tensor, *args) -> tuple[torch.Tensor, t
     """A site and the fused add + RMSNorm after it, as one op: ``steer(x, h, ...)`` followed
     by vLLM's ``fused_add_rms_norm(h, steered x, weight, eps)``; returns ``(normed, stream)``,
     the norm's ``(hidden_states, residual)``. ``steer_norm(x, h, *buffers, site, weight,
-    eps, monitor)``.
+    eps, monitor, site_bit)``; on CUDA a token whose entry lacks ``site_bit`` (when nonzero)
+    reads no row here, as at a fused site (its row has no contents at this site's group).
 
     Why: a site fused by Inductor into the norm's kernel (:func:`steer_add`) made each of 29
     add + RMSNorm kernels of an 8B decode step ~1 us slower at batch 1 (the per-token index
     read and the steered stream stored and read back between the norm's two loops); on CUDA
     this is one Triton program per token that loads the stream, ``h``, the weight and the
     token's index in one round trip, reads no row for an unsteered token, and normalizes the
-    row from registers. Engines with projection slots (``max_projections``) keep the unfused
-    form (see :meth:`.sites.SiteOp.fuses_norm`)."""
-    *buffers, site, weight, eps, monitor = args
+    row from registers (``triton_kernels._steer_norm_kernel``). Engines with projection slots
+    (``max_projections``) keep the unfused form (see :meth:`.sites.SiteOp.fuses_norm`)."""
+    *buffers, site, weight, eps, monitor, site_bit = args
     b = SteerBuffers(*buffers)
     if x.is_cuda:
         from .triton_kernels import steer_norm_triton
 
-        return steer_norm_triton(x, h, b, site, stream_limit(x.dtype), weight, eps, monitor)
+        return steer_norm_triton(x, h, b, site, stream_limit(x.dtype), weight, eps, monitor,
+                                 site_bit)
     return rms_norm_after(steer(x, h, *b, site), h, weight, eps)
 
 

@@ -74,7 +74,7 @@ class SiteOp(nn.Module):
         """Steer ``x`` and apply the fused add + RMSNorm of ``(h, steered x)`` that follows
         the site: ``(normed, stream)`` (``dynsteer::steer_norm``)."""
         return torch.ops.dynsteer.steer_norm(x, h, *self._steer_buffers(), self.position,
-                                             weight, eps, self.monitor)
+                                             weight, eps, self.monitor, self.site_bit)
 
     def _steer_buffers(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in SteerBuffers._fields]

@@ -76,6 +76,22 @@ SLOT_PROMPT_LEN = tl.constexpr(token_rows.SLOT_PROMPT_LEN)
 
 
 @triton.jit
+def _probe_gate(score, param_ptr, control_ptr, index_ptr, index_stride, t):
+    """The gate of token ``t`` whose probe (parameters at ``param_ptr``) scored ``score``,
+    through the token's controller row if it has one (see ops.py)."""
+    threshold = tl.load(param_ptr + PARAM_THRESHOLD)
+    sharpness = tl.load(param_ptr + PARAM_SHARPNESS)
+    z = sharpness * (score - threshold)
+    g = 1.0 / (1.0 + tl.exp(-z))
+    g = tl.where(g == g, g, 0.0)  # a NaN stream or score must not gate anything
+    k = tl.load(index_ptr + INDEX_CONTROL * index_stride + t).to(tl.int64)
+    if (k != 0) & (z == z):
+        floor = tl.load(control_ptr + k * CTL_COLS + CTL_FLOOR)
+        g = tl.maximum(g, floor) * tl.load(control_ptr + k * CTL_COLS + CTL_SCALE)
+    return g
+
+
+@triton.jit
 def _steer_kernel(
     x_ptr, h_ptr, out_ptr,
     # SteerBuffers, in its order
@@ -83,58 +99,39 @@ def _steer_kernel(
     capture_ptr, site_lane_ptr, control_ptr, proj_dir_ptr, proj_par_ptr, proj_gram_ptr,
     site, hidden, x_stride, h_stride, out_stride, index_stride, gate_score_stride,
     params_stride, lane_stride, limit,
-    # NORM only: the norm's weight, where the stream goes, its row stride, epsilon
-    weight_ptr, stream_ptr, stream_stride, eps,
     HAS_H: tl.constexpr, BLOCK: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr,
-    NORM: tl.constexpr, MONITOR: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     # The stream's first block, loaded before anything that depends on the index, so that its
     # latency overlaps the index's: a token neither steered nor monitored here then waits on
-    # one round trip to memory, not three (``BLOCK`` covers a whole row up to ``MAX_BLOCK``;
-    # with NORM, always). NORM also loads ``h`` and the weight here, for the same reason.
+    # one round trip to memory, not three (``BLOCK`` covers a whole row up to ``MAX_BLOCK``).
     first = tl.arange(0, BLOCK)
     x_first = tl.load(x_ptr + t * x_stride + first, mask=first < hidden,
                       other=0.0).to(tl.float32)
-    if NORM:
-        h_first = tl.load(h_ptr + t * h_stride + first, mask=first < hidden,
-                          other=0.0).to(tl.float32)
-        weight = tl.load(weight_ptr + first, mask=first < hidden, other=0.0)
-    if MONITOR:  # a site no probe reads and nothing captures (NORM only) skips all of it
-        c = tl.load(index_ptr + INDEX_CAPTURE * index_stride + t)
-        p = tl.load(index_ptr + INDEX_PROBE * index_stride + t).to(tl.int64)
+    c = tl.load(index_ptr + INDEX_CAPTURE * index_stride + t)
     row = (tl.load(index_ptr + INDEX_ROW * index_stride + t) & ROW_MASK).to(tl.int64)
     # Row 0 (not steered) and probe 0 (not monitored) read nothing: their loads would be
     # a second dependent round trip for most tokens.
     flags = tl.load(flags_ptr + row, mask=row != 0, other=0)
+    p = tl.load(index_ptr + INDEX_PROBE * index_stride + t).to(tl.int64)
     gate_ptr = gate_score_ptr + GATE * gate_score_stride + t
     g = tl.load(gate_ptr)
-    if MONITOR:
-        param_ptr = params_ptr + p * params_stride
-        monitor_site = tl.load(param_ptr + PARAM_SITE, mask=p != 0, other=-1.0).to(tl.int32)
-        if (p != 0) & (monitor_site == site):
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(0, hidden, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                mask = offs < hidden
-                s = tl.load(x_ptr + t * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
-                if HAS_H:
-                    s += tl.load(h_ptr + t * h_stride + offs, mask=mask,
-                                 other=0.0).to(tl.float32)
-                w = tl.load(probes_ptr + p * hidden + offs, mask=mask, other=0.0)
-                acc += s * w
-            score = tl.sum(acc, axis=0)
-            threshold = tl.load(param_ptr + PARAM_THRESHOLD)
-            sharpness = tl.load(param_ptr + PARAM_SHARPNESS)
-            z = sharpness * (score - threshold)
-            g = 1.0 / (1.0 + tl.exp(-z))
-            g = tl.where(g == g, g, 0.0)  # a NaN stream or score must not gate anything
-            k = tl.load(index_ptr + INDEX_CONTROL * index_stride + t).to(tl.int64)
-            if (k != 0) & (z == z):
-                floor = tl.load(control_ptr + k * CTL_COLS + CTL_FLOOR)
-                g = tl.maximum(g, floor) * tl.load(control_ptr + k * CTL_COLS + CTL_SCALE)
-            tl.store(gate_score_ptr + SCORE * gate_score_stride + t, score)
-            tl.store(gate_ptr, g)
+    param_ptr = params_ptr + p * params_stride
+    monitor_site = tl.load(param_ptr + PARAM_SITE, mask=p != 0, other=-1.0).to(tl.int32)
+    if (p != 0) & (monitor_site == site):
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < hidden
+            s = tl.load(x_ptr + t * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_H:
+                s += tl.load(h_ptr + t * h_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(probes_ptr + p * hidden + offs, mask=mask, other=0.0)
+            acc += s * w
+        score = tl.sum(acc, axis=0)
+        g = _probe_gate(score, param_ptr, control_ptr, index_ptr, index_stride, t)
+        tl.store(gate_score_ptr + SCORE * gate_score_stride + t, score)
+        tl.store(gate_ptr, g)
     use_static = (flags & STATIC_FLAG) != 0
     use_dynamic = (flags & DYNAMIC_FLAG) != 0
     use_proj = (flags & PROJECT_FLAG) != 0
@@ -169,62 +166,106 @@ def _steer_kernel(
                 seen = tl.sum(tl.where(slot == d, s, 0.0)) + tl.sum(deltas * gram)
                 delta = tl.sum(tl.where(slot == d, coef * (value - seen), 0.0))
                 deltas = tl.where(slot == d, delta, deltas)
-    if NORM:  # one block: the whole row (no projection slots, see steer_norm_triton)
-        mask = first < hidden
-        # A tier's row is read up to ``hidden`` where the row uses it, else up to 0 (a scalar
-        # bound: Triton's interpreter mishandles a block mask & a scalar one).
-        static_end = tl.where(use_static, hidden, 0)
-        dynamic_end = tl.where(use_dynamic, hidden, 0)
-        d = tl.load(table_ptr + row * hidden + first, mask=first < static_end, other=0.0)
-        dd = tl.load(dyn_ptr + row * hidden + first, mask=first < dynamic_end, other=0.0)
-        y = x_first + d + g * dd
-        y = tl.where(tl.abs(y) <= limit, y, x_first)
-        # vLLM's fused add + RMSNorm of (h, steered x), with the steered x rounded to its
-        # dtype first, as the unfused site hands it to the norm.
-        s = y.to(stream_ptr.dtype.element_ty).to(tl.float32) + h_first
-        tl.store(stream_ptr + t * stream_stride + first, s.to(stream_ptr.dtype.element_ty),
-                 mask=mask)
-        n = s * tl.rsqrt(tl.sum(s * s, axis=0) / hidden + eps)
-        # ``n.to(weight dtype) * weight`` in the weight's dtype: an fp32 product of two bf16
-        # values is exact, so rounding it once is the bf16 product.
-        wdt = weight_ptr.dtype.element_ty
-        n = (n.to(wdt).to(tl.float32) * weight.to(tl.float32)).to(wdt)
-        n = n.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + t * out_stride + first, n, mask=mask)
-    else:
-        for start in range(0, hidden, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < hidden
-            x = tl.load(x_ptr + t * x_stride + offs, mask=mask & (start > 0),
-                        other=0.0).to(tl.float32)
-            x = tl.where(start > 0, x, x_first)
-            d = tl.load(table_ptr + row * hidden + offs, mask=mask & use_static, other=0.0)
-            dd = tl.load(dyn_ptr + row * hidden + offs, mask=mask & use_dynamic, other=0.0)
-            out = x + d + g * dd
-            if SLOTS > 0:
-                w = tl.load(dir_base + offs[None, :],
-                            mask=(slot[:, None] < SLOTS) & mask[None, :] & use_proj, other=0.0)
-                out += tl.sum(deltas[:, None] * w, axis=0)
-            # Never write NaN, inf or an overflowing steered value (see ops.py); NaN fails <=.
-            out = tl.where(tl.abs(out) <= limit, out, x)
-            tl.store(out_ptr + t * out_stride + offs, out.to(out_ptr.dtype.element_ty),
-                     mask=mask)
+    for start in range(0, hidden, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hidden
+        x = tl.load(x_ptr + t * x_stride + offs, mask=mask & (start > 0),
+                    other=0.0).to(tl.float32)
+        x = tl.where(start > 0, x, x_first)
+        d = tl.load(table_ptr + row * hidden + offs, mask=mask & use_static, other=0.0)
+        dd = tl.load(dyn_ptr + row * hidden + offs, mask=mask & use_dynamic, other=0.0)
+        out = x + d + g * dd
+        if SLOTS > 0:
+            w = tl.load(dir_base + offs[None, :],
+                        mask=(slot[:, None] < SLOTS) & mask[None, :] & use_proj, other=0.0)
+            out += tl.sum(deltas[:, None] * w, axis=0)
+        # Never write NaN, inf or an overflowing steered value (see ops.py); NaN fails <=.
+        out = tl.where(tl.abs(out) <= limit, out, x)
+        tl.store(out_ptr + t * out_stride + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
     # Last, so the branch delays none of the loads above; x is intact (``out`` is never ``x``).
     # Only captured tokens read the lane table.
+    if c != 0:
+        lane = tl.load(site_lane_ptr + site)
+        if lane >= 0:
+            base = lane.to(tl.int64) * lane_stride + c.to(tl.int64) * hidden
+            for start in range(0, hidden, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < hidden
+                v = tl.load(x_ptr + t * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                if HAS_H:
+                    v += tl.load(h_ptr + t * h_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(capture_ptr + base + offs, v, mask=mask)
+
+
+@triton.jit
+def _steer_norm_kernel(
+    x_ptr, h_ptr, out_ptr, stream_ptr, weight_ptr,
+    index_ptr, gate_score_ptr, table_ptr, dyn_ptr, probes_ptr, params_ptr, capture_ptr,
+    site_lane_ptr, control_ptr,
+    site, site_bit, hidden, x_stride, h_stride, out_stride, stream_stride, index_stride,
+    gate_score_stride, params_stride, lane_stride, limit, eps,
+    BLOCK: tl.constexpr, MONITOR: tl.constexpr,
+):
+    """``dynsteer::steer_norm``: the site (as ``_steer_kernel``, without projection slots),
+    then vLLM's fused add + RMSNorm of ``(h, steered x)``, one program per token, the row in
+    one block.
+
+    Nothing waits on the token's index until the unsteered stream's sum of squares is done:
+    every load is issued first, the stream before steering (what the monitor and capture
+    read, and for an unsteered token what the norm normalizes) is summed, and only then does
+    a token whose entry steers this site read its rows (both tiers: a row's unused tier is
+    zero) and sum again. A token that is neither steered nor monitored here thus costs the
+    norm's own loads plus two 4-byte loads in their shadow; the order matters: with the rows
+    read (masked) before the sum, an idle site took 0.5 us more per launch after an L2 flush
+    (``benchmarks/kernel_bench.py --norm``, H200)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x = tl.load(x_ptr + t * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + t * h_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    entry = tl.load(index_ptr + INDEX_ROW * index_stride + t)
+    gate_ptr = gate_score_ptr + GATE * gate_score_stride + t
+    g = tl.load(gate_ptr)
+    if MONITOR:
+        c = tl.load(index_ptr + INDEX_CAPTURE * index_stride + t)
+        p = tl.load(index_ptr + INDEX_PROBE * index_stride + t).to(tl.int64)
+    s = x + h
+    sum_sq = tl.sum(s * s, axis=0)
+    if MONITOR:
+        param_ptr = params_ptr + p * params_stride
+        monitor_site = tl.load(param_ptr + PARAM_SITE, mask=p != 0, other=-1.0).to(tl.int32)
+        if (p != 0) & (monitor_site == site):
+            probe = tl.load(probes_ptr + p * hidden + offs, mask=mask, other=0.0)
+            score = tl.sum(s * probe, axis=0)
+            g = _probe_gate(score, param_ptr, control_ptr, index_ptr, index_stride, t)
+            tl.store(gate_score_ptr + SCORE * gate_score_stride + t, score)
+            tl.store(gate_ptr, g)
+    row = (entry & ROW_MASK).to(tl.int64)
+    stream = s
+    if (row != 0) & ((site_bit == 0) | ((entry & site_bit) != 0)):
+        d = tl.load(table_ptr + row * hidden + offs, mask=mask, other=0.0)
+        dd = tl.load(dyn_ptr + row * hidden + offs, mask=mask, other=0.0)
+        y = x + d + g * dd
+        # Never a NaN, inf or overflowing steered value (see ops.py); NaN fails <=. The
+        # steered x is rounded to its dtype, as the unfused site hands it to the norm.
+        y = tl.where(tl.abs(y) <= limit, y, x)
+        stream = y.to(stream_ptr.dtype.element_ty).to(tl.float32) + h
+        sum_sq = tl.sum(stream * stream, axis=0)
+    tl.store(stream_ptr + t * stream_stride + offs, stream.to(stream_ptr.dtype.element_ty),
+             mask=mask)
+    n = stream * tl.rsqrt(sum_sq / hidden + eps)
+    # ``n.to(weight dtype) * weight`` in the weight's dtype: an fp32 product of two bf16
+    # values is exact, so rounding it once is the bf16 product.
+    wdt = weight_ptr.dtype.element_ty
+    n = (n.to(wdt).to(tl.float32) * weight.to(tl.float32)).to(wdt)
+    tl.store(out_ptr + t * out_stride + offs, n.to(out_ptr.dtype.element_ty), mask=mask)
     if MONITOR:  # noqa: SIM102  (a constexpr test: not traced for a site nothing captures)
         if c != 0:
             lane = tl.load(site_lane_ptr + site)
             if lane >= 0:
                 base = lane.to(tl.int64) * lane_stride + c.to(tl.int64) * hidden
-                for start in range(0, hidden, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    mask = offs < hidden
-                    v = tl.load(x_ptr + t * x_stride + offs, mask=mask,
-                                other=0.0).to(tl.float32)
-                    if HAS_H:
-                        v += tl.load(h_ptr + t * h_stride + offs, mask=mask,
-                                     other=0.0).to(tl.float32)
-                    tl.store(capture_ptr + base + offs, v, mask=mask)
+                tl.store(capture_ptr + base + offs, s, mask=mask)
 
 
 ACC_COLS = 4
@@ -521,26 +562,32 @@ def steer_triton(x: torch.Tensor, h: torch.Tensor | None, b: ops.SteerBuffers, s
     ``index`` and ``gate_score`` (row strides are passed; element strides must be 1)."""
     x, h = _unit_stride(x), None if h is None else _unit_stride(h)
     _check_buffers(b)
+    tokens, hidden = x.shape
     out = torch.empty_like(x)
-    if x.shape[0] == 0:
+    if tokens == 0:
         return out
-    block = _block_for(x.shape[1])
+    block = _block_for(hidden)
+    hh = h if h is not None else x
     slots = b.proj_dir.shape[1]
     if slots:  # the [slots, block] tile of directions shares the block's registers
         block = min(block, max(256, 2048 // triton.next_power_of_2(slots)))
-    hh = h if h is not None else x
-    _launch(x, hh, out, b, site, limit, block, out, x, 0.0, has_h=h is not None, norm=False,
-            monitor=True)
+    _steer_kernel[(tokens,)](
+        x, hh, out, *b, site, hidden, x.stride(0), hh.stride(0), out.stride(0),
+        b.index.stride(0), b.gate_score.stride(0), b.params.stride(0), b.capture.stride(0),
+        limit, HAS_H=h is not None, BLOCK=block, SLOTS=slots,
+        SLOTS_P2=max(1, triton.next_power_of_2(slots)), num_warps=max(4, block // 256),
+    )
     return out
 
 
 def steer_norm_triton(x: torch.Tensor, h: torch.Tensor, b: ops.SteerBuffers, site: int,
-                      limit: float, weight: torch.Tensor, eps: float,
-                      monitor: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      limit: float, weight: torch.Tensor, eps: float, monitor: bool = True,
+                      site_bit: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """CUDA implementation of ``dynsteer::steer_norm``: the site, then the fused add +
     RMSNorm, in one program per token; the engine has no projection slots (checked by the
     caller) and ``hidden <= ops.MAX_NORM_ROW``. ``monitor`` False compiles out the probe and
-    capture code, for a site where neither ever happens."""
+    capture code, for a site where neither ever happens; ``site_bit`` (0: none) is the site's
+    group bit, without which a token's entry steers nothing here."""
     x, h = _unit_stride(x), _unit_stride(h)
     _check_buffers(b)
     tokens, hidden = x.shape
@@ -548,9 +595,16 @@ def steer_norm_triton(x: torch.Tensor, h: torch.Tensor, b: ops.SteerBuffers, sit
         raise ValueError(f"dynsteer::steer_norm: {b.proj_dir.shape[1]} projection slots, "
                          f"hidden {hidden} (needs none and at most {ops.MAX_NORM_ROW})")
     normed, stream = torch.empty_like(x), torch.empty_like(x)
-    if tokens:
-        _launch(x, h, normed, b, site, limit, triton.next_power_of_2(hidden), stream,
-                weight.contiguous(), eps, has_h=True, norm=True, monitor=monitor)
+    if tokens == 0:
+        return normed, stream
+    block = triton.next_power_of_2(hidden)
+    _steer_norm_kernel[(tokens,)](
+        x, h, normed, stream, weight.contiguous(), b.index, b.gate_score, b.table, b.dyn,
+        b.probes, b.params, b.capture, b.site_lane, b.control, site, site_bit, hidden,
+        x.stride(0), h.stride(0), normed.stride(0), stream.stride(0), b.index.stride(0),
+        b.gate_score.stride(0), b.params.stride(0), b.capture.stride(0), limit, eps,
+        BLOCK=block, MONITOR=monitor, num_warps=min(32, max(4, block // 256)),
+    )
     return normed, stream
 
 
@@ -565,16 +619,3 @@ def _check_buffers(b: ops.SteerBuffers) -> None:
     if not (b.proj_dir.is_contiguous() and b.proj_par.is_contiguous()
             and b.proj_gram.is_contiguous()):
         raise ValueError("dynsteer::steer: the projection tables must be contiguous")
-
-
-def _launch(x: torch.Tensor, h: torch.Tensor, out: torch.Tensor, b: ops.SteerBuffers,
-            site: int, limit: float, block: int, stream: torch.Tensor, weight: torch.Tensor,
-            eps: float, *, has_h: bool, norm: bool, monitor: bool) -> None:
-    slots = b.proj_dir.shape[1]
-    _steer_kernel[(x.shape[0],)](
-        x, h, out, *b, site, x.shape[1], x.stride(0), h.stride(0), out.stride(0),
-        b.index.stride(0), b.gate_score.stride(0), b.params.stride(0), b.capture.stride(0),
-        limit, weight, stream, stream.stride(0), eps, HAS_H=has_h, BLOCK=block, SLOTS=slots,
-        SLOTS_P2=max(1, triton.next_power_of_2(slots)), NORM=norm, MONITOR=monitor,
-        num_warps=min(32, max(4, block // 256)),
-    )
