@@ -24,7 +24,11 @@ A site's module ``op(x, h=None)`` returns ``x`` steered, reading the stream ``x 
   stream: its residual input is steered; single stream: its input is steered *in place*, so
   the layer's ``residual`` variable (the same tensor) carries the steering into the MLP's add
   too (torch.compile's functionalization keeps the aliasing);
-* ``post_block`` (``resid_post``): wrapper around the layer, after it.
+* ``post_block`` (``resid_post``): split stream: inside the next layer's input norm (the
+  model's final norm after the last layer), which adds the layer's two halves, where that is
+  vLLM's RMSNorm and the next layer is this stage's and has no ``pre_attn`` site (see
+  :func:`wrap_sites`); otherwise, and in single-stream layers, a wrapper around the layer,
+  after it.
 
 Layers and norms are wrapped (not hooked), so torch.compile traces the ops into the graph.
 What each hook means per architecture, in terms of HF transformers' residual stream, is the
