@@ -9,6 +9,8 @@ changes the output.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -333,6 +335,35 @@ def test_post_block_runs_inside_the_norm_that_adds_its_stream():
         got, want = model(positions, x), reference(positions, x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert (got - normed_model()(positions, x)).abs().max() > 0.1
+
+
+def test_post_block_stays_around_its_layer_before_another_stage():
+    """The next layer on another pipeline stage: the site stays around its own layer (the
+    stream leaves this stage as two halves); the final norm is not this stage's either."""
+    model = normed_model()
+    model.model.layers[2] = PPMissingLayer()
+    model.model.norm = PPMissingLayer()
+    inner = list(model.model.layers)
+    wrap_sites(model, {("post_block", 1): RecordingOp("", [], torch.zeros(H)),
+                       ("post_block", 3): RecordingOp("", [], torch.zeros(H))})
+    assert isinstance(model.model.layers[1], SteeredLayer) and model.model.layers[1].post
+    assert isinstance(model.model.layers[3], SteeredLayer) and model.model.layers[3].post
+    assert not isinstance(inner[1].input_layernorm, SteeredNorm)
+
+
+@pytest.mark.parametrize("projections", [0, 1])
+def test_site_ops_fuse_their_norm_only_on_cuda_and_when_asked(projections):
+    """A site runs in its norm's kernel on CUDA only, with ``fused_norms`` (``install_sites(...,
+    fuse_norms=...)``) and without projection slots; elsewhere the site runs, then the norm."""
+    sites = resolve_sites("post_block@0-1", 2)
+    state = SteeringState(sites, H, max_rows=2, max_tokens=16, max_slots=2,
+                          device=torch.device("cpu"), max_projections=projections)
+    cpu = torch.zeros(3, H)
+    cuda = SimpleNamespace(is_cuda=True, shape=(3, H))  # what fuses_norm looks at
+    for fuse in (True, False):
+        for op in (SiteOp(b, fuse) for b in state.site_buffers().values()):
+            assert not op.fuses_norm(cpu)
+            assert op.fuses_norm(cuda) is (fuse and not projections)
 
 
 class FakeStreamNorm(nn.Module):
