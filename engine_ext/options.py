@@ -67,7 +67,9 @@ class EngineOptions(BaseModel):
     """Whether a site whose stream the next RMSNorm adds (``post_block``, ``post_attn``) runs
     in that norm's kernel on CUDA (``dynsteer::steer_norm``: one kernel for the site and the
     norm). False compiles the form before (the site's ops, which Inductor fuses into the norm's
-    kernel; monitor sites a kernel of their own), kept to measure against."""
+    kernel; monitor sites a kernel of their own), kept to measure against. Where one of vLLM's
+    own norm fusions is on (an all-reduce or a quantization fused into the norm, see
+    ``compat.worker.NORM_PASSES``), sites keep that form regardless."""
     max_gates: int = Field(default=128, ge=1, le=65536)
     """Distinct probes (with their threshold, sharpness and monitor site) gating requests in
     flight; each costs ``hidden * 4`` bytes of device memory."""

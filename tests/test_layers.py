@@ -30,6 +30,7 @@ from dynsteer.engine_ext.compat.model import (
     SteeredStreamNorm,
     wrap_sites,
 )
+from dynsteer.engine_ext.compat.worker import norm_passes
 from dynsteer.engine_ext.worker.sites import SiteOp, install_sites
 from dynsteer.engine_ext.worker.state import SteeringState
 
@@ -364,6 +365,13 @@ def test_site_ops_fuse_their_norm_only_on_cuda_and_when_asked(projections):
         for op in (SiteOp(b, fuse) for b in state.site_buffers().values()):
             assert not op.fuses_norm(cpu)
             assert op.fuses_norm(cuda) is (fuse and not projections)
+
+
+def test_vllm_norm_fusions_are_read_from_the_pass_config():
+    """The passes that would lose their pattern to a fused site (flags a version lacks: off)."""
+    passes = SimpleNamespace(fuse_allreduce_rms=True, enable_sp=False, fuse_norm_quant=None)
+    assert norm_passes(passes) == ("fuse_allreduce_rms",)
+    assert norm_passes(SimpleNamespace()) == ()
 
 
 class FakeStreamNorm(nn.Module):

@@ -63,6 +63,22 @@ class RunnerFacts:
     block_size: int
     """Tokens per KV-cache block (the prefix cache shares whole blocks)."""
     device: Any
+    norm_passes: tuple[str, ...] = ()
+    """vLLM's compile passes on in this engine that fuse an RMSNorm with what is around it
+    (:func:`norm_passes`)."""
+
+
+NORM_PASSES = ("fuse_norm_quant", "fuse_allreduce_rms", "enable_sp", "fuse_act_padding")
+"""vLLM 0.26 / 0.32 ``PassConfig`` flags whose passes pattern-match the add + RMSNorm (with a
+quantization, a tensor-parallel all-reduce, sequence parallelism, padding). A norm replaced by
+``dynsteer::steer_norm`` no longer matches, so a site keeps out of the norm's kernel where
+one is on (engine option ``fused_norms``): e.g. under tensor parallelism on Hopper with
+FlashInfer, where vLLM's optimization level 2 fuses the all-reduce into the norm."""
+
+
+def norm_passes(pass_config: Any) -> tuple[str, ...]:
+    """The :data:`NORM_PASSES` on in ``pass_config`` (flags a version lacks count as off)."""
+    return tuple(name for name in NORM_PASSES if getattr(pass_config, name, False))
 
 
 def runner_facts(runner: Any) -> RunnerFacts:
@@ -76,6 +92,7 @@ def runner_facts(runner: Any) -> RunnerFacts:
         max_requests=config.scheduler_config.max_num_seqs,
         block_size=int(config.cache_config.block_size),
         device=runner.device,
+        norm_passes=norm_passes(config.compilation_config.pass_config),
     )
 
 

@@ -81,7 +81,11 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
     buffers = vllm_worker.batch_buffers(runner)
     if buffers is not None:
         state.enable_device_fill(buffers.query_start_loc, buffers.positions)
-    installed = install_sites(facts.model, state.site_buffers(), options.fused_norms)
+    fuse_norms = options.fused_norms and not facts.norm_passes
+    if options.fused_norms and facts.norm_passes and facts.device.type == "cuda":
+        logger.info("dynsteer: sites stay out of the RMSNorm kernels (fused_norms), since "
+                    "vLLM fuses those norms itself here: %s", ", ".join(facts.norm_passes))
+    installed = install_sites(facts.model, state.site_buffers(), fuse_norms)
     vllm_model.relay_between_stages(facts.model, state.gate_score,
                                     vllm_worker.stage_buffers(runner))
     state.capture.installed = frozenset(installed)
