@@ -27,7 +27,8 @@ tell the parts apart. Variants (none steers anything here: every token is on row
 
 ``--unfused-norm`` starts the engine with ``fused_norms: false``: each site and the norm
 after it as two ops, as before session 26 (the site fused by Inductor into the norm's
-kernel), instead of ``dynsteer::steer_norm``.
+kernel), instead of ``dynsteer::steer_norm``. The ``steer_add`` variants above only reach the
+engine that way: with the default, ``current`` measures the sites in their norms' kernel.
 
 ``--code DIR`` keeps Inductor's generated code (its cache directory) under ``DIR``, to diff
 the kernels a site fuses into between variants.
