@@ -96,6 +96,12 @@ def case(tokens: int, hidden: int, mode: str) -> dict[str, Any]:
 
 def steer_call(steer_triton, tokens: int, hidden: int, mode: str):
     """A call of ``steer_triton`` on fresh buffers of ``mode``'s traffic."""
+    x, h, buffers, limit = steer_inputs(tokens, hidden, mode)
+    return lambda: steer_triton(x, h, buffers, 0, limit)
+
+
+def steer_inputs(tokens: int, hidden: int, mode: str) -> tuple[Any, Any, Any, float]:
+    """``(x, h, buffers, limit)`` of ``mode``'s traffic, fresh, on the GPU."""
     import torch
 
     from dynsteer.engine_ext.worker.ops import (
@@ -132,13 +138,7 @@ def steer_call(steer_triton, tokens: int, hidden: int, mode: str):
         proj_par=torch.zeros(3, 0, PROJ_PARAMS, device="cuda"),
         proj_gram=torch.zeros(3, 0, 0, device="cuda"),
     )
-    limit = stream_limit(x.dtype)
-
-    def run() -> Any:
-        return steer_triton(x, h, buffers, 0, limit)
-
-    run.inputs = (x, h, buffers, limit)  # type: ignore[attr-defined]
-    return run
+    return x, h, buffers, stream_limit(x.dtype)
 
 
 def load_kernels(path: Path):
@@ -159,31 +159,27 @@ def load_kernels(path: Path):
 
 def norm_call(steer_norm_triton, tokens: int, hidden: int, mode: str):
     """A call of ``steer_norm_triton`` (the site and the RMSNorm after it) on the buffers of
-    :func:`steer_call`, with an RMSNorm weight; idle: the kernel of a site without monitor
+    :func:`steer_inputs`, with an RMSNorm weight; idle: the kernel of a site without monitor
     (most sites), gated: of a monitor site."""
     import torch
 
-    site = steer_call(None, tokens, hidden, mode)
-    x, h, buffers, limit = site.inputs
+    x, h, buffers, limit = steer_inputs(tokens, hidden, mode)
     weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
     return lambda: steer_norm_triton(x, h, buffers, 0, limit, weight, 1e-5, mode != "idle")
 
 
 def inductor_norm_call(tokens: int, hidden: int, mode: str):
-    """Stock vLLM's fused add + RMSNorm (its native math, as vLLM's compiled graph has it),
-    compiled by Inductor for this shape: what a site's norm kernel is measured against."""
+    """Stock vLLM's fused add + RMSNorm (its native math, :func:`ops.rms_norm_after`), compiled
+    by Inductor for this shape: what a site's norm kernel is measured against."""
     import torch
 
-    def fused_add_rms_norm(x, residual, weight):
-        s = x.to(torch.float32) + residual.to(torch.float32)
-        n = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
-        return (n.to(weight.dtype) * weight).to(x.dtype), s.to(x.dtype)
+    from dynsteer.engine_ext.worker.ops import rms_norm_after
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn_like(x)
     weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-    compiled = torch.compile(fused_add_rms_norm, dynamic=False)
-    return lambda: compiled(x, residual, weight)
+    compiled = torch.compile(rms_norm_after, dynamic=False)
+    return lambda: compiled(residual, x, weight, 1e-5)
 
 
 def compare(contenders: dict[str, Any], out: Path, rounds: int = 15,
