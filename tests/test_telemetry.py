@@ -112,6 +112,32 @@ def test_no_gated_tokens_costs_nothing_and_reports_nothing():
     assert tele.report("nope") is None
 
 
+def test_the_report_reads_the_slots_only_after_a_new_snapshot(monkeypatch):
+    """The prefix-guard report runs after every step: it passes over the slot arrays only when
+    a gated request is live and a statistics snapshot landed since the last report; the
+    report it then makes is the one a pass every step would have made."""
+    rng = np.random.default_rng(2)
+    tele, values = make()
+    passes = []
+    frontiers = tele._stats.frontiers
+    monkeypatch.setattr(tele._stats, "frontiers", lambda: passes.append(1) or frontiers())
+    tele.before_step(0, False)  # nothing gated is live: no pass
+    assert tele.cache_report() == {} and passes == []
+    tele.admit("a", 1, prompt_len=5, site=SITES[0], dynamic_from=100, trace=False)
+    step(tele, values, rng, [(1, 0, 5)])
+    assert tele.cache_report() == {"a": (5, None)} and len(passes) == 1
+    assert tele.cache_report() == {} and len(passes) == 1  # the same snapshot: no pass
+    step(tele, values, rng, [(1, 5, 2)])
+    assert tele.cache_report() == {} and len(passes) == 2  # 7 positions: still one block
+    step(tele, values, rng, [(1, 7, 1)])
+    assert tele.cache_report() == {"a": (8, None)} and len(passes) == 3
+    tele.admit("b", 2, prompt_len=3, site=SITES[1], dynamic_from=100, trace=False)
+    tele.finish("a")
+    step(tele, values, rng, [(2, 0, 3)])  # a new snapshot, but no gated request is live
+    tele.finish("b")
+    assert tele.cache_report() == {} and len(passes) == 3
+
+
 def test_finishing_never_waits_and_a_reused_slot_starts_a_new_record():
     """A request that finishes while its last step is unfolded keeps its record until the fold
     (finish does not drain); the runner may hand its slot to a new request at once, and the two

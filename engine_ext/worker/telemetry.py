@@ -143,6 +143,8 @@ class GateTelemetry:
         an object array, so a step's report picks its ids without a Python loop)."""
         self._reported = np.zeros(max_slots, dtype=np.int64)
         """Blocks of each slot's clean prefix reported so far."""
+        self._reported_snapshot = -1
+        """The statistics snapshot (:meth:`.GateStats.landed`) the last report was made of."""
         self._record_of_slot = np.zeros(max_slots, dtype=np.int64)
         """The runner's request slot -> the record of the request holding it."""
         self._req_of_record: list[str | None] = []
@@ -264,10 +266,17 @@ class GateTelemetry:
     def cache_report(self) -> dict[str, tuple[int, int | None]]:
         """Requests whose cacheable prefix grew by a whole block: (positions processed, first
         dynamically steered position or None). The scheduler caches only blocks below the
-        first dynamic position (or, while there is none, below ``processed``)."""
+        first dynamic position (or, while there is none, below ``processed``).
+
+        Empty at no cost (no pass over the slots) when no gated request is live, or when no
+        replay landed since the last report: then no frontier can have grown."""
         self.launch_copy()
         self._fold(wait=False)
         self._retire_landed()
+        snapshot = self._stats.landed()
+        if not self._live or snapshot == self._reported_snapshot:
+            return {}
+        self._reported_snapshot = snapshot
         upto, first_dynamic = self._stats.frontiers()
         grown = grown_frontiers(upto, first_dynamic, self._reported, self._block)
         slots = grown[np.not_equal(self._req_of_slot[grown], None)]
