@@ -582,6 +582,8 @@ def engine_verdicts(engine: dict[str, Any], tag: str = "") -> dict[str, bool]:
         checks[f"{tag}no graph captured after startup"] = after["graphs"] == before["graphs"]
         checks[f"{tag}index filled on the device (V2 runner)"] = (
             after["index_fills"].get("device", 0) > before["index_fills"].get("device", 0))
+        checks[f"{tag}decode steps of an ungated batch kept the index (V2 runner)"] = (
+            after["index_fills"].get("kept", 0) > before["index_fills"].get("kept", 0))
     return checks
 
 

@@ -171,8 +171,9 @@ class SteeringState:
         self.device_fill: DeviceFill | None = None
         """The index filled on the device, where the runner keeps its batch there (see
         :meth:`enable_device_fill`)."""
-        self.index_fills = {"device": 0, "host": 0}
-        """Steps whose index the device filled, and those the host filled (counters)."""
+        self.index_fills = {"device": 0, "host": 0, "kept": 0}
+        """Steps whose index the device filled, those the host filled, and those whose index
+        the device path kept from the step before (the same decode batch, nothing gated)."""
         self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
         """Per-token gate (row ``GATE``, written at each token's monitor site) and probe score
         (row ``SCORE``) of the step: one buffer, so the read-back is one copy."""
@@ -441,8 +442,9 @@ class SteeringState:
         if (device_slots is not None and self.device_fill is not None
                 and capture_starts is None and not controlled and not self.telemetry.wants_tokens
                 and self.device_fill.table.fits(len(self._prefill_row))):
-            self._fill_on_device(device_slots, slots, num_computed, counts, tokens, any_gated)
-            self.index_fills["device"] += 1
+            filled = self._fill_on_device(device_slots, slots, num_computed, counts, tokens,
+                                          any_gated)
+            self.index_fills["device" if filled else "kept"] += 1
             return
         self.index_fills["host"] += 1
         positions = pos_entries = None
@@ -478,16 +480,23 @@ class SteeringState:
 
     def _fill_on_device(self, device_slots: torch.Tensor, slots: np.ndarray,
                         num_computed: np.ndarray, counts: np.ndarray, tokens: int,
-                        any_gated: bool) -> None:
-        """:meth:`fill` by the device, from the slot table (uploaded if a slot changed)."""
+                        any_gated: bool) -> bool:
+        """:meth:`fill` by the device, from the slot table (uploaded if a slot changed).
+        False: the index already held the step's (a decode step of the batch before, nothing
+        gated: see :meth:`.TokenRows.fill_from_slots`), nothing was launched."""
         assert self.device_fill is not None
         self.telemetry.before_step(tokens, any_gated)
         self.control.before_step(tokens)
         self._next_pos[slots] = num_computed + counts  # the host fill's offsets stay right
-        self.device_fill.table.sync((self._slots_version, self.rows.entries_version),
-                                    self.rows.entries, self._prefill_row, self._decode_row,
-                                    self._probe_row, self._prompt_len)
-        self.token_rows.fill_from_slots(self.device_fill, slots, device_slots, tokens)
+        version = (self._slots_version, self.rows.entries_version)
+        self.device_fill.table.sync(version, self.rows.entries, self._prefill_row,
+                                    self._decode_row, self._probe_row, self._prompt_len)
+        steady = None  # every token a decode token (its row the decode row), none gated
+        if (not any_gated and tokens == len(slots)
+                and not np.count_nonzero(num_computed < self._prompt_len[slots])):
+            steady = (slots.tobytes(), version)
+        return self.token_rows.fill_from_slots(self.device_fill, slots, device_slots, tokens,
+                                               steady)
 
     def _gate_positions(self, slots: np.ndarray, gated: np.ndarray, num_computed: np.ndarray,
                         counts: np.ndarray, tokens: int, controlled: bool

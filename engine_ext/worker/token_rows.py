@@ -188,6 +188,9 @@ class TokenRows:
         """The index last published from the host (None: the device fill wrote since)."""
         self._dirty = 0
         """Columns [0, dirty) of the device buffer may be non-zero."""
+        self._steady: object = None
+        """The key of the steady step the device fill wrote the index for last (see
+        :meth:`fill_from_slots`); None once anything else wrote it."""
 
     def clear(self) -> None:
         """Map every token to row 0 (touches the device only if something was set)."""
@@ -253,15 +256,26 @@ class TokenRows:
             self._publish(index)
 
     def fill_from_slots(self, fill: DeviceFill, slots: np.ndarray, device_slots: torch.Tensor,
-                        tokens: int) -> None:
+                        tokens: int, steady: object = None) -> bool:
         """Set this step's ``tokens`` on the device (see :class:`DeviceFill`): no per-token or
         per-request work on the host, and no upload. The index is the one :meth:`fill` makes
         with the same values and no capture or controller rows, except that positions are
         absolute (``POS_ABSOLUTE``) and the slot and position rows are set for every token
-        (the gate statistics read them only for tokens with a probe row)."""
+        (the gate statistics read them only for tokens with a probe row).
+
+        ``steady``: given (not None) for a step whose every token is the one decode token of a
+        request without a probe row; the index of such a step depends on its batch and the
+        slot table only (the positions it also holds are read for probe rows alone), so a key
+        of those (see :meth:`.SteeringState.fill`). When the index was last written by a
+        device fill with the same key, it already holds this step's: nothing is launched,
+        and False is returned (True: filled)."""
+        if steady is not None and steady == self._steady:
+            return False
         fill.run(slots, device_slots)
         self._dirty = tokens
         self._last = None
+        self._steady = steady
+        return True
 
     def _publish(self, index: np.ndarray) -> None:
         """The buffer's first columns become ``index``, the rest zeros. On CUDA the whole
@@ -278,3 +292,4 @@ class TokenRows:
         self._staged.send()
         self._last = index.copy()
         self._dirty = n
+        self._steady = None
