@@ -75,7 +75,8 @@ median decode step by vLLM's own step timestamps (:class:`StepClock`), its ratio
 the range of the per-repetition ratios, the mean SM clock and the ratio of cycles per decode
 step (:class:`SmClock`); for plugin
 runs the worker's dynsteer host time per step: index fill + telemetry fold and report, and per
-admitted request) and writes ``overhead.json``.
+admitted request, and the steps whose index the device filled, the host filled or the device
+path kept) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
        [--scenarios idle gated ...] [--control --mem 0.28] [--variant JSON]
@@ -386,11 +387,17 @@ class Subscriber:
 
 def add_host_time(total: dict[str, float], before: dict[str, Any],
                   after: dict[str, Any]) -> None:
-    """Accumulate the worker's dynsteer host time of one run (see engine_ext/worker/host_time)."""
+    """Accumulate the worker's dynsteer host time of one run (see engine_ext/worker/host_time)
+    and its steps by how the index was set (``fills_device``, ``fills_host``, ``fills_kept``),
+    from two of its ``info()``."""
     for key, hook, field in (("step_us", "step", "us"), ("output_us", "output", "us"),
                              ("steps", "step", "calls"), ("admit_us", "admit", "us"),
                              ("admits", "admit", "calls")):
-        total[key] = total.get(key, 0.0) + after[hook][field] - before[hook][field]
+        total[key] = (total.get(key, 0.0) + after["host_time"][hook][field]
+                      - before["host_time"][hook][field])
+    for where, count in after["index_fills"].items():
+        key = f"fills_{where}"
+        total[key] = total.get(key, 0) + count - before["index_fills"].get(where, 0)
 
 
 def summarize(run: dict[str, Any], key: str, host: dict[str, float] | None,
@@ -409,9 +416,11 @@ def summarize(run: dict[str, Any], key: str, host: dict[str, float] | None,
     cycles = [s * m for s, m in zip(step_s, mhz, strict=True)]
     stock_cycles = [s * m for s, m in zip(stock_step_s, stock_mhz, strict=True)]
     per_step = per_request = None
+    fills: dict[str, float] = {}
     if host:
         per_step = (host["step_us"] + host["output_us"]) / max(host["steps"], 1)
         per_request = host["admit_us"] / max(host["admits"], 1)
+        fills = {k.removeprefix("fills_"): v for k, v in host.items() if k.startswith("fills_")}
     return {"tok_s": med, "ratio": med / statistics.median(stock_tok_s),
             "spread": (max(tok_s) - min(tok_s)) / med,
             "decode_step_ms": statistics.median(step_s) * 1e3,
@@ -420,7 +429,8 @@ def summarize(run: dict[str, Any], key: str, host: dict[str, float] | None,
             "paired_step_ratio_range": (min(paired), max(paired)),
             "sm_mhz": statistics.median(mhz),
             "cycle_ratio": statistics.median(stock_cycles) / statistics.median(cycles),
-            "host_us_per_step": per_step, "host_us_per_request": per_request}
+            "host_us_per_step": per_step, "host_us_per_request": per_request,
+            "index_fills": fills}
 
 
 def kind(engine: str, variant_is_plugin: bool = False) -> str:
@@ -488,6 +498,13 @@ def pooled_rows(run: dict[str, Any], variant_is_plugin: bool) -> dict[str, dict[
             if name == "variant" and max(len(plugin), len(keys)) > 1:
                 rows[f"variant/{scenario} vs plugin"] = pooled(run, plugin, keys)
     return rows
+
+
+def _fills(fills: dict[str, float]) -> str:
+    """Steps whose index the device filled, the host filled, the device path kept."""
+    if not fills:
+        return "-"
+    return "/".join(str(int(fills.get(k, 0))) for k in ("device", "host", "kept"))
 
 
 def _fmt(value: float | None) -> str:
@@ -603,7 +620,7 @@ def main() -> None:
                 for engine, scenario in runs if rep % 2 == 0 else runs[::-1]:
                     seed += 1
                     own = steerings.get(engine)
-                    start_time = own.info()[0]["host_time"] if own is not None else None
+                    start_info = own.info()[0] if own is not None else None
                     tok_s, step_s, run_mhz = timed(engines[engine], clocks[engine], sm,
                                                    prompts(batch, prompt_len, seed),
                                                    loads[scenario])
@@ -612,8 +629,8 @@ def main() -> None:
                     mhz[f"{engine}/{scenario}"].append(run_mhz)
                     tails[f"{engine}/{scenario}"].append(clocks[engine].deciles())
                     if own is not None:
-                        add_host_time(host.setdefault(f"{engine}/{scenario}", {}), start_time,
-                                      own.info()[0]["host_time"])
+                        add_host_time(host.setdefault(f"{engine}/{scenario}", {}), start_info,
+                                      own.info()[0])
             after = steering.info()[0]
             site = f"post_block@{MONITOR}"
             monitored = (after["tokens_monitored"].get(site, 0)
@@ -634,7 +651,7 @@ def main() -> None:
           f"tp={args.tp}")
     print(f"{'shape':>14} {'scenario':<22} {'tok/s':>9} {'ratio':>7} {'spread':>7} "
           f"{'step ms':>8} {'step ratio':>10} {'paired':>15} {'SM MHz':>7} {'cycles':>7} "
-          f"{'host us/step':>13} {'us/request':>11}")
+          f"{'host us/step':>13} {'us/request':>11} {'fills dev/host/kept':>20}")
     summary = {}
     for shape, run in results["runs"].items():
         for key in run["samples"]:
@@ -648,7 +665,8 @@ def main() -> None:
                   f"{row['spread']:>7.2%} {row['decode_step_ms']:>8.3f} "
                   f"{row['step_ratio']:>10.4f} {low:>7.4f}-{high:<7.4f} "
                   f"{row['sm_mhz']:>7.0f} {row['cycle_ratio']:>7.4f} "
-                  f"{_fmt(row['host_us_per_step']):>13} {_fmt(row['host_us_per_request']):>11}")
+                  f"{_fmt(row['host_us_per_step']):>13} {_fmt(row['host_us_per_request']):>11} "
+                  f"{_fills(row['index_fills']):>20}")
             if "vs_plugin" in row:
                 vs = row["vs_plugin"]
                 low, high = vs["paired_step_ratio_range"]
