@@ -5,7 +5,9 @@ The real :class:`~dynsteer.engine_ext.worker.state.SteeringState` (Llama-8B size
 controller, runs decode steps as the runner hooks drive it: ``fill`` (index, controllers) then
 ``cache_report`` (read-back, telemetry fold, prefix-guard report), with fresh gates written
 between steps as a forward would; ``gated-churn`` also finishes one request and admits one
-in its slot every step (its prompt in the step), as an admission step does. Prints µs per
+in its slot every step (its prompt in the step), as an admission step does; ``static``
+steers each request by one vector at layers 16-23, ungated (where the device fill keeps a
+decode step's index, and the prefix-guard report has nothing to do). Prints µs per
 step per scenario and request count, the top functions of one profiled configuration, and
 writes ``host_step.json``.
 
@@ -53,7 +55,8 @@ SCENARIOS: dict[str, dict[str, Any] | None] = {
 }
 
 
-def make_state(requests: int, controller: dict[str, Any] | None, device: Any) -> Any:
+def make_state(requests: int, controller: dict[str, Any] | None, device: Any,
+               static: bool = False) -> Any:
     import numpy as np
 
     from dynsteer.controller.spec import parse_spec
@@ -65,10 +68,11 @@ def make_state(requests: int, controller: dict[str, Any] | None, device: Any) ->
                           max_slots=requests + 1,
                           device=device, block_size=16)
     rng = np.random.default_rng(0)
-    spec: dict[str, Any] = {"gate": {
+    steer = [{"vector": (rng.standard_normal(HIDDEN) * 0.01).tolist(),
+              "layers": list(range(16, 24))}]
+    spec: dict[str, Any] = {"steer": steer} if static else {"gate": {
         "probe": {"weights": (rng.standard_normal(HIDDEN) / HIDDEN**0.5).tolist()},
-        "layer": MONITOR, "steer": [{"vector": (rng.standard_normal(HIDDEN) * 0.01).tolist(),
-                                     "layers": list(range(16, 24))}]}}
+        "layer": MONITOR, "steer": steer}}
     if controller is not None:
         spec["controller"] = controller
     wire = {WIRE_KEY: spec_to_wire(parse_spec(spec))}
@@ -160,7 +164,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         base = name.removesuffix("-device")  # "-device": the device fills the index
         churn = base == "gated-churn"
         for n in args.requests:
-            state = make_state(n, None if churn else SCENARIOS[base], device)
+            state = make_state(n, SCENARIOS.get(base), device, static=base == "static")
             step, fill = run_steps(state, n, args.steps, device, churn, base != name)
             table.setdefault(name, {})[n] = step
             table.setdefault(f"{name} fill CPU", {})[n] = fill
@@ -243,7 +247,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--profile", default="latch", choices=list(SCENARIOS))
-    every = [*SCENARIOS, "gated-churn"]
+    every = [*SCENARIOS, "gated-churn", "static"]
     ap.add_argument("--scenarios", nargs="+", default=every,
                     choices=[*every, *(f"{name}-device" for name in every)],
                     help="NAME-device: the device fills the index (the V2 runner on CUDA)")
