@@ -208,17 +208,18 @@ class GateStats:
         cuda_events.record(self._events[ring], self.stats.device.index)
         self._in_flight.append((self.folds, ring, owners))
 
-    def landed(self) -> int:
-        """Take what landed (never waits); the replays the newest snapshot includes: while
-        this number stays, :meth:`frontiers` can only lose slots (to writes), never grow."""
-        if self._cuda:
-            self._land(wait=False)
+    @property
+    def snapshot_folds(self) -> int:
+        """The replays the newest snapshot taken includes (by :meth:`take` or
+        :meth:`frontiers`): while this number stays, :meth:`frontiers` can only lose slots
+        (to writes), never grow."""
         return self._snapshot_folds
 
     def frontiers(self) -> tuple[np.ndarray, np.ndarray]:
         """(processed frontier, first dynamic position) of every slot as of the newest landed
         replay; 0 and NONE for slots written since (their request's folds have not landed)."""
-        self.landed()
+        if self._cuda:
+            self._land(wait=False)
         stale = self._written_at > self._snapshot_folds
         return (np.where(stale, 0, self._snapshot[1]),
                 np.where(stale, NONE, self._snapshot[0]))

@@ -144,7 +144,8 @@ class GateTelemetry:
         self._reported = np.zeros(max_slots, dtype=np.int64)
         """Blocks of each slot's clean prefix reported so far."""
         self._reported_snapshot = -1
-        """The statistics snapshot (:meth:`.GateStats.landed`) the last report was made of."""
+        """The statistics snapshot (:attr:`.GateStats.snapshot_folds`) the last report was
+        made of."""
         self._record_of_slot = np.zeros(max_slots, dtype=np.int64)
         """The runner's request slot -> the record of the request holding it."""
         self._req_of_record: list[str | None] = []
@@ -272,8 +273,8 @@ class GateTelemetry:
         replay landed since the last report: then no frontier can have grown."""
         self.launch_copy()
         self._fold(wait=False)
-        self._retire_landed()
-        snapshot = self._stats.landed()
+        self._retire_landed()  # takes what landed, the newest snapshot included
+        snapshot = self._stats.snapshot_folds
         if not self._live or snapshot == self._reported_snapshot:
             return {}
         self._reported_snapshot = snapshot
