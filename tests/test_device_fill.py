@@ -87,10 +87,11 @@ class _Pair:
             if not np.array_equal(a[row], b[row]):
                 mismatch.append([row, a[row, :tokens + 2].tolist(), b[row, :tokens + 2].tolist()])
         probe = b[ops.INDEX_PROBE, :tokens] != 0  # slot and position: read for these only
-        want = np.where(probe, positions | ops.POS_ABSOLUTE, 0)
-        got = np.where(probe, b[ops.INDEX_POS, :tokens], 0)
-        if not np.array_equal(want, got):
-            mismatch.append(["pos", want.tolist(), got.tolist()])
+        entry = b[ops.INDEX_POS, :tokens]  # the position, or (relative) the host's offset
+        right = np.where(entry & ops.POS_ABSOLUTE, entry == positions | ops.POS_ABSOLUTE,
+                         entry == a[ops.INDEX_POS, :tokens])
+        if np.count_nonzero(probe & ~right):
+            mismatch.append(["pos", a[ops.INDEX_POS, :tokens].tolist(), entry.tolist()])
         if not np.array_equal(np.where(probe, a[ops.INDEX_SLOT, :tokens], 0),
                               np.where(probe, b[ops.INDEX_SLOT, :tokens], 0)):
             mismatch.append(["slot"])
@@ -98,17 +99,32 @@ class _Pair:
             mismatch.append(["past the step's tokens"])
         return mismatch
 
+    def forward(self, tokens: int, rng: np.random.Generator) -> list[Any]:
+        """The step's forward as both see it (the same random gates and scores); how the
+        device's prefix-guard report differs from the host's."""
+        import torch
+
+        gates = torch.from_numpy(rng.random(tokens).astype(np.float32)).to(self.on)
+        for s in (self.host, self.dev):
+            s.gate[:tokens] = gates
+            s.score[:tokens] = gates * 2 - 1
+        reports = [self.host.cache_report(), self.dev.cache_report()]
+        return [] if reports[0] == reports[1] else [["cache_report", *map(str, reports)]]
+
+    def reports(self, ids: list[str]) -> list[list[Any]]:
+        """Both states' gate reports of each request, once every step is folded."""
+        for s in (self.host, self.dev):
+            s.telemetry.drain()
+        return [[self.host.telemetry.report(i), self.dev.telemetry.report(i)] for i in ids]
+
 
 def compare_fills(seed: int, device: str) -> dict[str, Any]:
     """Two identical states driven through the same random steps (admissions, finishes,
     prefill chunks, decode steps, recomputed requests of every kind), one filled on the host
     and one by the device fill; returns the steps compared, every mismatch (index rows,
     positions, prefix-guard reports) and both states' final gate reports per request."""
-    import torch
-
     kinds = _kinds()
     pair = _Pair(device)
-    host, dev = pair.host, pair.dev
     rng = np.random.default_rng(seed)
     live: dict[int, list[Any]] = {}  # slot -> [request id, prompt length, computed]
     out: dict[str, Any] = {"steps": 0, "mismatch": [], "reports": []}
@@ -148,18 +164,9 @@ def compare_fills(seed: int, device: str) -> dict[str, Any]:
         if tokens > WIDTH - 8:
             continue
         out["mismatch"] += [[step, *m] for m in pair.fill(slots, comp, sched)]
-        gates = torch.from_numpy(rng.random(tokens).astype(np.float32)).to(pair.on)
-        for s in (host, dev):
-            s.gate[:tokens] = gates
-            s.score[:tokens] = gates * 2 - 1
-        reports = [host.cache_report(), dev.cache_report()]
-        if reports[0] != reports[1]:
-            out["mismatch"].append([step, "cache_report", str(reports[0]), str(reports[1])])
+        out["mismatch"] += [[step, *m] for m in pair.forward(tokens, rng)]
         out["steps"] += 1
-    for s in (host, dev):
-        s.telemetry.drain()
-    for rid, _, _ in live.values():
-        out["reports"].append([host.telemetry.report(rid), dev.telemetry.report(rid)])
+    out["reports"] = pair.reports([rid for rid, _, _ in live.values()])
     return out
 
 
@@ -189,48 +196,61 @@ def test_device_fill_matches_the_host_fill_in_the_interpreter(seed):
 
 def steady_steps(device: str) -> dict[str, Any]:
     """A batch of static, by-phase and plain requests through its prefill and decode steps,
-    then a gated request joining it, then leaving: per step, whether the device fill launched
-    its kernel, and whether its index equals the host fill's."""
+    then a gated request joining it (its prefill, decode, one step with a draft token that
+    is then rejected), then leaving: per step, whether the device fill launched its kernel
+    and whether its index and prefix-guard report equal the host's; the gated request's
+    gate report from either."""
     kinds = _kinds()
     pair = _Pair(device)
+    rng = np.random.default_rng(0)
     launches = []
     launch = pair.dev.device_fill._launch
-    pair.dev.device_fill._launch = lambda: launches.append(1) or launch()
+    pair.dev.device_fill._launch = lambda **kw: launches.append(1) or launch(**kw)
     computed = {}
     for slot, kind in ((3, "static"), (1, "by_phase"), (5, "plain")):
         pair.add(kind, slot, kinds[kind], 3)
         computed[slot] = 0
     out: dict[str, Any] = {"launched": [], "equal": []}
-    for step in range(9):
+    for step in range(12):
         if step == 4:
             pair.add("gated", 2, kinds["gated"], 3)
             computed[2] = 0
-        if step == 7:
+        if step == 10:
+            out["reports"] = pair.reports(["gated"])
             pair.remove("gated")
             del computed[2]
         slots = list(computed)
         comp = np.array([computed[k] for k in slots], np.int64)
         sched = np.array([3 if computed[k] == 0 else 1 for k in slots], np.int64)
+        if step == 6:
+            sched[slots.index(2)] = 2  # a draft token, rejected after the step
         before = len(launches)
-        out["equal"].append(pair.fill(slots, comp, sched) == [])
+        mismatch = pair.fill(slots, comp, sched)
         out["launched"].append(len(launches) > before)
+        out["equal"].append(mismatch + pair.forward(int(sched.sum()), rng) == [])
         for k, n in zip(slots, sched, strict=True):
-            computed[k] += int(n)
+            computed[k] += 1 if step == 6 else int(n)
     out["index_fills"] = pair.dev.index_fills
     return out
 
 
-def test_a_decode_step_of_the_same_batch_keeps_the_index_unless_gated():
-    """The device fill launches nothing for a decode step of the batch before when no request
-    in it is gated (its index is the step before's); it refills for the first decode step
-    (the rows change phase), in every step with a gated request (positions), and when the
-    batch changes. Every step's index equals the host fill's."""
+def test_a_decode_step_of_the_same_batch_keeps_the_index():
+    """The device fill launches nothing for a decode step of the batch before (its index,
+    with positions relative to where each request's step before ended, is that step's), gated
+    requests included; it refills for the first decode step (rows change phase), for a
+    prefill or a draft token, after a rejected token (the request does not continue where its
+    step ended: positions absolute), and when the batch changes. Every step's index, and the
+    gate statistics and prefix-guard reports made from it, equal the host fill's."""
     pytest.importorskip("triton")
     got = run_interpreted(INTERPRETED_STEADY)
-    assert got["equal"] == [True] * 9
-    # prefill, first decode, steady, steady, +gated (prefill), gated decode x2, -gated, steady
-    assert got["launched"] == [True, True, False, False, True, True, True, True, False]
-    assert got["index_fills"] == {"device": 6, "host": 0, "kept": 3}
+    assert got["equal"] == [True] * 12
+    # prefill, first decode, kept x2, +gated (its prefill), first decode, a draft, after the
+    # rejection, continuing, kept, -gated (the batch changed), kept
+    assert got["launched"] == [True, True, False, False, True, True, True, True, True, False,
+                               True, False]
+    assert got["index_fills"] == {"device": 8, "host": 0, "kept": 4}
+    host, dev = got["reports"][0]
+    assert host == dev and host["tokens_monitored"] == 8  # positions 0-7, 5 counted once
 
 
 INTERPRETED_STEADY = """

@@ -482,19 +482,20 @@ class SteeringState:
                         num_computed: np.ndarray, counts: np.ndarray, tokens: int,
                         any_gated: bool) -> bool:
         """:meth:`fill` by the device, from the slot table (uploaded if a slot changed).
-        False: the index already held the step's (a decode step of the batch before, nothing
-        gated: see :meth:`.TokenRows.fill_from_slots`), nothing was launched."""
+        False: the index already held the step's (a decode step of the batch before: see
+        :meth:`.TokenRows.fill_from_slots`), nothing was launched."""
         assert self.device_fill is not None
         self.telemetry.before_step(tokens, any_gated)
         self.control.before_step(tokens)
-        self._next_pos[slots] = num_computed + counts  # the host fill's offsets stay right
         version = (self._slots_version, self.rows.entries_version)
         self.device_fill.table.sync(version, self.rows.entries, self._prefill_row,
                                     self._decode_row, self._probe_row, self._prompt_len)
-        steady = None  # every token a decode token (its row the decode row), none gated
-        if (not any_gated and tokens == len(slots)
-                and not np.count_nonzero(num_computed < self._prompt_len[slots])):
+        steady = None  # one decode token each (rows: decode), each where its request ended
+        if (tokens == len(slots)
+                and not np.count_nonzero(num_computed < self._prompt_len[slots])
+                and not np.count_nonzero(num_computed != self._next_pos[slots])):
             steady = (slots.tobytes(), version)
+        self._next_pos[slots] = num_computed + counts  # where each request's step ends
         return self.token_rows.fill_from_slots(self.device_fill, slots, device_slots, tokens,
                                                steady)
 

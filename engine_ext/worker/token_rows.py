@@ -143,7 +143,9 @@ class DeviceFill:
     once in a CUDA graph. Per step the host replays the graph, after copying the batch's slots
     (the runner's ``idx_mapping``, a fresh tensor each step) into a persistent buffer when
     they changed: at most two launches, whatever the batch (a Triton launch from Python costs
-    ~45 µs of host time on the lent H100 host, a replay ~5)."""
+    ~45 µs of host time on the lent H100 host, a replay ~5). Two graphs: position entries
+    absolute, or relative to where each request's previous step ended (a step where every
+    request continues from there; then a decode step's index is the step before's)."""
 
     def __init__(self, rows: TokenRows, max_slots: int, query_start_loc: torch.Tensor,
                  positions: torch.Tensor) -> None:
@@ -154,22 +156,25 @@ class DeviceFill:
                                   device=query_start_loc.device)
         self._launch = functools.partial(index_fill_triton, rows.buffer, self.table.device,
                                          self._slots, query_start_loc, positions)
-        self._graph = captured(self._launch) if self._slots.is_cuda else None
+        self._graphs = ({relative: captured(functools.partial(self._launch, relative=relative))
+                         for relative in (False, True)} if self._slots.is_cuda else None)
         self._last = b""
         """The slots last copied (bytes of the host array)."""
 
-    def run(self, slots: np.ndarray, device_slots: torch.Tensor) -> None:
+    def run(self, slots: np.ndarray, device_slots: torch.Tensor, relative: bool) -> None:
         """Fill the index of the step whose batch is in ``slots`` (one slot per request, in
         batch order; ``device_slots``: the same on the device), copied only when they
-        differ from the last step's (a decode step's batch usually does not change)."""
+        differ from the last step's (a decode step's batch usually does not change).
+        ``relative``: every request continues where its previous step ended (position
+        entries relative to there)."""
         key = slots.tobytes()
         if key != self._last:
             self._slots[: len(slots)].copy_(device_slots, non_blocking=True)
             self._last = key
-        if self._graph is not None:
-            self._graph.replay()
+        if self._graphs is not None:
+            self._graphs[relative].replay()
         else:  # CPU tensors: Triton's interpreter (tests)
-            self._launch()
+            self._launch(relative=relative)
 
 
 class TokenRows:
@@ -264,14 +269,14 @@ class TokenRows:
         (the gate statistics read them only for tokens with a probe row).
 
         ``steady``: given (not None) for a step whose every token is the one decode token of a
-        request without a probe row; the index of such a step depends on its batch and the
-        slot table only (the positions it also holds are read for probe rows alone), so a key
-        of those (see :meth:`.SteeringState.fill`). When the index was last written by a
+        request that continues where its previous step ended; with positions relative to
+        there, the index of such a step depends on its batch and the slot table only, so a
+        key of those (see :meth:`.SteeringState.fill`). When the index was last written by a
         device fill with the same key, it already holds this step's: nothing is launched,
         and False is returned (True: filled)."""
         if steady is not None and steady == self._steady:
             return False
-        fill.run(slots, device_slots)
+        fill.run(slots, device_slots, relative=steady is not None)
         self._dirty = tokens
         self._last = None
         self._steady = steady

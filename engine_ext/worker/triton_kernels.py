@@ -484,11 +484,13 @@ def stats_step_triton(ops: torch.Tensor, index: torch.Tensor, gate_score: torch.
 @triton.jit
 def _index_fill_kernel(index_ptr, table_ptr, slots_ptr, query_start_ptr, positions_ptr,
                        index_stride, table_stride, requests, width, BLOCK: tl.constexpr,
-                       TAIL: tl.constexpr):
+                       TAIL: tl.constexpr, RELATIVE: tl.constexpr):
     """Program ``b < requests``: the tokens of the b-th request of the batch (none for a
     request past the batch: vLLM pads ``query_start_loc`` with the step's token count);
     program ``requests + c``: zeroes columns ``[c * TAIL, (c + 1) * TAIL)`` past the step's
-    tokens."""
+    tokens. ``RELATIVE``: every request's tokens continue where its previous step ended, so
+    each token's position entry is its offset from there (the statistics' ``START``): 0 for
+    the one token of a decode step, the same in every such step."""
     b = tl.program_id(0)
     tokens = tl.load(query_start_ptr + requests)
     if b >= requests:
@@ -518,17 +520,20 @@ def _index_fill_kernel(index_ptr, table_ptr, slots_ptr, query_start_ptr, positio
                 tl.store(index_ptr + INDEX_CONTROL * index_stride + offs, zero, mask=inside)
                 tl.store(index_ptr + INDEX_SLOT * index_stride + offs, zero + slot,
                          mask=inside)
-                tl.store(index_ptr + INDEX_POS * index_stride + offs, pos | POS_ABSOLUTE,
-                         mask=inside)
+                entry = offs - start if RELATIVE else pos | POS_ABSOLUTE
+                tl.store(index_ptr + INDEX_POS * index_stride + offs, entry, mask=inside)
 
 
 def index_fill_triton(index: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
-                      query_start_loc: torch.Tensor, positions: torch.Tensor) -> None:
+                      query_start_loc: torch.Tensor, positions: torch.Tensor,
+                      relative: bool = False) -> None:
     """CUDA implementation of the per-token index fill from per-slot values (see
     :class:`.token_rows.DeviceFill`). Request ``b`` of the step is in slot ``slots[b]`` and
     owns tokens ``query_start_loc[b]`` to ``query_start_loc[b + 1]``, at ``positions``; the
     step's token count is ``query_start_loc[-1]``. Every argument is a persistent buffer and
-    the grid covers the largest batch, so the launch is captured once and replayed."""
+    the grid covers the largest batch, so the launch is captured once and replayed.
+    ``relative``: position entries relative to where each request's previous step ended
+    (valid only when every request continues from there)."""
     requests, width = slots.shape[0], index.shape[1]
     if query_start_loc.shape[0] != requests + 1 or table.stride(1) != 1:
         raise ValueError("dynsteer index fill: query_start_loc needs one entry per slot of "
@@ -536,7 +541,7 @@ def index_fill_triton(index: torch.Tensor, table: torch.Tensor, slots: torch.Ten
     grid = (requests + triton.cdiv(width, INDEX_TAIL),)
     _index_fill_kernel[grid](index, table, slots, query_start_loc, positions, index.stride(0),
                              table.stride(0), requests, width, BLOCK=INDEX_BLOCK,
-                             TAIL=INDEX_TAIL, num_warps=1)
+                             TAIL=INDEX_TAIL, RELATIVE=relative, num_warps=1)
 
 
 def captured(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
