@@ -223,12 +223,14 @@ def run_plain(model: Path, out: Path, name: str, bodies: list[dict[str, Any]], r
 
 
 def run_dynsteer(model: Path, out: Path, name: str, bodies: list[dict[str, Any]], rate: float,
-                 mem: float, py_spy: Path | None) -> dict[str, Any]:
+                 mem: float, py_spy: Path | None, engine: dict[str, Any]) -> dict[str, Any]:
+    """``engine``: the server's dynsteer engine options."""
     from dynsteer.controller.client import DynsteerClient
     from dynsteer.probes import Probe, ProbeSite
 
     cmd = [sys.executable, "-m", "dynsteer.engine_ext.cli", "serve", *serve_args(model, mem),
-           "--dynsteer-api-key", KEY]
+           "--dynsteer-api-key", KEY,
+           "--additional-config", json.dumps({"dynsteer": engine})]
     with server_process(cmd, "/v1/dynsteer/health", out / f"serve_{name}.log", py_spy=py_spy,
                         stacks=out / f"{name}.pyspy.txt") as (url, _):
         client = DynsteerClient(url, api_key=KEY)
@@ -298,7 +300,10 @@ def host_time_delta(before: dict[str, dict[str, float]],
 RUNS = ("vllm", "dynsteer", "dynsteer-plain", "dynsteer-static", "dynsteer-gated")
 """Plain vLLM; dynsteer serving the mixed stream; dynsteer serving plain vLLM's (unsteered)
 stream, which tells the enabled plugin's own cost from the steered traffic's; dynsteer
-serving half plain, half static (or gated) requests, which tells the kinds' costs apart."""
+serving half plain, half static (or gated) requests, which tells the kinds' costs apart.
+A dynsteer run named with the suffix ``+variant`` is that run on a server with the engine
+options of ``--variant``."""
+VARIANT = "+variant"
 
 
 def main() -> None:
@@ -314,13 +319,18 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the --runs order this many times (servers restarted each time); "
                          "pooled latencies and the run-to-run spread of the ratios")
+    ap.add_argument("--variant", type=json.loads, default={},
+                    help="dynsteer engine options (JSON) of the runs named NAME+variant, "
+                         "e.g. '{\"fused_norms\": false}' for --runs vllm,dynsteer,"
+                         "dynsteer+variant: an option against the default in one call")
     ap.add_argument("--py-spy", type=Path, default=None,
                     help="a py-spy binary: record each server's processes into "
                          "OUT/<run>.pyspy.txt.gz (raw stacks; see benchmarks/stacks.py)")
     args = ap.parse_args()
     order = args.runs.split(",")
-    if "vllm" not in order or not set(order) <= set(RUNS):
-        ap.error(f"--runs: a comma list from {', '.join(RUNS)} with vllm in it")
+    if "vllm" not in order or not {n.removesuffix(VARIANT) for n in order} <= set(RUNS):
+        ap.error(f"--runs: a comma list from {', '.join(RUNS)} (dynsteer ones optionally "
+                 f"with {VARIANT}) with vllm in it")
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "llama8b", args.tokenizer)
@@ -328,10 +338,11 @@ def main() -> None:
         runs = {
             "vllm": lambda: run_plain(model, args.out, "vllm", streams["plain"], args.rate,
                                       args.mem, args.py_spy),
-            **{name: functools.partial(run_dynsteer, model, args.out, name,
-                                       streams[name.partition("-")[2] or "mixed"], args.rate,
-                                       args.mem, args.py_spy)
-               for name in RUNS if name != "vllm"},
+            **{name + suffix: functools.partial(
+                run_dynsteer, model, args.out, name + suffix,
+                streams[name.partition("-")[2] or "mixed"], args.rate, args.mem, args.py_spy,
+                args.variant if suffix else {})
+               for name in RUNS if name != "vllm" for suffix in ("", VARIANT)},
         }
         order = order * args.repeat
         results: dict[str, Any] = {"order": order, "runs": []}
