@@ -1,0 +1,180 @@
+"""What a step that admits a request costs: stock vLLM against the plugin (GPU).
+
+Serving traffic's slow steps are the mixed ones: a new prompt's prefill beside the running
+decodes, run under PIECEWISE graphs (attention eager between the graphed pieces) where decode
+steps replay one FULL graph. ``serving.py`` sees them as the inter-token gap of the step
+before a request's first token. This measures them directly, one engine at a time in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profiler sees the worker), Llama-8B shape
+of ``overhead.py``, graphs on:
+
+* ``decode``: ``--batch`` running requests, ``--steps`` steps of ``LLMEngine.step()``, wall
+  time per step;
+* ``mixed``: the same, with a new request (``PROMPT`` tokens, a few generated) added before
+  every ``--every``-th step; the extra wall time per admission is the loop's time over the
+  decode loop's, divided by the admissions (robust to which ``step()`` call returns what);
+* a torch profile of a mixed loop: per step, the kernels' GPU time and the host's busiest
+  ops (self CPU time), written as ``mixed_steps_NAME_profile.txt``.
+
+Engines (``--engines``, each in a subprocess of its own): ``stock`` (plugin not enabled),
+``idle`` (default sites), ``unfused`` (default sites, ``fused_norms`` off). Writes
+``mixed_steps_NAME.json`` per engine and prints a table against stock.
+
+Usage: python benchmarks/mixed_steps.py --out DIR [--engines stock,idle,unfused]
+       [--batch 64] [--steps 96] [--every 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import LLAMA_8B
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+PROMPT = 128
+ENGINES: dict[str, dict[str, Any] | None] = {
+    "stock": None,
+    "idle": {},
+    "unfused": {"fused_norms": False},
+}
+
+
+def start(name: str, mem: float) -> Any:
+    from vllm import LLM
+
+    path = Path(tempfile.mkdtemp()) / "llama8b"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(LLAMA_8B))
+    dynsteer = ENGINES[name]
+    extra = {"additional_config": {"dynsteer": dynsteer}} if dynsteer is not None else {}
+    return LLM(str(path), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+               max_model_len=2048, max_num_seqs=256, gpu_memory_utilization=mem, seed=0,
+               **extra)
+
+
+class Loop:
+    """Steps of one engine with ``batch`` long-running requests, new ones added on demand."""
+
+    def __init__(self, llm: Any, batch: int) -> None:
+        from vllm import SamplingParams
+
+        self.engine = llm.llm_engine
+        self.rng = np.random.default_rng(0)
+        self.count = 0
+        self.long = SamplingParams(max_tokens=1800, temperature=0.0, ignore_eos=True,
+                                   detokenize=False)
+        self.short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                    detokenize=False)
+        for _ in range(batch):
+            self.add(self.long)
+        for _ in range(8):  # every prompt prefilled, the batch decoding
+            self.engine.step()
+
+    def add(self, params: Any) -> None:
+        prompt = {"prompt_token_ids": self.rng.integers(100, 30000, PROMPT).tolist()}
+        self.engine.add_request(f"r{self.count}", prompt, params)
+        self.count += 1
+
+    def run(self, steps: int, every: int) -> list[float]:
+        """Wall seconds of each ``step()``; a new request before every ``every``-th one
+        (0: none)."""
+        times = []
+        for i in range(steps):
+            if every and i % every == 0:
+                self.add(self.short)
+            t = time.perf_counter()
+            self.engine.step()
+            times.append(time.perf_counter() - t)
+        return times
+
+
+def profile(loop: Loop, steps: int, every: int) -> str:
+    """A profiled mixed loop: kernels' GPU time and the host ops' self CPU time, per step."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        loop.run(steps, every)
+        torch.cuda.synchronize()
+    kernels = {"count": 0, "us": 0.0, "graph_launches": 0}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels["count"] += 1
+            kernels["us"] += event.time_range.elapsed_us()
+        elif event.name == "cudaGraphLaunch":
+            kernels["graph_launches"] += 1
+    table = prof.key_averages()
+    head = (f"{steps} steps, a request before every {every}-th: {kernels['count'] / steps:.1f} "
+            f"GPU activities ({kernels['us'] / steps:.1f} us) and "
+            f"{kernels['graph_launches'] / steps:.1f} graph launches per step\n\n")
+    return head + "\n\n".join(table.table(sort_by=key, row_limit=30, max_name_column_width=90)
+                              for key in ("self_cpu_time_total", "self_cuda_time_total"))
+
+
+def one_engine(name: str, args: argparse.Namespace) -> None:
+    llm = start(name, args.mem)
+    loop = Loop(llm, args.batch)
+    loop.run(args.steps, args.every)  # warm: every admission path once
+    decode, mixed = [], []
+    for _ in range(args.reps):  # alternate, so drift hits both
+        decode.append(loop.run(args.steps, 0))
+        mixed.append(loop.run(args.steps, args.every))
+    admissions = -(-args.steps // args.every)
+    extra = [(sum(m) - sum(d)) / admissions for d, m in zip(decode, mixed, strict=True)]
+    result = {"engine": name, "options": ENGINES[name], "batch": args.batch,
+              "steps": args.steps, "every": args.every,
+              "decode_step_ms": float(np.median(np.concatenate(decode))) * 1e3,
+              "extra_per_admission_ms": float(np.median(extra)) * 1e3,
+              "extra_per_admission_ms_all": [e * 1e3 for e in extra],
+              "mixed_loop_s": [sum(m) for m in mixed], "decode_loop_s": [sum(d) for d in decode]}
+    (args.out / f"mixed_steps_{name}_profile.txt").write_text(profile(loop, 32, args.every))
+    (args.out / f"mixed_steps_{name}.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--engines", default="stock,idle,unfused")
+    ap.add_argument("--engine", choices=sorted(ENGINES), help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=96)
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--mem", type=float, default=0.6)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.engine:
+        one_engine(args.engine, args)
+        return
+    passed = [f"--{k}={getattr(args, k)}" for k in ("out", "batch", "steps", "every", "reps",
+                                                    "mem")]
+    for name in args.engines.split(","):  # each engine in a process of its own
+        subprocess.run([sys.executable, "-u", __file__, *passed, "--engine", name], check=False)
+    rows = {}
+    for name in args.engines.split(","):
+        f = args.out / f"mixed_steps_{name}.json"
+        if f.exists():
+            rows[name] = json.loads(f.read_text())
+    base = rows.get("stock")
+    print(f"{'engine':<10} {'decode ms':>10} {'extra/admission ms':>19} {'ratio':>7}")
+    for name, r in rows.items():
+        ratio = (r["extra_per_admission_ms"] / base["extra_per_admission_ms"]
+                 if base else float("nan"))
+        print(f"{name:<10} {r['decode_step_ms']:>10.3f} {r['extra_per_admission_ms']:>19.3f} "
+              f"{ratio:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()
