@@ -13,7 +13,8 @@ of ``overhead.py``, graphs on:
   every ``--every``-th step; the extra wall time per admission is the loop's time over the
   decode loop's, divided by the admissions (robust to which ``step()`` call returns what);
 * a torch profile of a mixed loop: per step, the kernels' GPU time and the host's busiest
-  ops (self CPU time), written as ``mixed_steps_NAME_profile.txt``.
+  ops (self CPU time), written as ``mixed_steps_NAME_profile.txt``;
+* the CPU seconds of each thread of the process during the loops (:mod:`proc_cpu`).
 
 Engines (``--engines``, each in a subprocess of its own): ``stock`` (plugin not enabled),
 ``idle`` (default sites), ``unfused`` (default sites, ``fused_norms`` off). Writes
@@ -39,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import LLAMA_8B
+from proc_cpu import Window, describe
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -127,9 +129,10 @@ def one_engine(name: str, args: argparse.Namespace) -> None:
     loop = Loop(llm, args.batch)
     loop.run(args.steps, args.every)  # warm: every admission path once
     decode, mixed = [], []
-    for _ in range(args.reps):  # alternate, so drift hits both
-        decode.append(loop.run(args.steps, 0))
-        mixed.append(loop.run(args.steps, args.every))
+    with Window() as cpu:  # a thread of this process burning CPU beside the engine's
+        for _ in range(args.reps):  # alternate, so drift hits both
+            decode.append(loop.run(args.steps, 0))
+            mixed.append(loop.run(args.steps, args.every))
     admissions = -(-args.steps // args.every)
     extra = [(sum(m) - sum(d)) / admissions for d, m in zip(decode, mixed, strict=True)]
     result = {"engine": name, "options": ENGINES[name], "batch": args.batch,
@@ -137,10 +140,12 @@ def one_engine(name: str, args: argparse.Namespace) -> None:
               "decode_step_ms": float(np.median(np.concatenate(decode))) * 1e3,
               "extra_per_admission_ms": float(np.median(extra)) * 1e3,
               "extra_per_admission_ms_all": [e * 1e3 for e in extra],
-              "mixed_loop_s": [sum(m) for m in mixed], "decode_loop_s": [sum(d) for d in decode]}
+              "mixed_loop_s": [sum(m) for m in mixed], "decode_loop_s": [sum(d) for d in decode],
+              "cpu": cpu.result}
     (args.out / f"mixed_steps_{name}_profile.txt").write_text(profile(loop, 32, args.every))
     (args.out / f"mixed_steps_{name}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result), flush=True)
+    print(f"{name}: CPU during the loops: {describe(cpu.result)}", flush=True)
 
 
 def main() -> None:

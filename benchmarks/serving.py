@@ -9,7 +9,9 @@ layers 16-23); plain vLLM gets the same requests without the ``dynsteer`` field,
 the ``dynsteer-plain`` run (the plugin enabled, nothing steered); ``dynsteer-static`` and
 ``dynsteer-gated`` get half plain requests and half of that kind. Reported per server: time to
 first token and inter-token latency (p50 / p99, ms), completed requests per second and, for
-the dynsteer servers, the workers' dynsteer host time per hook call (from ``/metrics``).
+the dynsteer servers, the workers' dynsteer host time per hook call (from ``/metrics``); and
+the CPU seconds each thread of the server's processes spent during the load
+(:mod:`proc_cpu`).
 Prints a table and writes ``serving.json``; with ``--py-spy`` also each server's stacks, which
 ``benchmarks/stacks.py`` compares.
 
@@ -40,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import GATED_LAYERS, HIDDEN, LLAMA_8B, MONITOR
+from proc_cpu import Window, describe
 
 from dynsteer.controller.contract import encode_f32
 from dynsteer.controller.launch import free_port
@@ -218,8 +221,9 @@ def plain_vllm(args: list[str], log: Path, env: dict[str, str] | None = None,
 def run_plain(model: Path, out: Path, name: str, bodies: list[dict[str, Any]], rate: float,
               mem: float, py_spy: Path | None) -> dict[str, Any]:
     with plain_vllm(serve_args(model, mem), out / f"serve_{name}.log", py_spy=py_spy,
-                    stacks=out / f"{name}.pyspy.txt") as (url, _):
-        return asyncio.run(drive(url, bodies, rate))
+                    stacks=out / f"{name}.pyspy.txt") as (url, proc), Window(proc.pid) as cpu:
+        result = asyncio.run(drive(url, bodies, rate))
+    return {**result, "cpu": cpu.result}
 
 
 def run_dynsteer(model: Path, out: Path, name: str, bodies: list[dict[str, Any]], rate: float,
@@ -232,7 +236,7 @@ def run_dynsteer(model: Path, out: Path, name: str, bodies: list[dict[str, Any]]
            "--dynsteer-api-key", KEY,
            "--additional-config", json.dumps({"dynsteer": engine})]
     with server_process(cmd, "/v1/dynsteer/health", out / f"serve_{name}.log", py_spy=py_spy,
-                        stacks=out / f"{name}.pyspy.txt") as (url, _):
+                        stacks=out / f"{name}.pyspy.txt") as (url, proc):
         client = DynsteerClient(url, api_key=KEY)
         rng = np.random.default_rng(3)
         client.register_vector("bench", rng.standard_normal(HIDDEN) * 0.01)
@@ -240,8 +244,10 @@ def run_dynsteer(model: Path, out: Path, name: str, bodies: list[dict[str, Any]]
                                   weights=rng.standard_normal(HIDDEN).astype(np.float32)
                                   / HIDDEN**0.5, site=ProbeSite(layer=MONITOR)))
         before = worker_host_time(url)
-        result = asyncio.run(drive(url, bodies, rate))
+        with Window(proc.pid) as cpu:
+            result = asyncio.run(drive(url, bodies, rate))
         result["worker_host"] = host_time_delta(before, worker_host_time(url))
+        result["cpu"] = cpu.result
     return result
 
 
@@ -380,6 +386,8 @@ def report(results: dict[str, Any], done: dict[str, list[dict[str, Any]]]) -> No
         print(f"{r['name']:<15} {r['ttft_ms_p50']:>9.1f} {r['ttft_ms_p99']:>9.1f} "
               f"{r['itl_ms_p50']:>8.2f} {r['itl_ms_p99']:>8.2f} {r['requests_per_s']:>7.2f} "
               f"{r['errors']:>6}")
+    for r in results["runs"]:  # a thread burning CPU beside the engine core's shows here
+        print(f"{r['name']} CPU during the load: {describe(r.get('cpu', {}))}")
     results["pooled"] = {name: latencies(d) for name, d in done.items()}
     results["ratios"], results["pair_ratios"] = {}, {}
     base = results["pooled"]["vllm"]

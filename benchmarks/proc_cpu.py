@@ -1,0 +1,128 @@
+"""CPU time per thread of a process tree, and the machine's busy cores, over a measured window.
+
+Why: in session 28 every host operation of the plugin's engine core ran 1.4-2x slower than
+stock's on the same step (the same vLLM calls, the same counts: ``mixed_steps.py``'s profile,
+``serving.py``'s py-spy stacks), as if the engine core's thread shared its core. py-spy sees only
+Python threads; a thread that spins in C (an OpenMP or BLAS pool after a parallel call, a
+polling I/O thread) shows up here, by its kernel name, with the seconds it burned. Linux only
+(``/proc``); elsewhere the snapshots are empty.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PROC = Path("/proc")
+
+
+def _stat_fields(path: Path) -> tuple[str, list[str]] | None:
+    """(comm, fields after it) of a ``/proc/.../stat`` file; None when it is gone."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    open_, close = text.index("("), text.rindex(")")
+    return text[open_ + 1:close], text[close + 2:].split()
+
+
+def tree(root: int) -> list[int]:
+    """``root`` and every descendant process."""
+    children: dict[int, list[int]] = {}
+    for entry in _PROC.glob("[0-9]*"):
+        parsed = _stat_fields(entry / "stat")
+        if parsed is not None:
+            children.setdefault(int(parsed[1][1]), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _label(pid: int) -> str:
+    try:
+        argv = (_PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return str(pid)
+    text = " ".join(a.decode(errors="replace") for a in argv if a)
+    for marker, label in (("spawn_main", "engine-core"), ("api_server", "api-server"),
+                          ("engine_ext.cli", "api-server")):
+        if marker in text:
+            return label
+    return Path(argv[0].decode(errors="replace")).name or str(pid)
+
+
+def snapshot(pids: list[int]) -> dict[tuple[int, int], tuple[str, str, float]]:
+    """Per (pid, tid): (process label, thread name, CPU seconds so far, user + system)."""
+    out = {}
+    for pid in pids:
+        label = _label(pid)
+        for task in (_PROC / str(pid) / "task").glob("[0-9]*"):
+            parsed = _stat_fields(task / "stat")
+            if parsed is not None:
+                comm, fields = parsed
+                out[(pid, int(task.name))] = (label, comm,
+                                              (int(fields[11]) + int(fields[12])) / _TICK)
+    return out
+
+
+def busy_ticks() -> tuple[float, float]:
+    """(non-idle, all) CPU seconds of the machine so far, over every core (``/proc/stat``)."""
+    try:
+        first = (_PROC / "stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return 0.0, 0.0
+    values = [int(v) for v in first]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return (sum(values) - idle) / _TICK, sum(values) / _TICK
+
+
+class Window:
+    """CPU seconds spent inside a ``with`` block, per (process label, thread name), summed over
+    threads of one name, of the processes of ``root``'s tree (default: this process); and the
+    machine's busy cores on average."""
+
+    def __init__(self, root: int | None = None) -> None:
+        self.root = os.getpid() if root is None else root
+        self.result: dict[str, Any] = {}
+
+    def __enter__(self) -> Window:
+        import time
+
+        self._pids = tree(self.root)
+        self._before = snapshot(self._pids)
+        self._busy = busy_ticks()
+        self._t = time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import time
+
+        seconds = time.monotonic() - self._t
+        after = snapshot(self._pids)
+        busy = busy_ticks()
+        threads: dict[str, float] = {}
+        for key, (label, comm, cpu) in after.items():
+            spent = cpu - self._before.get(key, (label, comm, 0.0))[2]
+            name = f"{label}/{comm}"
+            threads[name] = threads.get(name, 0.0) + spent
+        top = sorted(threads.items(), key=lambda kv: -kv[1])
+        self.result = {
+            "seconds": seconds,
+            "threads_cpu_s": {name: round(s, 3) for name, s in top if s > 0},
+            "machine_busy_cores": (busy[0] - self._busy[0]) / seconds if seconds else 0.0,
+            "machine_cores": os.cpu_count(),
+        }
+
+
+def describe(result: dict[str, Any], top: int = 8) -> str:
+    if not result:
+        return "no CPU window"
+    threads = ", ".join(f"{name} {s:.2f}s" for name, s in
+                        list(result["threads_cpu_s"].items())[:top])
+    return (f"{result['seconds']:.1f} s window, machine {result['machine_busy_cores']:.1f} of "
+            f"{result['machine_cores']} cores busy; threads: {threads}")
