@@ -144,7 +144,7 @@ def compare_fills(seed: int, device: str) -> dict[str, Any]:
         if not live or rng.random() < 0.1:
             continue
         # Often the batch before again, in its order: decode steps where the device fill
-        # keeps the index (nothing gated) or refills it (positions, for gated requests).
+        # keeps the index (every request continuing where its step ended) or refills it.
         repeat = bool(previous) and set(previous) <= set(live) and rng.random() < 0.5
         slots = previous if repeat else [k for k in live if rng.random() < 0.85] or list(live)
         if not repeat:
@@ -182,7 +182,7 @@ print(json.dumps(compare_fills({seed}, "cpu")))
 def test_device_fill_matches_the_host_fill_in_the_interpreter(seed):
     """Random admissions, finishes, prefill chunks, decode steps and recomputed requests of
     every kind (by-phase static, static, gated, plain), and decode steps of the batch before
-    (where the device keeps its index unless a request is gated): the device-filled index equals
+    (where the device keeps its index, gated requests too): the device-filled index equals
     the host's in every row (slots and positions where a probe reads them; positions absolute
     where the host's are relative), columns past the step are zero, and the gate statistics
     and prefix-guard reports built from either are equal."""

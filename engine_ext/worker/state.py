@@ -173,7 +173,8 @@ class SteeringState:
         :meth:`enable_device_fill`)."""
         self.index_fills = {"device": 0, "host": 0, "kept": 0}
         """Steps whose index the device filled, those the host filled, and those whose index
-        the device path kept from the step before (the same decode batch, nothing gated)."""
+        the device path kept from the step before (the same decode batch, each request
+        continuing where its last step ended)."""
         self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
         """Per-token gate (row ``GATE``, written at each token's monitor site) and probe score
         (row ``SCORE``) of the step: one buffer, so the read-back is one copy."""
