@@ -14,7 +14,9 @@ of ``overhead.py``, graphs on:
   decode loop's, divided by the admissions (robust to which ``step()`` call returns what);
 * a torch profile of a mixed loop: per step, the kernels' GPU time and the host's busiest
   ops (self CPU time), written as ``mixed_steps_NAME_profile.txt``;
-* the CPU seconds of each thread of the process during the loops (:mod:`proc_cpu`).
+* the CPU seconds of each thread of the process during the loops (:mod:`proc_cpu`), and the
+  time of a few trivial host calls before the engine starts and after its loops
+  (:func:`host_probe`).
 
 Engines (``--engines``, each in a subprocess of its own): ``stock`` (plugin not enabled),
 ``idle`` (default sites), ``unfused`` (default sites, ``fused_norms`` off). Writes
@@ -124,7 +126,28 @@ def profile(loop: Loop, steps: int, every: int) -> str:
                               for key in ("self_cpu_time_total", "self_cuda_time_total"))
 
 
+def host_probe() -> dict[str, float]:
+    """µs per call of a Python function call, ``torch.empty(10)`` and (on CUDA) a trivial
+    driver call, best of 5: taken before the engine starts and after its loops, it tells a
+    process-wide slowdown (a spinning thread, a tracer, a slower core) from a slower step."""
+    import timeit
+
+    import torch
+
+    def call(x: int) -> int:
+        return x + 1
+
+    cases = {"python_call": ("call(1)", 20000), "torch_empty": ("torch.empty(10)", 20000)}
+    if torch.cuda.is_available():
+        cases["cuda_stream_query"] = ("stream.query()", 20000)
+    names = {"call": call, "torch": torch,
+             "stream": torch.cuda.current_stream() if torch.cuda.is_available() else None}
+    return {key: min(timeit.repeat(stmt, globals=names, number=n, repeat=5)) / n * 1e6
+            for key, (stmt, n) in cases.items()}
+
+
 def one_engine(name: str, args: argparse.Namespace) -> None:
+    probe_before = host_probe()
     llm = start(name, args.mem)
     loop = Loop(llm, args.batch)
     loop.run(args.steps, args.every)  # warm: every admission path once
@@ -141,7 +164,8 @@ def one_engine(name: str, args: argparse.Namespace) -> None:
               "extra_per_admission_ms": float(np.median(extra)) * 1e3,
               "extra_per_admission_ms_all": [e * 1e3 for e in extra],
               "mixed_loop_s": [sum(m) for m in mixed], "decode_loop_s": [sum(d) for d in decode],
-              "cpu": cpu.result}
+              "cpu": cpu.result, "host_probe_us": {"before_start": probe_before,
+                                                   "after_loops": host_probe()}}
     (args.out / f"mixed_steps_{name}_profile.txt").write_text(profile(loop, 32, args.every))
     (args.out / f"mixed_steps_{name}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result), flush=True)
