@@ -82,9 +82,10 @@ def busy_ticks() -> tuple[float, float]:
 
 
 class Window:
-    """CPU seconds spent inside a ``with`` block, per (process label, thread name), summed over
-    threads of one name, of the processes of ``root``'s tree (default: this process); and the
-    machine's busy cores on average."""
+    """CPU seconds spent inside a ``with`` block by each thread (``label/name/tid``; ``main``
+    for a process's main thread) of the processes of ``root``'s tree (default: this process),
+    busiest first; and the machine's busy cores on average. A thread (or process) that exits
+    inside the block is not counted: the window reads each thread's total at its two ends."""
 
     def __init__(self, root: int | None = None) -> None:
         self.root = os.getpid() if root is None else root
@@ -106,10 +107,10 @@ class Window:
         after = snapshot(self._pids)
         busy = busy_ticks()
         threads: dict[str, float] = {}
-        for key, (label, comm, cpu) in after.items():
-            spent = cpu - self._before.get(key, (label, comm, 0.0))[2]
-            name = f"{label}/{comm}"
-            threads[name] = threads.get(name, 0.0) + spent
+        for (pid, tid), (label, comm, cpu) in after.items():
+            spent = cpu - self._before.get((pid, tid), (label, comm, 0.0))[2]
+            # Python threads carry the process's kernel name; the main thread is told apart.
+            threads[f"{label}/{'main' if tid == pid else comm}/{tid}"] = spent
         top = sorted(threads.items(), key=lambda kv: -kv[1])
         self.result = {
             "seconds": seconds,

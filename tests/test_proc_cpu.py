@@ -1,0 +1,60 @@
+"""benchmarks/proc_cpu.py: a thread that burns CPU inside the window is found (by its thread id),
+an idle one is not, and a child process's CPU is counted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from proc_cpu import Window, describe, tree
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
+
+
+def _spin(until: threading.Event) -> None:
+    while not until.is_set():
+        pass
+
+
+def test_a_spinning_thread_is_found_and_an_idle_one_is_not():
+    stop = threading.Event()
+    idle = threading.Thread(target=stop.wait, name="idle-waiter", daemon=True)
+    idle.start()
+    worker = threading.Thread(target=_spin, args=(stop,), daemon=True)
+    worker.start()
+    with Window() as window:  # the spinner runs from before the window to after it
+        time.sleep(1.0)
+    stop.set()
+    worker.join()
+    threads = window.result["threads_cpu_s"]
+    mine = {name: s for name, s in threads.items() if name.endswith(f"/{worker.native_id}")}
+    assert len(mine) == 1 and next(iter(mine.values())) >= 0.5, threads
+    assert next(iter(threads)) == next(iter(mine))  # busiest first
+    assert sum(s for name, s in threads.items() if name.endswith(f"/{idle.native_id}")) < 0.05
+    assert window.result["machine_busy_cores"] > 0.5
+    assert str(worker.native_id) in describe(window.result)
+
+
+def test_a_live_child_burning_cpu_is_counted():
+    """This process sleeps through the window while its child spins: the CPU counted is the
+    child's."""
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time\nend = time.monotonic() + 3\n"
+                              "while time.monotonic() < end: pass"])
+    try:
+        time.sleep(0.3)
+        assert child.pid in tree(os.getpid())
+        with Window() as window:
+            time.sleep(1.0)
+    finally:
+        child.kill()
+        child.wait()
+    assert sum(window.result["threads_cpu_s"].values()) >= 0.5, window.result
