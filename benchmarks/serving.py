@@ -307,9 +307,9 @@ RUNS = ("vllm", "dynsteer", "dynsteer-plain", "dynsteer-static", "dynsteer-gated
 """Plain vLLM; dynsteer serving the mixed stream; dynsteer serving plain vLLM's (unsteered)
 stream, which tells the enabled plugin's own cost from the steered traffic's; dynsteer
 serving half plain, half static (or gated) requests, which tells the kinds' costs apart.
-A dynsteer run named with the suffix ``+variant`` is that run on a server with the engine
+A dynsteer run named with the suffix ``-variant`` is that run on a server with the engine
 options of ``--variant``."""
-VARIANT = "+variant"
+VARIANT = "-variant"
 
 
 def main() -> None:
@@ -326,9 +326,9 @@ def main() -> None:
                     help="run the --runs order this many times (servers restarted each time); "
                          "pooled latencies and the run-to-run spread of the ratios")
     ap.add_argument("--variant", type=json.loads, default={},
-                    help="dynsteer engine options (JSON) of the runs named NAME+variant, "
+                    help="dynsteer engine options (JSON) of the runs named NAME-variant, "
                          "e.g. '{\"fused_norms\": false}' for --runs vllm,dynsteer,"
-                         "dynsteer+variant: an option against the default in one call")
+                         "dynsteer-variant: an option against the default in one call")
     ap.add_argument("--py-spy", type=Path, default=None,
                     help="a py-spy binary: record each server's processes into "
                          "OUT/<run>.pyspy.txt.gz (raw stacks; see benchmarks/stacks.py)")
