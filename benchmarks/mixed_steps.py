@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import LLAMA_8B
+from overhead import make_model, start
 from proc_cpu import Window, describe
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -54,17 +54,9 @@ ENGINES: dict[str, dict[str, Any] | None] = {
 }
 
 
-def start(name: str, mem: float) -> Any:
-    from vllm import LLM
-
-    path = Path(tempfile.mkdtemp()) / "llama8b"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(LLAMA_8B))
-    dynsteer = ENGINES[name]
-    extra = {"additional_config": {"dynsteer": dynsteer}} if dynsteer is not None else {}
-    return LLM(str(path), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-               max_model_len=2048, max_num_seqs=256, gpu_memory_utilization=mem, seed=0,
-               **extra)
+def start_engine(name: str, mem: float) -> Any:
+    """Engine ``name`` of :data:`ENGINES` on ``overhead.py``'s model and settings."""
+    return start(make_model(Path(tempfile.mkdtemp()) / "llama8b"), ENGINES[name], mem)
 
 
 class Loop:
@@ -148,7 +140,7 @@ def host_probe() -> dict[str, float]:
 
 def one_engine(name: str, args: argparse.Namespace) -> None:
     probe_before = host_probe()
-    llm = start(name, args.mem)
+    llm = start_engine(name, args.mem)
     loop = Loop(llm, args.batch)
     loop.run(args.steps, args.every)  # warm: every admission path once
     decode, mixed = [], []

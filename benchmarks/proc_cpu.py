@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from stacks import process_label
+
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PROC = Path("/proc")
 
@@ -44,16 +46,12 @@ def tree(root: int) -> list[int]:
 
 
 def _label(pid: int) -> str:
+    """The process's name as :func:`stacks.process_label` gives it (engine-core, api-server)."""
     try:
         argv = (_PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
     except OSError:
         return str(pid)
-    text = " ".join(a.decode(errors="replace") for a in argv if a)
-    for marker, label in (("spawn_main", "engine-core"), ("api_server", "api-server"),
-                          ("engine_ext.cli", "api-server")):
-        if marker in text:
-            return label
-    return Path(argv[0].decode(errors="replace")).name or str(pid)
+    return process_label(" ".join(a.decode(errors="replace") for a in argv if a))
 
 
 def snapshot(pids: list[int]) -> dict[tuple[int, int], tuple[str, str, float]]:

@@ -88,7 +88,8 @@ class DynsteerCollector(Collector):
             "dynsteer_index_fills", "Steps whose per-token index was filled, by where: the "
             "device (vLLM's V2 runner on CUDA) or the host (capture, controllers, gate traces, "
             "the V1 runner, CPU); kept: the device path's steps that kept the index of the "
-            "step before (the same decode batch, nothing gated)", labels=["on"])
+            "step before (the same decode batch, each request continuing where its last step "
+            "ended)", labels=["on"])
         for where, value in sorted(stats.get("index_fills", {}).items()):
             fills.add_metric([where], value)
         yield fills
