@@ -14,9 +14,9 @@ of ``overhead.py``, graphs on:
   decode loop's, divided by the admissions (robust to which ``step()`` call returns what);
 * a torch profile of a mixed loop: per step, the kernels' GPU time and the host's busiest
   ops (self CPU time), written as ``mixed_steps_NAME_profile.txt``;
-* the CPU seconds of each thread of the process during the loops (:mod:`proc_cpu`), and the
-  time of a few trivial host calls before the engine starts and after its loops
-  (:func:`host_probe`).
+* the CPU seconds and run-queue wait of each thread of the process during the loops, and what
+  bounds its threads (:mod:`proc_cpu`), and the time of a few trivial host calls before the
+  engine starts and after its loops (:func:`host_probe`).
 
 Engines (``--engines``, each in a subprocess of its own): ``stock`` (plugin not enabled),
 ``idle`` (default sites), ``unfused`` (default sites, ``fused_norms`` off). Writes
@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import make_model, start
-from proc_cpu import Window, describe
+from proc_cpu import Window, describe, process_facts
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -157,7 +157,8 @@ def one_engine(name: str, args: argparse.Namespace) -> None:
               "extra_per_admission_ms_all": [e * 1e3 for e in extra],
               "mixed_loop_s": [sum(m) for m in mixed], "decode_loop_s": [sum(d) for d in decode],
               "cpu": cpu.result, "host_probe_us": {"before_start": probe_before,
-                                                   "after_loops": host_probe()}}
+                                                   "after_loops": host_probe()},
+              "process": process_facts()}
     (args.out / f"mixed_steps_{name}_profile.txt").write_text(profile(loop, 32, args.every))
     (args.out / f"mixed_steps_{name}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result), flush=True)

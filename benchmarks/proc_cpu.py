@@ -4,8 +4,11 @@ Why: in session 28 every host operation of the plugin's engine core ran 1.4-2x s
 stock's on the same step (the same vLLM calls, the same counts: ``mixed_steps.py``'s profile,
 ``serving.py``'s py-spy stacks), as if the engine core's thread shared its core. py-spy sees only
 Python threads; a thread that spins in C (an OpenMP or BLAS pool after a parallel call, a
-polling I/O thread) shows up here, by its kernel name, with the seconds it burned. Linux only
-(``/proc``); elsewhere the snapshots are empty.
+polling I/O thread) shows up here, by its kernel name, with the seconds it burned. Beside it,
+each thread's run-queue wait (``/proc/.../schedstat``: runnable but not on a core) tells a thread
+that shares its core (contention) from one on a slower core (no wait, less work per second),
+and :func:`process_facts` gives what bounds the process's threads (affinity, torch's pools).
+Linux only (``/proc``); elsewhere the snapshots are empty.
 """
 
 from __future__ import annotations
@@ -54,8 +57,18 @@ def _label(pid: int) -> str:
     return process_label(" ".join(a.decode(errors="replace") for a in argv if a))
 
 
-def snapshot(pids: list[int]) -> dict[tuple[int, int], tuple[str, str, float]]:
-    """Per (pid, tid): (process label, thread name, CPU seconds so far, user + system)."""
+def _wait_s(task: Path) -> float:
+    """Seconds ``task`` has been runnable without a core (second field of ``schedstat``; 0
+    where the kernel keeps no schedstats)."""
+    try:
+        return int((task / "schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def snapshot(pids: list[int]) -> dict[tuple[int, int], tuple[str, str, float, float]]:
+    """Per (pid, tid): (process label, thread name, CPU seconds so far (user + system),
+    run-queue wait seconds so far)."""
     out = {}
     for pid in pids:
         label = _label(pid)
@@ -64,8 +77,28 @@ def snapshot(pids: list[int]) -> dict[tuple[int, int], tuple[str, str, float]]:
             if parsed is not None:
                 comm, fields = parsed
                 out[(pid, int(task.name))] = (label, comm,
-                                              (int(fields[11]) + int(fields[12])) / _TICK)
+                                              (int(fields[11]) + int(fields[12])) / _TICK,
+                                              _wait_s(task))
     return out
+
+
+def process_facts() -> dict[str, Any]:
+    """What bounds this process's threads: the cores it may run on, torch's intra- and
+    inter-op pools and the environment that sizes them, and its threads by kernel name."""
+    import collections
+
+    import torch
+
+    names = collections.Counter(parsed[0] for task in (_PROC / "self" / "task").glob("[0-9]*")
+                                if (parsed := _stat_fields(task / "stat")) is not None)
+    return {"affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else None,
+            "torch_threads": torch.get_num_threads(),
+            "torch_interop_threads": torch.get_num_interop_threads(),
+            "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                               "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY")
+                    if k in os.environ},
+            "threads_by_name": dict(names.most_common())}
 
 
 def busy_ticks() -> tuple[float, float]:
@@ -105,14 +138,17 @@ class Window:
         after = snapshot(self._pids)
         busy = busy_ticks()
         threads: dict[str, float] = {}
-        for (pid, tid), (label, comm, cpu) in after.items():
-            spent = cpu - self._before.get((pid, tid), (label, comm, 0.0))[2]
+        waits: dict[str, float] = {}
+        for (pid, tid), (label, comm, cpu, wait) in after.items():
+            _, _, cpu0, wait0 = self._before.get((pid, tid), (label, comm, 0.0, 0.0))
             # Python threads carry the process's kernel name; the main thread is told apart.
-            threads[f"{label}/{'main' if tid == pid else comm}/{tid}"] = spent
+            name = f"{label}/{'main' if tid == pid else comm}/{tid}"
+            threads[name], waits[name] = cpu - cpu0, wait - wait0
         top = sorted(threads.items(), key=lambda kv: -kv[1])
         self.result = {
             "seconds": seconds,
             "threads_cpu_s": {name: round(s, 3) for name, s in top if s > 0},
+            "threads_wait_s": {name: round(waits[name], 4) for name, s in top if s > 0},
             "machine_busy_cores": (busy[0] - self._busy[0]) / seconds if seconds else 0.0,
             "machine_cores": os.cpu_count(),
         }
@@ -121,7 +157,8 @@ class Window:
 def describe(result: dict[str, Any], top: int = 8) -> str:
     if not result:
         return "no CPU window"
-    threads = ", ".join(f"{name} {s:.2f}s" for name, s in
-                        list(result["threads_cpu_s"].items())[:top])
+    waits = result.get("threads_wait_s", {})
+    threads = ", ".join(f"{name} {s:.2f}s (waited {waits.get(name, 0.0):.3f}s)"
+                        for name, s in list(result["threads_cpu_s"].items())[:top])
     return (f"{result['seconds']:.1f} s window, machine {result['machine_busy_cores']:.1f} of "
             f"{result['machine_cores']} cores busy; threads: {threads}")

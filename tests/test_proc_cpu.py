@@ -58,3 +58,37 @@ def test_a_live_child_burning_cpu_is_counted():
         child.kill()
         child.wait()
     assert sum(window.result["threads_cpu_s"].values()) >= 0.5, window.result
+
+
+_TWO_ON_ONE_CORE = """
+import os, time
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+os.fork()  # two spinners on one core: each is runnable about half the time without it
+end = time.monotonic() + 3
+while time.monotonic() < end:
+    pass
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs schedstats")
+def test_threads_sharing_a_core_wait_for_it():
+    child = subprocess.Popen([sys.executable, "-c", _TWO_ON_ONE_CORE])
+    try:
+        time.sleep(0.5)
+        with Window(child.pid) as window:
+            time.sleep(1.0)
+    finally:
+        child.kill()
+        child.wait()
+    waits = window.result["threads_wait_s"]
+    assert waits.keys() == window.result["threads_cpu_s"].keys()
+    assert sum(waits.values()) >= 0.5, window.result  # about 1 s between the two
+    assert "waited" in describe(window.result)
+
+
+def test_process_facts_name_the_bounds():
+    from proc_cpu import process_facts
+
+    facts = process_facts()
+    assert facts["affinity"] >= 1 and facts["torch_threads"] >= 1
+    assert sum(facts["threads_by_name"].values()) >= 1
