@@ -14,6 +14,9 @@ of ``overhead.py``, graphs on:
   decode loop's, divided by the admissions (robust to which ``step()`` call returns what);
 * a torch profile of a mixed loop: per step, the kernels' GPU time and the host's busiest
   ops (self CPU time), written as ``mixed_steps_NAME_profile.txt``;
+* Python's garbage collections during the loops (count and seconds per generation, the
+  objects each generation tracks after them), the wall time of every step, and for a
+  plugin engine its own hooks' host time (``Steering.info()``);
 * the CPU seconds and run-queue wait of each thread of the process during the loops, and what
   bounds its threads (:mod:`proc_cpu`), and the time of a few trivial host calls before the
   engine starts and after its loops (:func:`host_probe`).
@@ -138,13 +141,60 @@ def host_probe() -> dict[str, float]:
             for key, (stmt, n) in cases.items()}
 
 
+class GcTimer:
+    """Collections and their seconds per generation while inside the ``with`` block: a pause
+    lands in whichever op allocated, so a process with more (or longer) collections shows
+    every Python-heavy op slower in a profile."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._t = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._t
+
+    def __enter__(self) -> GcTimer:
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+    def result(self) -> dict[str, Any]:
+        import gc
+
+        return {"collections": self.count, "seconds": [round(s, 4) for s in self.seconds],
+                "tracked": [len(gc.get_objects(g)) for g in range(3)],
+                "frozen": gc.get_freeze_count(), "enabled": gc.isenabled(),
+                "thresholds": gc.get_threshold()}
+
+
+def plugin_host_time(llm: Any, name: str) -> dict[str, Any] | None:
+    """The plugin's hooks' host time so far (``Steering.info()``), None for stock."""
+    if ENGINES[name] is None:
+        return None
+    from dynsteer.engine_ext import Steering
+
+    return Steering(llm).info()[0]["host_time"]
+
+
 def one_engine(name: str, args: argparse.Namespace) -> None:
     probe_before = host_probe()
     llm = start_engine(name, args.mem)
     loop = Loop(llm, args.batch)
     loop.run(args.steps, args.every)  # warm: every admission path once
     decode, mixed = [], []
-    with Window() as cpu:  # a thread of this process burning CPU beside the engine's
+    hooks_before = plugin_host_time(llm, name)
+    with Window() as cpu, GcTimer() as gc_timer:  # a thread burning CPU beside the engine's
         for _ in range(args.reps):  # alternate, so drift hits both
             decode.append(loop.run(args.steps, 0))
             mixed.append(loop.run(args.steps, args.every))
@@ -156,6 +206,9 @@ def one_engine(name: str, args: argparse.Namespace) -> None:
               "extra_per_admission_ms": float(np.median(extra)) * 1e3,
               "extra_per_admission_ms_all": [e * 1e3 for e in extra],
               "mixed_loop_s": [sum(m) for m in mixed], "decode_loop_s": [sum(d) for d in decode],
+              "mixed_step_ms": [[round(t * 1e3, 3) for t in m] for m in mixed],
+              "gc": gc_timer.result(),
+              "hooks_host_time": {"before": hooks_before, "after": plugin_host_time(llm, name)},
               "cpu": cpu.result, "host_probe_us": {"before_start": probe_before,
                                                    "after_loops": host_probe()},
               "process": process_facts()}
@@ -163,6 +216,7 @@ def one_engine(name: str, args: argparse.Namespace) -> None:
     (args.out / f"mixed_steps_{name}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result), flush=True)
     print(f"{name}: CPU during the loops: {describe(cpu.result)}", flush=True)
+    print(f"{name}: GC during the loops: {result['gc']}", flush=True)
 
 
 def main() -> None:
