@@ -25,8 +25,16 @@ Engines (``--engines``, each in a subprocess of its own): ``stock`` (plugin not 
 ``idle`` (default sites), ``unfused`` (default sites, ``fused_norms`` off). Writes
 ``mixed_steps_NAME.json`` per engine and prints a table against stock.
 
+``--interleave``: every engine alive at once in this process (each engine core a process of
+its own, so no profile), their loops alternating rep by rep; writes
+``mixed_steps_interleaved.json`` with each rep's extra time per admission per engine and its
+ratio to stock's in the same rep. Why: an engine's host speed drifts by a third within one
+process and differs more between processes on the lent machines (session 29: stock's admission
+steps 13.6 ms in one rep and 18.6 ms in the next), so only engines measured turn about, under
+the same ``taskset``, can be compared.
+
 Usage: python benchmarks/mixed_steps.py --out DIR [--engines stock,idle,unfused]
-       [--batch 64] [--steps 96] [--every 4]
+       [--batch 64] [--steps 96] [--every 4] [--interleave --mem 0.3]
 """
 
 from __future__ import annotations
@@ -219,6 +227,43 @@ def one_engine(name: str, args: argparse.Namespace) -> None:
     print(f"{name}: GC during the loops: {result['gc']}", flush=True)
 
 
+def interleaved(args: argparse.Namespace) -> None:
+    """All of ``--engines`` in this process, their loops turn about (see the module doc)."""
+    names = args.engines.split(",")
+    loops = {name: Loop(start_engine(name, args.mem), args.batch) for name in names}
+    for loop in loops.values():
+        loop.run(args.steps, args.every)  # warm: every admission path once
+    admissions = -(-args.steps // args.every)
+    extra: dict[str, list[float]] = {name: [] for name in names}
+    step_ms: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    with Window() as cpu:
+        for rep in range(args.reps):
+            for name in names if rep % 2 == 0 else names[::-1]:
+                decode = loops[name].run(args.steps, 0)
+                mixed = loops[name].run(args.steps, args.every)
+                extra[name].append((sum(mixed) - sum(decode)) / admissions * 1e3)
+                admitting = mixed[::args.every]
+                step_ms[name].append({"decode": float(np.median(decode)) * 1e3,
+                                      "admitting": float(np.median(admitting)) * 1e3})
+    result: dict[str, Any] = {"batch": args.batch, "steps": args.steps, "every": args.every,
+                              "reps": args.reps, "extra_per_admission_ms": extra,
+                              "median_step_ms": step_ms, "cpu": cpu.result,
+                              "affinity": sorted(os.sched_getaffinity(0))}
+    if "stock" in extra:
+        result["ratio_to_stock"] = {
+            name: [e / s for e, s in zip(values, extra["stock"], strict=True)]
+            for name, values in extra.items()}
+    (args.out / "mixed_steps_interleaved.json").write_text(json.dumps(result, indent=2))
+    print(f"{'engine':<10} {'extra/admission ms (median)':>28} {'per rep':>40} "
+          f"{'ratio to stock (median)':>24}")
+    for name in names:
+        ratio = (float(np.median(result["ratio_to_stock"][name]))
+                 if "ratio_to_stock" in result else float("nan"))
+        reps = " ".join(f"{e:.2f}" for e in extra[name])
+        print(f"{name:<10} {float(np.median(extra[name])):>28.3f} {reps:>40} {ratio:>24.3f}")
+    print(f"CPU during the loops: {describe(cpu.result)}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -229,8 +274,13 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mem", type=float, default=0.6)
+    ap.add_argument("--interleave", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.interleave:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # several engines in one process
+        interleaved(args)
+        return
     if args.engine:
         one_engine(args.engine, args)
         return
