@@ -26,7 +26,8 @@ Engines (``--engines``, each in a subprocess of its own): ``stock`` (plugin not 
 ``mixed_steps_NAME.json`` per engine and prints a table against stock.
 
 ``--interleave``: every engine alive at once in this process (each engine core a process of
-its own, so no profile), their loops alternating rep by rep; writes
+its own, so no profile), their loops alternating rep by rep, each engine's requests aborted
+between its turns (its engine core would otherwise go on stepping them); writes
 ``mixed_steps_interleaved.json`` with each rep's extra time per admission per engine and its
 ratio to stock's in the same rep. Why: an engine's host speed drifts by a third within one
 process and differs more between processes on the lent machines (session 29: stock's admission
@@ -76,16 +77,29 @@ class Loop:
     def __init__(self, llm: Any, batch: int) -> None:
         from vllm import SamplingParams
 
+        self.llm = llm  # the engine lives as long as its LLM object
         self.engine = llm.llm_engine
+        self.batch = batch
         self.rng = np.random.default_rng(0)
         self.count = 0
         self.long = SamplingParams(max_tokens=1800, temperature=0.0, ignore_eos=True,
                                    detokenize=False)
         self.short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
                                     detokenize=False)
-        for _ in range(batch):
+        self.fill()
+
+    def fill(self) -> None:
+        """``batch`` long-running requests, every prompt prefilled, the batch decoding."""
+        for _ in range(self.batch):
             self.add(self.long)
-        for _ in range(8):  # every prompt prefilled, the batch decoding
+        for _ in range(8):
+            self.engine.step()
+
+    def drain(self) -> None:
+        """Abort every request and wait until none is left: an engine core of its own process
+        keeps stepping while it has requests, whether or not anyone calls ``step()``."""
+        self.engine.abort_request([f"r{i}" for i in range(self.count)])
+        while self.engine.has_unfinished_requests():
             self.engine.step()
 
     def add(self, params: Any) -> None:
@@ -227,33 +241,46 @@ def one_engine(name: str, args: argparse.Namespace) -> None:
     print(f"{name}: GC during the loops: {result['gc']}", flush=True)
 
 
-def interleaved(args: argparse.Namespace) -> None:
-    """All of ``--engines`` in this process, their loops turn about (see the module doc)."""
-    names = args.engines.split(",")
-    loops = {name: Loop(start_engine(name, args.mem), args.batch) for name in names}
-    for loop in loops.values():
-        loop.run(args.steps, args.every)  # warm: every admission path once
-    admissions = -(-args.steps // args.every)
-    extra: dict[str, list[float]] = {name: [] for name in names}
-    step_ms: dict[str, list[dict[str, float]]] = {name: [] for name in names}
-    with Window() as cpu:
-        for rep in range(args.reps):
-            for name in names if rep % 2 == 0 else names[::-1]:
-                decode = loops[name].run(args.steps, 0)
-                mixed = loops[name].run(args.steps, args.every)
-                extra[name].append((sum(mixed) - sum(decode)) / admissions * 1e3)
-                admitting = mixed[::args.every]
-                step_ms[name].append({"decode": float(np.median(decode)) * 1e3,
-                                      "admitting": float(np.median(admitting)) * 1e3})
+def _write_interleaved(args: argparse.Namespace, extra: dict[str, list[float]],
+                       step_ms: dict[str, list[dict[str, float]]],
+                       cpu: dict[str, Any]) -> dict[str, Any]:
+    """``mixed_steps_interleaved.json`` from the reps so far; returns what it wrote."""
     result: dict[str, Any] = {"batch": args.batch, "steps": args.steps, "every": args.every,
                               "reps": args.reps, "extra_per_admission_ms": extra,
-                              "median_step_ms": step_ms, "cpu": cpu.result,
+                              "mean_step_ms": step_ms, "cpu": cpu,
                               "affinity": sorted(os.sched_getaffinity(0))}
     if "stock" in extra:
         result["ratio_to_stock"] = {
             name: [e / s for e, s in zip(values, extra["stock"], strict=True)]
             for name, values in extra.items()}
     (args.out / "mixed_steps_interleaved.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def interleaved(args: argparse.Namespace) -> None:
+    """All of ``--engines`` in this process, their loops turn about (see the module doc)."""
+    names = args.engines.split(",")
+    loops = {}
+    for name in names:  # each engine idle (drained) while the others start and run
+        loops[name] = Loop(start_engine(name, args.mem), args.batch)
+        loops[name].run(args.steps, args.every)  # warm: every admission path once
+        loops[name].drain()
+    admissions = -(-args.steps // args.every)
+    extra: dict[str, list[float]] = {name: [] for name in names}
+    step_ms: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    with Window() as cpu:
+        for rep in range(args.reps):
+            for name in names if rep % 2 == 0 else names[::-1]:
+                loop = loops[name]
+                loop.fill()
+                decode = loop.run(args.steps, 0)
+                mixed = loop.run(args.steps, args.every)
+                loop.drain()
+                extra[name].append((sum(mixed) - sum(decode)) / admissions * 1e3)
+                step_ms[name].append({"decode": sum(decode) / len(decode) * 1e3,
+                                      "mixed": sum(mixed) / len(mixed) * 1e3})
+            _write_interleaved(args, extra, step_ms, {})  # a call cut short keeps its reps
+    result = _write_interleaved(args, extra, step_ms, cpu.result)
     print(f"{'engine':<10} {'extra/admission ms (median)':>28} {'per rep':>40} "
           f"{'ratio to stock (median)':>24}")
     for name in names:
