@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -218,17 +218,29 @@ def plain_vllm(args: list[str], log: Path, env: dict[str, str] | None = None,
                            "--model", *args], "/health", log, env, timeout, py_spy, stacks)
 
 
-def run_plain(model: Path, out: Path, name: str, bodies: list[dict[str, Any]], rate: float,
-              mem: float, py_spy: Path | None) -> dict[str, Any]:
+Load = Callable[[list[dict[str, Any]], float], dict[str, Any]]
+"""Drives a running server with a stream of request bodies at a rate; returns the run."""
+
+
+@contextlib.contextmanager
+def plain_server(model: Path, out: Path, name: str, mem: float,
+                 py_spy: Path | None) -> Iterator[Load]:
     with plain_vllm(serve_args(model, mem), out / f"serve_{name}.log", py_spy=py_spy,
-                    stacks=out / f"{name}.pyspy.txt") as (url, proc), Window(proc.pid) as cpu:
-        result = asyncio.run(drive(url, bodies, rate))
-    return {**result, "cpu": cpu.result}
+                    stacks=out / f"{name}.pyspy.txt") as (url, proc):
+
+        def load(bodies: list[dict[str, Any]], rate: float) -> dict[str, Any]:
+            with Window(proc.pid) as cpu:
+                result = asyncio.run(drive(url, bodies, rate))
+            return {**result, "cpu": cpu.result}
+
+        yield load
 
 
-def run_dynsteer(model: Path, out: Path, name: str, bodies: list[dict[str, Any]], rate: float,
-                 mem: float, py_spy: Path | None, engine: dict[str, Any]) -> dict[str, Any]:
-    """``engine``: the server's dynsteer engine options."""
+@contextlib.contextmanager
+def dynsteer_server(model: Path, out: Path, name: str, mem: float, py_spy: Path | None,
+                    engine: dict[str, Any]) -> Iterator[Load]:
+    """``engine``: the server's dynsteer engine options; the stream's registered vector and
+    probe are registered before the first load."""
     from dynsteer.controller.client import DynsteerClient
     from dynsteer.probes import Probe, ProbeSite
 
@@ -243,12 +255,16 @@ def run_dynsteer(model: Path, out: Path, name: str, bodies: list[dict[str, Any]]
         client.upload_probe(Probe(name="bench",
                                   weights=rng.standard_normal(HIDDEN).astype(np.float32)
                                   / HIDDEN**0.5, site=ProbeSite(layer=MONITOR)))
-        before = worker_host_time(url)
-        with Window(proc.pid) as cpu:
-            result = asyncio.run(drive(url, bodies, rate))
-        result["worker_host"] = host_time_delta(before, worker_host_time(url))
-        result["cpu"] = cpu.result
-    return result
+
+        def load(bodies: list[dict[str, Any]], rate: float) -> dict[str, Any]:
+            before = worker_host_time(url)
+            with Window(proc.pid) as cpu:
+                result = asyncio.run(drive(url, bodies, rate))
+            result["worker_host"] = host_time_delta(before, worker_host_time(url))
+            result["cpu"] = cpu.result
+            return result
+
+        yield load
 
 
 def worker_host_time(url: str) -> dict[str, dict[str, float]]:
@@ -325,6 +341,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the --runs order this many times (servers restarted each time); "
                          "pooled latencies and the run-to-run spread of the ratios")
+    ap.add_argument("--interleave", type=int, default=0, metavar="SEGMENTS",
+                    help="every server of --runs up at once (share --mem between them), the "
+                         "stream cut into SEGMENTS parts that each server serves in turn, "
+                         "the order reversed every other segment: servers compared at the "
+                         "same time on the same host, since a server's host speed differs "
+                         "from start to start by more than the plugin's cost")
     ap.add_argument("--variant", type=json.loads, default={},
                     help="dynsteer engine options (JSON) of the runs named NAME-variant, "
                          "e.g. '{\"fused_norms\": false}' for --runs vllm,dynsteer,"
@@ -341,21 +363,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "llama8b", args.tokenizer)
         streams = {mix: requests(args.requests, mix) for mix in MIXES}
-        runs = {
-            "vllm": lambda: run_plain(model, args.out, "vllm", streams["plain"], args.rate,
-                                      args.mem, args.py_spy),
+        servers = {
+            "vllm": functools.partial(plain_server, model, args.out, "vllm", args.mem,
+                                      args.py_spy),
             **{name + suffix: functools.partial(
-                run_dynsteer, model, args.out, name + suffix,
-                streams[name.partition("-")[2] or "mixed"], args.rate, args.mem, args.py_spy,
+                dynsteer_server, model, args.out, name + suffix, args.mem, args.py_spy,
                 args.variant if suffix else {})
                for name in RUNS if name != "vllm" for suffix in ("", VARIANT)},
         }
-        order = order * args.repeat
-        results: dict[str, Any] = {"order": order, "runs": []}
+        stream = {name: streams[name.removesuffix(VARIANT).partition("-")[2] or "mixed"]
+                  if name != "vllm" else streams["plain"] for name in servers}
+        results: dict[str, Any] = {"runs": [], "interleave": args.interleave}
         done: dict[str, list[dict[str, Any]]] = {}
         raw: dict[str, np.ndarray] = {}
-        for name in order:  # each run kept as it ends (a run cut short keeps the others)
-            run = runs[name]()
+
+        def keep(name: str, run: dict[str, Any]) -> None:
+            """A run kept as it ends (a call cut short keeps the runs before)."""
             run_done = run.pop("_done")
             done.setdefault(name, []).extend(run_done)
             results["runs"].append({"name": name, **run})
@@ -369,6 +392,22 @@ def main() -> None:
             raw[f"{at}_chunks"] = np.array([len(r["stamps"]) for r in run_done])
             raw[f"{at}_stamps_s"] = np.concatenate([r["stamps"] for r in run_done])
             raw[f"{at}_kind"] = np.array([r["kind"] for r in run_done])
+
+        if args.interleave:  # every server up at once, the stream's segments turn about
+            results["order"] = order
+            with contextlib.ExitStack() as stack:
+                loads = {name: stack.enter_context(servers[name]()) for name in order}
+                size = -(-args.requests // args.interleave)
+                for seg in range(args.interleave):
+                    for name in order if seg % 2 == 0 else order[::-1]:
+                        part = stream[name][seg * size:(seg + 1) * size]
+                        keep(name, {"segment": seg, **loads[name](part, args.rate)})
+        else:
+            order = order * args.repeat
+            results["order"] = order
+            for name in order:  # one server at a time, restarted each run
+                with servers[name]() as load:
+                    keep(name, load(stream[name], args.rate))
     report(results, done)
     (args.out / "serving.json").write_text(json.dumps(results, indent=2))
     np.savez_compressed(args.out / "latencies.npz", **raw)  # to pool runs of several calls
