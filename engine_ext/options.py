@@ -63,12 +63,16 @@ class EngineOptions(BaseModel):
     its group of consecutive sites (a row steering layer 16 is read at one or two sites, not
     at every one). False compiles the form before the groups (a steered token's row read at
     every site, zeros included), kept to measure them against."""
-    fused_norms: bool = True
+    fused_norms: bool = False
     """Whether a site whose stream the next RMSNorm adds (``post_block``, ``post_attn``) runs
     in that norm's kernel on CUDA (``dynsteer::steer_norm``: one kernel for the site and the
-    norm). False compiles the form before (the site's ops, which Inductor fuses into the norm's
-    kernel; monitor sites a kernel of their own), kept to measure against. Where one of vLLM's
-    own norm fusions is on (an all-reduce or a quantization fused into the norm, see
+    norm). Off by default: on serving traffic (H200, servers measured turn about at the same
+    time) it made the steps that admit a request slower, ITL p99 1.23-1.42x plain vLLM's and
+    TTFT p50 1.11-1.24x, where off read 0.99 and 1.00 (``benchmarks/RESULTS.md``, session
+    29; the cause is not found). On, decode steps are a little faster (idle 0.997 against
+    0.992 of stock's throughput at batch 1, sessions 25-27). Off, the site's ops are fused by
+    Inductor into the norm's kernel and a monitor site runs a kernel of its own. Where one of
+    vLLM's own norm fusions is on (an all-reduce or a quantization fused into the norm, see
     ``compat.worker.NORM_PASSES``), sites keep that form regardless."""
     max_gates: int = Field(default=128, ge=1, le=65536)
     """Distinct probes (with their threshold, sharpness and monitor site) gating requests in

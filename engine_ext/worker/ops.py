@@ -64,9 +64,9 @@ consumer) has no bfloat16. Tokens that are not captured cost one int load.
 
 A site that is not a monitor site (no probe reads it, nothing is captured there) needs only
 the last two lines; :func:`steer_add` computes them with tensor ops the compiler fuses into
-the kernels around the site, so such a site launches no kernel of its own. Where vLLM's
-RMSNorm follows a site, CUDA runs :func:`steer_norm` instead, any site: this op and the norm
-in one kernel.
+the kernels around the site, so such a site launches no kernel of its own. With the engine
+option ``fused_norms``, where vLLM's RMSNorm follows a site, CUDA runs :func:`steer_norm`
+instead, any site: this op and the norm in one kernel.
 
 ``control[K, CTL_COLS]`` holds the state of per-request controllers (one row per runner slot,
 see :mod:`dynsteer.controller.controllers`): the monitor applies a row's floor and scale; after

@@ -1,8 +1,9 @@
 """The steering op of each configured site, as an ``nn.Module`` over the worker's buffers.
 
-On CUDA, where vLLM's RMSNorm adds the site's stream right after it, the adapter calls
-:meth:`SiteOp.steer_norm` in the norm's place: ``dynsteer::steer_norm``, the site and the norm
-in one kernel, monitor site or not. Elsewhere a monitor site calls the op ``dynsteer::steer``
+On CUDA with the engine option ``fused_norms`` (off by default), where vLLM's RMSNorm adds the
+site's stream right after it, the adapter calls :meth:`SiteOp.steer_norm` in the norm's place:
+``dynsteer::steer_norm``, the site and the norm in one kernel, monitor site or not. Elsewhere
+a monitor site calls the op ``dynsteer::steer``
 (monitor, capture and steering in one kernel) and on CUDA any other site steers with
 :func:`.ops.steer_add`, plain tensor ops the compiler fuses into the kernels around it (the next
 layer's add + norm), so it launches nothing of its own.
