@@ -1,22 +1,27 @@
 """Serving latency over HTTP: `dynsteer serve` vs plain vLLM on the same request stream (GPU).
 
-One server at a time on the same Llama-8B-shaped dummy model (vocabulary and tokenizer of the
-embedded SmolLM2, so the server can detokenize), then the same stream of streaming
-``/v1/completions`` requests at a fixed arrival rate: 128 random prompt tokens, 128 generated
-(``ignore_eos``). The dynsteer server gets a mix: 50% plain, 25% static (32 distinct inline
-vectors, base64), 25% gated (a registered probe at layer 16 gating a registered vector at
-layers 16-23); plain vLLM gets the same requests without the ``dynsteer`` field, and so does
-the ``dynsteer-plain`` run (the plugin enabled, nothing steered); ``dynsteer-static`` and
-``dynsteer-gated`` get half plain requests and half of that kind. Reported per server: time to
-first token and inter-token latency (p50 / p99, ms), completed requests per second and, for
-the dynsteer servers, the workers' dynsteer host time per hook call (from ``/metrics``); and
-the CPU seconds each thread of the server's processes spent during the load
-(:mod:`proc_cpu`).
+One server at a time (or all at once, ``--interleave``) on the same Llama-8B-shaped dummy model
+(vocabulary and tokenizer of the embedded SmolLM2, so the server can detokenize), then the same
+stream of streaming ``/v1/completions`` requests at a fixed arrival rate: 128 random prompt
+tokens, 128 generated (``ignore_eos``). The dynsteer server gets a mix: 50% plain, 25% static
+(32 distinct inline vectors, base64), 25% gated (a registered probe at layer 16 gating a
+registered vector at layers 16-23); plain vLLM gets the same requests without the ``dynsteer``
+field, and so does the ``dynsteer-plain`` run (the plugin enabled, nothing steered);
+``dynsteer-static`` and ``dynsteer-gated`` get half plain requests and half of that kind.
+Reported per server: time to first token and inter-token latency (p50 / p99, ms), completed
+requests per second and, for the dynsteer servers, the workers' dynsteer host time per hook call
+(from ``/metrics``); and the CPU seconds each thread of the server's processes spent during the
+load (:mod:`proc_cpu`).
 Prints a table and writes ``serving.json``; with ``--py-spy`` also each server's stacks, which
 ``benchmarks/stacks.py`` compares.
 
+With ``--interleave SEGMENTS`` every server is up at once and serves each segment of the stream
+in turn: the way to compare servers on the lent machines, where a process's host speed differs
+by up to 2x from one start to the next (session 29), more than the plugin's cost.
+
 Usage: python benchmarks/serving.py --out DIR --tokenizer DIR [--rate 16] [--requests 400]
-       [--runs vllm,dynsteer[,dynsteer-plain]] [--repeat N] [--py-spy BIN]
+       [--runs vllm,dynsteer[,dynsteer-plain]] [--repeat N | --interleave SEGMENTS --mem 0.42]
+       [--py-spy BIN]
 """
 
 from __future__ import annotations
