@@ -1,0 +1,109 @@
+"""The benchmarks' interleaved modes (session 29): every side alive at once and measured in turn,
+the order reversed every other round, each engine drained between its turns, and the ratio to
+stock (or plain vLLM) taken round by round. The engines and servers are replaced by recorders
+(what is checked is the orchestration; the GPU runs are in benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import mixed_steps
+import serving
+
+
+class _Loop:
+    """A stand-in for ``mixed_steps.Loop``: records the calls; a step takes ``ms[name]``, an
+    admitting step (``every`` > 0) one more millisecond per admission."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]], ms: float) -> None:
+        self.name, self.log, self.ms = name, log, ms
+        self.fill()  # as the real one starts with its batch
+
+    def fill(self) -> None:
+        self.log.append((self.name, "fill"))
+
+    def drain(self) -> None:
+        self.log.append((self.name, "drain"))
+
+    def run(self, steps: int, every: int) -> list[float]:
+        self.log.append((self.name, f"run every={every}"))
+        return [(self.ms + (1.0 if every and i % every == 0 else 0.0)) / 1e3
+                for i in range(steps)]
+
+
+def test_mixed_steps_engines_take_turns_and_are_drained_between(tmp_path, monkeypatch):
+    log: list[tuple[str, str]] = []
+    ms = {"stock": 5.0, "idle": 5.0, "unfused": 6.0}
+    monkeypatch.setattr(mixed_steps, "start_engine", lambda name, mem: name)
+    monkeypatch.setattr(mixed_steps, "Loop", lambda llm, batch: _Loop(llm, log, ms[llm]))
+    args = argparse.Namespace(engines="stock,idle,unfused", batch=4, steps=8, every=4, reps=2,
+                              mem=0.3, out=tmp_path)
+    mixed_steps.interleaved(args)
+
+    turns = [name for name, what in log if what == "run every=0"]  # one decode run a turn
+    assert turns == ["stock", "idle", "unfused", "unfused", "idle", "stock"]
+    for name in ms:  # every turn: filled, decode, mixed, drained; nothing else in between
+        own = [what for n, what in log if n == name]
+        assert own[:3] == ["fill", "run every=4", "drain"]  # start and warm-up
+        assert own[3:] == ["fill", "run every=0", "run every=4", "drain"] * 2
+    result = json.loads((tmp_path / "mixed_steps_interleaved.json").read_text())
+    # 2 admissions in 8 steps, each 1 ms more than a decode step, whatever the step costs
+    for name in ms:
+        assert result["extra_per_admission_ms"][name] == pytest.approx([1.0, 1.0])
+        assert result["ratio_to_stock"][name] == pytest.approx([1.0, 1.0])
+    assert result["mean_step_ms"]["unfused"][0]["decode"] == pytest.approx(6.0)
+
+
+def _server(name: str, log: list[tuple[str, int]]) -> Any:
+    """A stand-in for ``serving.plain_server``/``dynsteer_server``: requests take a
+    server-specific time to the first token and between tokens."""
+    scale = {"vllm": 1.0, "dynsteer": 1.5}[name]
+
+    @contextlib.contextmanager
+    def server() -> Iterator[serving.Load]:
+        def load(bodies: list[dict[str, Any]], rate: float) -> dict[str, Any]:
+            log.append((name, len(bodies)))
+            done = [{"ttft": 0.02 * scale, "itl": [0.005 * scale] * 3, "sent": 0.0,
+                     "stamps": np.arange(4.0), "kind": serving.kind_of(b), "end": 1.0}
+                    for b in bodies]
+            return {"requests": len(bodies), "errors": 0, "first_errors": [],
+                    **serving.latencies(done), "requests_per_s": 10.0, "by_kind": {},
+                    "_done": done, "worker_host": {}}
+
+        log.append((name, -1))  # started
+        yield load
+
+    return server()
+
+
+def test_serving_servers_are_all_up_and_serve_each_segment_in_turn(tmp_path, monkeypatch,
+                                                                   capsys):
+    log: list[tuple[str, int]] = []
+    monkeypatch.setattr(serving, "plain_server", lambda *a: _server("vllm", log))
+    monkeypatch.setattr(serving, "dynsteer_server", lambda *a: _server("dynsteer", log))
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    monkeypatch.setattr(sys, "argv", ["serving.py", "--out", str(tmp_path), "--tokenizer",
+                                      str(tokenizer), "--runs", "vllm,dynsteer",
+                                      "--requests", "40", "--interleave", "4"])
+    serving.main()
+
+    assert log[:2] == [("vllm", -1), ("dynsteer", -1)]  # both up before the first segment
+    assert log[2:] == [("vllm", 10), ("dynsteer", 10), ("dynsteer", 10), ("vllm", 10),
+                       ("vllm", 10), ("dynsteer", 10), ("dynsteer", 10), ("vllm", 10)]
+    result = json.loads((tmp_path / "serving.json").read_text())
+    assert [r["segment"] for r in result["runs"] if r["name"] == "dynsteer"] == [0, 1, 2, 3]
+    assert result["ratios"]["dynsteer"]["itl_ms_p99"] == pytest.approx(1.5)
+    assert result["pair_ratios"]["dynsteer"]["ttft_ms_p50"] == pytest.approx([1.5] * 4)
+    assert "dynsteer / vllm, pooled" in capsys.readouterr().out
