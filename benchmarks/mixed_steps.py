@@ -56,8 +56,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import make_model, start
 from proc_cpu import Window, describe, process_facts
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 PROMPT = 128
 ENGINES: dict[str, dict[str, Any] | None] = {
     "stock": None,
@@ -304,10 +302,14 @@ def main() -> None:
     ap.add_argument("--interleave", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    # Set here, not at import (a test importing this module must not change how the rest of
+    # its session starts engines): several engines in one process need their own engine cores;
+    # one engine per process runs in it, so that the profiler sees the worker.
     if args.interleave:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # several engines in one process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         interleaved(args)
         return
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.engine:
         one_engine(args.engine, args)
         return

@@ -107,3 +107,21 @@ def test_serving_servers_are_all_up_and_serve_each_segment_in_turn(tmp_path, mon
     assert result["ratios"]["dynsteer"]["itl_ms_p99"] == pytest.approx(1.5)
     assert result["pair_ratios"]["dynsteer"]["ttft_ms_p50"] == pytest.approx([1.5] * 4)
     assert "dynsteer / vllm, pooled" in capsys.readouterr().out
+
+
+def test_importing_the_benchmarks_leaves_the_environment_alone():
+    """Tests import these modules; an environment variable set at import (mixed_steps once set
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` there) changes how every later test starts engines."""
+    import subprocess
+
+    code = ("import os, sys; before = dict(os.environ); sys.path.insert(0, 'benchmarks'); "
+            "import mixed_steps, serving, overhead, proc_cpu; "
+            "changed = sorted(set(before.items()) ^ set(os.environ.items())); "
+            "assert not changed, changed")
+    import os
+
+    # Without the VLLM_ variables: this module's own imports above would otherwise have set
+    # them already in this process, which the child inherits.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env,
+                   cwd=Path(__file__).resolve().parents[1])
