@@ -161,6 +161,11 @@ def host_probe() -> dict[str, float]:
             for key, (stmt, n) in cases.items()}
 
 
+def extra_per_admission(decode: list[float], mixed: list[float], args: argparse.Namespace) -> float:
+    """Seconds a mixed loop took over a decode loop of as many steps, per request it admitted."""
+    return (sum(mixed) - sum(decode)) / -(-args.steps // args.every)
+
+
 class GcTimer:
     """Collections and their seconds per generation while inside the ``with`` block: a pause
     lands in whichever op allocated, so a process with more (or longer) collections shows
@@ -218,8 +223,7 @@ def one_engine(name: str, args: argparse.Namespace) -> None:
         for _ in range(args.reps):  # alternate, so drift hits both
             decode.append(loop.run(args.steps, 0))
             mixed.append(loop.run(args.steps, args.every))
-    admissions = -(-args.steps // args.every)
-    extra = [(sum(m) - sum(d)) / admissions for d, m in zip(decode, mixed, strict=True)]
+    extra = [extra_per_admission(d, m, args) for d, m in zip(decode, mixed, strict=True)]
     result = {"engine": name, "options": ENGINES[name], "batch": args.batch,
               "steps": args.steps, "every": args.every,
               "decode_step_ms": float(np.median(np.concatenate(decode))) * 1e3,
@@ -263,7 +267,6 @@ def interleaved(args: argparse.Namespace) -> None:
         loops[name] = Loop(start_engine(name, args.mem), args.batch)
         loops[name].run(args.steps, args.every)  # warm: every admission path once
         loops[name].drain()
-    admissions = -(-args.steps // args.every)
     extra: dict[str, list[float]] = {name: [] for name in names}
     step_ms: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     with Window() as cpu:
@@ -274,7 +277,7 @@ def interleaved(args: argparse.Namespace) -> None:
                 decode = loop.run(args.steps, 0)
                 mixed = loop.run(args.steps, args.every)
                 loop.drain()
-                extra[name].append((sum(mixed) - sum(decode)) / admissions * 1e3)
+                extra[name].append(extra_per_admission(decode, mixed, args) * 1e3)
                 step_ms[name].append({"decode": sum(decode) / len(decode) * 1e3,
                                       "mixed": sum(mixed) / len(mixed) * 1e3})
             _write_interleaved(args, extra, step_ms, {})  # a call cut short keeps its reps
