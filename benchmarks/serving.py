@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,6 @@ def latencies(done: list[dict[str, Any]]) -> dict[str, float]:
 
 def wait_health(url: str, proc: subprocess.Popen, timeout: float = 480.0) -> None:
     """Until ``url`` answers 200 (raises when ``proc`` exits or ``timeout`` passes)."""
-    import urllib.request
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -168,11 +168,44 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float = 480.0) -> Non
     raise TimeoutError("server did not start")
 
 
-def serve_args(model: Path, mem: float) -> list[str]:
-    return [str(model), "--load-format", "dummy", "--dtype", "bfloat16",
+def serve_args(model: Path, mem: float, trace: Path | None = None,
+               trace_steps: int = 0) -> list[str]:
+    """The servers' common arguments; with ``trace``, vLLM's torch profiler on the worker,
+    ready to trace ``trace_steps`` engine steps into that folder from the 100th step after
+    ``/start_profile`` (:class:`Traced`)."""
+    args = [str(model), "--load-format", "dummy", "--dtype", "bfloat16",
             "--max-model-len", str(PROMPT_LEN + GEN_LEN + 16), "--max-num-seqs", "256",
             "--gpu-memory-utilization", str(mem), "--served-model-name", "bench",
             "--seed", "0"]
+    if trace is not None:
+        args += ["--profiler-config", json.dumps({
+            "profiler": "torch", "torch_profiler_dir": str(trace.resolve()),
+            "torch_profiler_with_stack": False, "ignore_frontend": True,
+            "delay_iterations": 100, "max_iterations": trace_steps})]
+    return args
+
+
+class Traced:
+    """A server's first load under vLLM's profiler (``serving.py --torch-profile``): the
+    profile starts before it (tracing from the 100th step) and stops after it; later loads
+    run untraced. The trace of each server is then compared with plain vLLM's
+    (:mod:`step_trace`)."""
+
+    def __init__(self, url: str | None) -> None:
+        self.url = url
+
+    def __enter__(self) -> None:
+        self._post("/start_profile")
+
+    def __exit__(self, *exc: object) -> None:
+        self._post("/stop_profile")  # the worker writes its trace here, or at its step limit
+        self.url = None
+
+    def _post(self, path: str) -> None:
+        if self.url is not None:
+            request = urllib.request.Request(self.url + path, method="POST")
+            with urllib.request.urlopen(request, timeout=600) as r:
+                r.read()
 
 
 @contextlib.contextmanager
@@ -229,12 +262,14 @@ Load = Callable[[list[dict[str, Any]], float], dict[str, Any]]
 
 @contextlib.contextmanager
 def plain_server(model: Path, out: Path, name: str, mem: float,
-                 py_spy: Path | None) -> Iterator[Load]:
-    with plain_vllm(serve_args(model, mem), out / f"serve_{name}.log", py_spy=py_spy,
-                    stacks=out / f"{name}.pyspy.txt") as (url, proc):
+                 py_spy: Path | None, trace_steps: int = 0) -> Iterator[Load]:
+    trace = out / f"trace_{name}" if trace_steps else None
+    with plain_vllm(serve_args(model, mem, trace, trace_steps), out / f"serve_{name}.log",
+                    py_spy=py_spy, stacks=out / f"{name}.pyspy.txt") as (url, proc):
+        traced = Traced(url if trace_steps else None)
 
         def load(bodies: list[dict[str, Any]], rate: float) -> dict[str, Any]:
-            with Window(proc.pid) as cpu:
+            with Window(proc.pid) as cpu, traced:
                 result = asyncio.run(drive(url, bodies, rate))
             return {**result, "cpu": cpu.result}
 
@@ -243,13 +278,15 @@ def plain_server(model: Path, out: Path, name: str, mem: float,
 
 @contextlib.contextmanager
 def dynsteer_server(model: Path, out: Path, name: str, mem: float, py_spy: Path | None,
-                    engine: dict[str, Any]) -> Iterator[Load]:
+                    engine: dict[str, Any], trace_steps: int = 0) -> Iterator[Load]:
     """``engine``: the server's dynsteer engine options; the stream's registered vector and
     probe are registered before the first load."""
     from dynsteer.controller.client import DynsteerClient
     from dynsteer.probes import Probe, ProbeSite
 
-    cmd = [sys.executable, "-m", "dynsteer.engine_ext.cli", "serve", *serve_args(model, mem),
+    trace = out / f"trace_{name}" if trace_steps else None
+    cmd = [sys.executable, "-m", "dynsteer.engine_ext.cli", "serve",
+           *serve_args(model, mem, trace, trace_steps),
            "--dynsteer-api-key", KEY,
            "--additional-config", json.dumps({"dynsteer": engine})]
     with server_process(cmd, "/v1/dynsteer/health", out / f"serve_{name}.log", py_spy=py_spy,
@@ -261,9 +298,11 @@ def dynsteer_server(model: Path, out: Path, name: str, mem: float, py_spy: Path 
                                   weights=rng.standard_normal(HIDDEN).astype(np.float32)
                                   / HIDDEN**0.5, site=ProbeSite(layer=MONITOR)))
 
+        traced = Traced(url if trace_steps else None)
+
         def load(bodies: list[dict[str, Any]], rate: float) -> dict[str, Any]:
             before = worker_host_time(url)
-            with Window(proc.pid) as cpu:
+            with Window(proc.pid) as cpu, traced:
                 result = asyncio.run(drive(url, bodies, rate))
             result["worker_host"] = host_time_delta(before, worker_host_time(url))
             result["cpu"] = cpu.result
@@ -359,6 +398,10 @@ def main() -> None:
     ap.add_argument("--py-spy", type=Path, default=None,
                     help="a py-spy binary: record each server's processes into "
                          "OUT/<run>.pyspy.txt.gz (raw stacks; see benchmarks/stacks.py)")
+    ap.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
+                    help="trace STEPS engine steps of each server's first load with vLLM's "
+                         "torch profiler (OUT/trace_<run>), and compare each server's steps "
+                         "with plain vLLM's: OUT/step_trace.json (benchmarks/step_trace.py)")
     args = ap.parse_args()
     order = args.runs.split(",")
     if "vllm" not in order or not {n.removesuffix(VARIANT) for n in order} <= set(RUNS):
@@ -370,10 +413,10 @@ def main() -> None:
         streams = {mix: requests(args.requests, mix) for mix in MIXES}
         servers = {
             "vllm": functools.partial(plain_server, model, args.out, "vllm", args.mem,
-                                      args.py_spy),
+                                      args.py_spy, args.torch_profile),
             **{name + suffix: functools.partial(
                 dynsteer_server, model, args.out, name + suffix, args.mem, args.py_spy,
-                args.variant if suffix else {})
+                args.variant if suffix else {}, args.torch_profile)
                for name in RUNS if name != "vllm" for suffix in ("", VARIANT)},
         }
         stream = {name: streams[name.removesuffix(VARIANT).partition("-")[2] or "mixed"]
@@ -416,6 +459,23 @@ def main() -> None:
     report(results, done)
     (args.out / "serving.json").write_text(json.dumps(results, indent=2))
     np.savez_compressed(args.out / "latencies.npz", **raw)  # to pool runs of several calls
+    if args.torch_profile:
+        compare_traces(args.out, [n for n in dict.fromkeys(order) if n != "vllm"])
+
+
+def compare_traces(out: Path, names: list[str]) -> None:
+    """``--torch-profile``: each server's traced steps against plain vLLM's, printed and
+    written to OUT/step_trace.json."""
+    import step_trace
+
+    base = step_trace.summary(step_trace.steps(step_trace.load_events(out / "trace_vllm")))
+    table = {"vllm": base}
+    for name in names:
+        mine = step_trace.summary(step_trace.steps(step_trace.load_events(out / f"trace_{name}")))
+        table[name] = mine
+        table[f"{name}_vs_vllm"] = step_trace.compare(base, mine)
+        step_trace.print_comparison(("vllm", name), table[f"{name}_vs_vllm"])
+    (out / "step_trace.json").write_text(json.dumps(table, indent=2))
 
 
 def report(results: dict[str, Any], done: dict[str, list[dict[str, Any]]]) -> None:

@@ -1,0 +1,163 @@
+"""Engine steps in a vLLM torch-profiler trace, host and GPU side by side (GPU traces).
+
+``serving.py --torch-profile STEPS`` has every server's worker trace STEPS engine steps of
+its first load (vLLM's ``--profiler-config``; the step annotations are vLLM's own,
+``execute_context_C(T)_generation_G(N)``). This reads such a trace (Kineto's Chrome JSON,
+gzipped or not) and gives, per step: its kind (``admit``: a request's prompt is in it;
+``decode``: generation only), the host time of ``execute_model`` (the annotation), and of the
+GPU work launched inside it (matched by the launches' correlation ids, graph replays
+included): kernels, busy time (sum of their durations), span (first start to last end) and
+the wait before the first kernel. Then per kind: medians, and the GPU time per step of each
+kernel (names with trailing digits folded, ``_0``/``_1`` of one Inductor source alike).
+
+``compare`` puts two traces side by side: for each kind, the medians of both and the kernels
+whose time per step grew most. Where a server's admitting steps are slower than another's,
+this says whether the GPU does more (busy time), waits (span above busy: launches late,
+host-bound) or the host does (execute_model's own time).
+
+Usage: python benchmarks/step_trace.py BASE_TRACE OTHER_TRACE [--top 25] [--out FILE]
+       (a trace is a ``*.pt.trace.json[.gz]`` file or a folder holding one)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+_STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$")
+_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def trace_file(path: Path) -> Path:
+    """``path`` itself, or the one trace in the folder ``path`` (the worker's; vLLM writes one
+    per rank, and with ``ignore_frontend`` none for the API server)."""
+    if path.is_file():
+        return path
+    found = sorted(path.rglob("*.pt.trace.json*"))
+    if len(found) != 1:
+        raise SystemExit(f"{path}: expected one *.pt.trace.json[.gz], found {len(found)}")
+    return found[0]
+
+
+def load_events(path: Path) -> list[dict[str, Any]]:
+    path = trace_file(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name without the trailing ``_<digits>`` Inductor numbers its kernels by,
+    and without template arguments: kernels of one source group together across compiles."""
+    return re.sub(r"(_\d+)+$", "", name.split("<", 1)[0])[:120]
+
+
+def steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per annotated step, in time order (see the module docstring)."""
+    launches: dict[int, list[tuple[float, float]]] = defaultdict(list)  # tid -> (ts, corr)
+    gpu: dict[int, list[dict[str, Any]]] = defaultdict(list)  # correlation -> GPU events
+    marks = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        if cat == "user_annotation" and _STEP.match(e.get("name", "")):
+            marks.append(e)
+        elif cat in _LAUNCH_CATS and "correlation" in e.get("args", {}):
+            launches[e["tid"]].append((e["ts"], e["args"]["correlation"]))
+        elif cat in _GPU_CATS and "correlation" in e.get("args", {}):
+            gpu[e["args"]["correlation"]].append(e)
+    for lst in launches.values():
+        lst.sort()
+    out = []
+    for m in sorted(marks, key=lambda e: e["ts"]):
+        ctx, ctx_tokens, gen, gen_tokens = map(int, _STEP.match(m["name"]).groups())
+        start, end = m["ts"], m["ts"] + m["dur"]
+        work = [g for ts, corr in launches.get(m["tid"], []) if start <= ts <= end
+                for g in gpu.get(corr, [])]
+        rec: dict[str, Any] = {
+            "kind": "admit" if ctx else "decode", "context": ctx, "context_tokens": ctx_tokens,
+            "generation": gen, "tokens": ctx_tokens + gen_tokens, "host_us": m["dur"],
+            "kernels": len(work), "gpu_busy_us": sum(g["dur"] for g in work),
+            "gpu_span_us": 0.0, "first_wait_us": 0.0, "by_kernel": defaultdict(float)}
+        if work:
+            first = min(g["ts"] for g in work)
+            rec["gpu_span_us"] = max(g["ts"] + g["dur"] for g in work) - first
+            rec["first_wait_us"] = first - start
+        for g in work:
+            rec["by_kernel"][kernel_family(g["name"])] += g["dur"]
+        out.append(rec)
+    return out
+
+
+MEASURES = ("host_us", "gpu_busy_us", "gpu_span_us", "first_wait_us", "kernels", "tokens")
+
+
+def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per kind: the number of steps, the median of each measure, and the mean GPU time per
+    step of each kernel family."""
+    kinds: dict[str, Any] = {}
+    for kind in ("admit", "decode"):
+        mine = [r for r in records if r["kind"] == kind]
+        if not mine:
+            continue
+        per_kernel: dict[str, float] = defaultdict(float)
+        for r in mine:
+            for name, us in r["by_kernel"].items():
+                per_kernel[name] += us / len(mine)
+        kinds[kind] = {"steps": len(mine),
+                       **{m: statistics.median(r[m] for r in mine) for m in MEASURES},
+                       "kernel_us_per_step": dict(per_kernel)}
+    return kinds
+
+
+def compare(base: dict[str, Any], other: dict[str, Any], top: int = 25) -> dict[str, Any]:
+    """For each kind in both: the medians side by side and the kernel families whose GPU time
+    per step grew most from ``base`` to ``other`` (and those only one of them ran)."""
+    out: dict[str, Any] = {}
+    for kind in base.keys() & other.keys():
+        a, b = base[kind], other[kind]
+        ka, kb = a["kernel_us_per_step"], b["kernel_us_per_step"]
+        grown = sorted(ka.keys() | kb.keys(), key=lambda n: ka.get(n, 0.0) - kb.get(n, 0.0))
+        out[kind] = {
+            "steps": [a["steps"], b["steps"]],
+            **{m: [a[m], b[m]] for m in MEASURES},
+            "kernels_grown_us": [[n, ka.get(n, 0.0), kb.get(n, 0.0)] for n in grown[:top]],
+        }
+    return out
+
+
+def print_comparison(names: tuple[str, str], table: dict[str, Any]) -> None:
+    for kind, row in sorted(table.items()):
+        print(f"\n{kind} steps ({row['steps'][0]} / {row['steps'][1]}), medians: "
+              f"{names[0]} -> {names[1]}")
+        for m in MEASURES:
+            print(f"  {m:<14} {row[m][0]:>10.1f} {row[m][1]:>10.1f}")
+        print("  kernels whose GPU time per step grew most (µs):")
+        for name, a, b in row["kernels_grown_us"]:
+            print(f"  {b - a:>+9.1f} {a:>9.1f} {b:>9.1f}  {name}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("base", type=Path)
+    ap.add_argument("other", type=Path)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", type=Path, default=None, help="write the comparison as JSON")
+    args = ap.parse_args()
+    table = compare(summary(steps(load_events(args.base))),
+                    summary(steps(load_events(args.other))), args.top)
+    print_comparison((args.base.name, args.other.name), table)
+    if args.out is not None:
+        args.out.write_text(json.dumps(table, indent=2))
+
+
+if __name__ == "__main__":
+    main()
