@@ -18,10 +18,13 @@ Prints a table and writes ``serving.json``; with ``--py-spy`` also each server's
 With ``--interleave SEGMENTS`` every server is up at once and serves each segment of the stream
 in turn: the way to compare servers on the lent machines, where a process's host speed differs
 by up to 2x from one start to the next (session 29), more than the plugin's cost.
+With it, ``--torch-profile STEPS`` traces each server's engine steps (vLLM's profiler) on an
+extra, unmeasured pass over the first segment and compares them with plain vLLM's
+(:mod:`step_trace`): host time and GPU time per admitting and per decode step, kernel by kernel.
 
 Usage: python benchmarks/serving.py --out DIR --tokenizer DIR [--rate 16] [--requests 400]
-       [--runs vllm,dynsteer[,dynsteer-plain]] [--repeat N | --interleave SEGMENTS --mem 0.42]
-       [--py-spy BIN]
+       [--runs vllm,dynsteer[,dynsteer-plain]] [--repeat N | --interleave SEGMENTS --mem 0.42
+       [--torch-profile STEPS]] [--py-spy BIN]
 """
 
 from __future__ import annotations
@@ -172,7 +175,7 @@ def serve_args(model: Path, mem: float, trace: Path | None = None,
                trace_steps: int = 0) -> list[str]:
     """The servers' common arguments; with ``trace``, vLLM's torch profiler on the worker,
     ready to trace ``trace_steps`` engine steps into that folder from the 100th step after
-    ``/start_profile`` (:class:`Traced`)."""
+    ``/start_profile`` (:func:`profiled`)."""
     args = [str(model), "--load-format", "dummy", "--dtype", "bfloat16",
             "--max-model-len", str(PROMPT_LEN + GEN_LEN + 16), "--max-num-seqs", "256",
             "--gpu-memory-utilization", str(mem), "--served-model-name", "bench",
@@ -185,27 +188,21 @@ def serve_args(model: Path, mem: float, trace: Path | None = None,
     return args
 
 
-class Traced:
-    """A server's first load under vLLM's profiler (``serving.py --torch-profile``): the
-    profile starts before it (tracing from the 100th step) and stops after it; later loads
-    run untraced. The trace of each server is then compared with plain vLLM's
-    (:mod:`step_trace`)."""
+def _post(url: str) -> None:
+    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=600) as r:
+        r.read()
 
-    def __init__(self, url: str | None) -> None:
-        self.url = url
 
-    def __enter__(self) -> None:
-        self._post("/start_profile")
-
-    def __exit__(self, *exc: object) -> None:
-        self._post("/stop_profile")  # the worker writes its trace here, or at its step limit
-        self.url = None
-
-    def _post(self, path: str) -> None:
-        if self.url is not None:
-            request = urllib.request.Request(self.url + path, method="POST")
-            with urllib.request.urlopen(request, timeout=600) as r:
-                r.read()
+@contextlib.contextmanager
+def profiled(url: str) -> Iterator[None]:
+    """The block under vLLM's profiler (``--torch-profile``): started before, stopped after
+    (the worker writes its trace then, or at its step limit, inside a step: the block's
+    latencies include that stall, so a traced load is never a measured one)."""
+    _post(url + "/start_profile")
+    try:
+        yield
+    finally:
+        _post(url + "/stop_profile")
 
 
 @contextlib.contextmanager
@@ -256,8 +253,9 @@ def plain_vllm(args: list[str], log: Path, env: dict[str, str] | None = None,
                            "--model", *args], "/health", log, env, timeout, py_spy, stacks)
 
 
-Load = Callable[[list[dict[str, Any]], float], dict[str, Any]]
-"""Drives a running server with a stream of request bodies at a rate; returns the run."""
+Load = Callable[..., dict[str, Any]]
+"""``load(bodies, rate, trace=False)`` drives a running server with a stream of request bodies
+at a rate and returns the run; with ``trace``, under vLLM's profiler (:func:`profiled`)."""
 
 
 @contextlib.contextmanager
@@ -266,10 +264,9 @@ def plain_server(model: Path, out: Path, name: str, mem: float,
     trace = out / f"trace_{name}" if trace_steps else None
     with plain_vllm(serve_args(model, mem, trace, trace_steps), out / f"serve_{name}.log",
                     py_spy=py_spy, stacks=out / f"{name}.pyspy.txt") as (url, proc):
-        traced = Traced(url if trace_steps else None)
-
-        def load(bodies: list[dict[str, Any]], rate: float) -> dict[str, Any]:
-            with Window(proc.pid) as cpu, traced:
+        def load(bodies: list[dict[str, Any]], rate: float, trace: bool = False
+                 ) -> dict[str, Any]:
+            with Window(proc.pid) as cpu, profiled(url) if trace else contextlib.nullcontext():
                 result = asyncio.run(drive(url, bodies, rate))
             return {**result, "cpu": cpu.result}
 
@@ -298,11 +295,10 @@ def dynsteer_server(model: Path, out: Path, name: str, mem: float, py_spy: Path 
                                   weights=rng.standard_normal(HIDDEN).astype(np.float32)
                                   / HIDDEN**0.5, site=ProbeSite(layer=MONITOR)))
 
-        traced = Traced(url if trace_steps else None)
-
-        def load(bodies: list[dict[str, Any]], rate: float) -> dict[str, Any]:
+        def load(bodies: list[dict[str, Any]], rate: float, trace: bool = False
+                 ) -> dict[str, Any]:
             before = worker_host_time(url)
-            with Window(proc.pid) as cpu, traced:
+            with Window(proc.pid) as cpu, profiled(url) if trace else contextlib.nullcontext():
                 result = asyncio.run(drive(url, bodies, rate))
             result["worker_host"] = host_time_delta(before, worker_host_time(url))
             result["cpu"] = cpu.result
@@ -399,14 +395,18 @@ def main() -> None:
                     help="a py-spy binary: record each server's processes into "
                          "OUT/<run>.pyspy.txt.gz (raw stacks; see benchmarks/stacks.py)")
     ap.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
-                    help="trace STEPS engine steps of each server's first load with vLLM's "
-                         "torch profiler (OUT/trace_<run>), and compare each server's steps "
-                         "with plain vLLM's: OUT/step_trace.json (benchmarks/step_trace.py)")
+                    help="with --interleave: before the measured segments, each server serves "
+                         "the first segment once more with STEPS engine steps traced by vLLM's "
+                         "torch profiler (OUT/trace_<run>; not measured: the trace is written "
+                         "inside a step); each server's steps are then compared with plain "
+                         "vLLM's: OUT/step_trace.json (benchmarks/step_trace.py)")
     args = ap.parse_args()
     order = args.runs.split(",")
     if "vllm" not in order or not {n.removesuffix(VARIANT) for n in order} <= set(RUNS):
         ap.error(f"--runs: a comma list from {', '.join(RUNS)} (dynsteer ones optionally "
                  f"with {VARIANT}) with vllm in it")
+    if args.torch_profile and not args.interleave:
+        ap.error("--torch-profile needs --interleave (one trace per server)")
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "llama8b", args.tokenizer)
@@ -446,6 +446,9 @@ def main() -> None:
             with contextlib.ExitStack() as stack:
                 loads = {name: stack.enter_context(servers[name]()) for name in order}
                 size = -(-args.requests // args.interleave)
+                if args.torch_profile:  # traced first, on the first segment, and not kept
+                    for name in order:
+                        loads[name](stream[name][:size], args.rate, trace=True)
                 for seg in range(args.interleave):
                     for name in order if seg % 2 == 0 else order[::-1]:
                         part = stream[name][seg * size:(seg + 1) * size]

@@ -65,15 +65,17 @@ def test_mixed_steps_engines_take_turns_and_are_drained_between(tmp_path, monkey
     assert result["mean_step_ms"]["unfused"][0]["decode"] == pytest.approx(6.0)
 
 
-def _server(name: str, log: list[tuple[str, int]]) -> Any:
+def _server(name: str, log: list[tuple[Any, ...]]) -> Any:
     """A stand-in for ``serving.plain_server``/``dynsteer_server``: requests take a
-    server-specific time to the first token and between tokens."""
+    server-specific time to the first token and between tokens; a traced load is logged
+    with ``"traced"``."""
     scale = {"vllm": 1.0, "dynsteer": 1.5}[name]
 
     @contextlib.contextmanager
     def server() -> Iterator[serving.Load]:
-        def load(bodies: list[dict[str, Any]], rate: float) -> dict[str, Any]:
-            log.append((name, len(bodies)))
+        def load(bodies: list[dict[str, Any]], rate: float, trace: bool = False
+                 ) -> dict[str, Any]:
+            log.append((name, len(bodies), "traced") if trace else (name, len(bodies)))
             done = [{"ttft": 0.02 * scale, "itl": [0.005 * scale] * 3, "sent": 0.0,
                      "stamps": np.arange(4.0), "kind": serving.kind_of(b), "end": 1.0}
                     for b in bodies]
@@ -109,13 +111,37 @@ def test_serving_servers_are_all_up_and_serve_each_segment_in_turn(tmp_path, mon
     assert "dynsteer / vllm, pooled" in capsys.readouterr().out
 
 
+def test_serving_traces_each_server_once_before_the_measured_segments(tmp_path, monkeypatch):
+    log: list[tuple[Any, ...]] = []
+    compared: list[list[str]] = []
+    monkeypatch.setattr(serving, "plain_server", lambda *a: _server("vllm", log))
+    monkeypatch.setattr(serving, "dynsteer_server", lambda *a: _server("dynsteer", log))
+    monkeypatch.setattr(serving, "compare_traces", lambda out, names: compared.append(names))
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    argv = ["serving.py", "--out", str(tmp_path), "--tokenizer", str(tokenizer), "--runs",
+            "vllm,dynsteer", "--requests", "20", "--torch-profile", "300"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--interleave", "2"])
+    serving.main()
+
+    assert log == [("vllm", -1), ("dynsteer", -1), ("vllm", 10, "traced"),
+                   ("dynsteer", 10, "traced"), ("vllm", 10), ("dynsteer", 10),
+                   ("dynsteer", 10), ("vllm", 10)]
+    result = json.loads((tmp_path / "serving.json").read_text())
+    assert [r["segment"] for r in result["runs"]] == [0, 0, 1, 1]  # the traced loads not kept
+    assert compared == [["dynsteer"]]
+    monkeypatch.setattr(sys, "argv", argv)  # one server at a time: refused
+    with pytest.raises(SystemExit):
+        serving.main()
+
+
 def test_importing_the_benchmarks_leaves_the_environment_alone():
     """Tests import these modules; an environment variable set at import (mixed_steps once set
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` there) changes how every later test starts engines."""
     import subprocess
 
     code = ("import os, sys; before = dict(os.environ); sys.path.insert(0, 'benchmarks'); "
-            "import mixed_steps, serving, overhead, proc_cpu; "
+            "import mixed_steps, serving, overhead, proc_cpu, step_trace; "
             "changed = sorted(set(before.items()) ^ set(os.environ.items())); "
             "assert not changed, changed")
     import os
