@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from proc_cpu import Window, describe, tree
+from proc_cpu import Window, cpu_list, describe, tree
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
 
@@ -92,3 +92,27 @@ def test_process_facts_name_the_bounds():
     facts = process_facts()
     assert facts["affinity"] >= 1 and facts["torch_threads"] >= 1
     assert sum(facts["threads_by_name"].values()) >= 1
+
+
+def test_placement_names_the_core_a_pinned_thread_ran_on():
+    stop = threading.Event()
+    cpu = max(os.sched_getaffinity(0))
+    worker = threading.Thread(target=_spin, args=(stop,), daemon=True)
+    worker.start()
+    os.sched_setaffinity(worker.native_id, {cpu})
+    with Window() as window:
+        time.sleep(1.5)
+    stop.set()
+    worker.join()
+    placed = {name: p for name, p in window.result["placement"].items()
+              if name.endswith(f"/{worker.native_id}")}
+    assert len(placed) == 1, window.result["placement"]
+    (found,) = placed.values()
+    assert found["cpus"] == {cpu: found["samples"]} and found["samples"] >= 5
+    assert 0.0 <= found["sibling_busy"] <= 1.0
+    assert "placement:" in describe(window.result)
+
+
+def test_cpu_lists_parse_as_the_kernel_writes_them():
+    assert cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert cpu_list("5") == [5] and cpu_list("") == []
