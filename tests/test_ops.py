@@ -173,6 +173,56 @@ def test_steer_matches_float64(tokens, hidden, dtype, device):
     assert torch.equal(gate_score[:, tokens:], stale)
 
 
+INTERPRETED_CASES = [(7, 576, "float32", True), (5, 64, "bfloat16", False),
+                     (3, 1100, "float32", True)]
+"""(tokens, hidden, dtype, with h): two projection slots each (:func:`make_inputs`), which cap
+the kernel's block at 1024, so hidden 1100 takes two turns of its row loops."""
+
+INTERPRETED = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import torch
+from test_ops import INTERPRETED_CASES, SITE, make_inputs
+from dynsteer.engine_ext.worker import ops, triton_kernels as tk
+out = []
+for tokens, hidden, dtype, with_h in INTERPRETED_CASES:
+    x, h, b = make_inputs(tokens, hidden, getattr(torch, dtype), seed=tokens * hidden)
+    if not with_h:
+        b.index[ops.INDEX_PROBE] = 0
+    b.index[ops.INDEX_ROW] |= ops.site_bit(tokens % 8, 8)
+    steered = tk.steer_triton(x, h if with_h else None, b, SITE, ops.stream_limit(x.dtype))
+    out.append([steered.float().tolist(), b.gate_score.tolist(), b.capture.tolist()])
+print(json.dumps(out))
+"""
+
+
+def test_steer_kernel_matches_float64_in_the_interpreter():
+    """The CUDA kernel (``_steer_kernel``), run by Triton's CPU interpreter, against float64:
+    monitor, gate, both tiers, two projection slots and capture, with and without ``h``."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():  # the GPU image's Triton 3.6 interpreter cannot run it
+        pytest.skip("on a GPU, test_steer_matches_float64 runs the kernel compiled")
+    from triton_interpreter import run_interpreted
+
+    got = run_interpreted(INTERPRETED)
+    for (tokens, hidden, dtype, with_h), (out, gate_score, capture) in zip(
+            INTERPRETED_CASES, got, strict=True):
+        x, h, b = make_inputs(tokens, hidden, getattr(torch, dtype), seed=tokens * hidden)
+        h = h if with_h else None
+        if h is None:  # as the script: no monitor without h (the reference's probe reads x + h)
+            b.index[ops.INDEX_PROBE] = 0
+        want, gates, scores = reference(x, h, b)
+        tol = 1e-4 if x.dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(torch.tensor(out).double(), want.to(x.dtype).double(),
+                                   rtol=tol, atol=tol * 10)
+        monitored = ~torch.isnan(scores[:tokens])
+        assert bool(monitored.any()) is with_h
+        torch.testing.assert_close(torch.tensor(gate_score)[ops.GATE, :tokens][monitored]
+                                   .double(), gates[:tokens][monitored], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(capture).double(), capture_reference(x, h, b),
+                                   rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("with_h", [True, False])
 @pytest.mark.parametrize("device", DEVICES)
 def test_capture_stores_the_pre_steering_stream(with_h, device):

@@ -79,6 +79,16 @@ SLOT_PROMPT_LEN = tl.constexpr(token_rows.SLOT_PROMPT_LEN)
 
 
 @triton.jit
+def _stream_block(x_ptr, h_ptr, t, x_stride, h_stride, offs, mask, HAS_H: tl.constexpr):
+    """The site's stream at ``offs`` of token ``t`` in float32: ``x``, plus ``h`` where the
+    site reads the residual stream as two halves (``HAS_H``)."""
+    s = tl.load(x_ptr + t * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_H:
+        s += tl.load(h_ptr + t * h_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    return s
+
+
+@triton.jit
 def _probe_gate(score, param_ptr, control_ptr, index_ptr, index_stride, t):
     """The gate of token ``t`` whose probe (parameters at ``param_ptr``) scored ``score``,
     through the token's controller row if it has one (see ops.py)."""
@@ -126,9 +136,7 @@ def _steer_kernel(
         for start in range(0, hidden, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < hidden
-            s = tl.load(x_ptr + t * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_H:
-                s += tl.load(h_ptr + t * h_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            s = _stream_block(x_ptr, h_ptr, t, x_stride, h_stride, offs, mask, HAS_H)
             w = tl.load(probes_ptr + p * hidden + offs, mask=mask, other=0.0)
             acc += s * w
         score = tl.sum(acc, axis=0)
@@ -150,10 +158,7 @@ def _steer_kernel(
             for start in range(0, hidden, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < hidden
-                z = tl.load(x_ptr + t * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
-                if HAS_H:
-                    z += tl.load(h_ptr + t * h_stride + offs, mask=mask,
-                                 other=0.0).to(tl.float32)
+                z = _stream_block(x_ptr, h_ptr, t, x_stride, h_stride, offs, mask, HAS_H)
                 w = tl.load(dir_base + offs[None, :],
                             mask=(slot[:, None] < SLOTS) & mask[None, :], other=0.0)
                 dots += w * z[None, :]
@@ -175,12 +180,17 @@ def _steer_kernel(
         x = tl.load(x_ptr + t * x_stride + offs, mask=mask & (start > 0),
                     other=0.0).to(tl.float32)
         x = tl.where(start > 0, x, x_first)
-        d = tl.load(table_ptr + row * hidden + offs, mask=mask & use_static, other=0.0)
-        dd = tl.load(dyn_ptr + row * hidden + offs, mask=mask & use_dynamic, other=0.0)
+        # A scalar flag selects the block mask (``tl.where``, not ``&``: the same predicate
+        # compiled, and the form Triton's CPU interpreter runs, for tests/test_ops.py).
+        d = tl.load(table_ptr + row * hidden + offs, mask=tl.where(use_static, mask, False),
+                    other=0.0)
+        dd = tl.load(dyn_ptr + row * hidden + offs, mask=tl.where(use_dynamic, mask, False),
+                     other=0.0)
         out = x + d + g * dd
         if SLOTS > 0:
             w = tl.load(dir_base + offs[None, :],
-                        mask=(slot[:, None] < SLOTS) & mask[None, :] & use_proj, other=0.0)
+                        mask=tl.where(use_proj, (slot[:, None] < SLOTS) & mask[None, :], False),
+                        other=0.0)
             out += tl.sum(deltas[:, None] * w, axis=0)
         # Never write NaN, inf or an overflowing steered value (see ops.py); NaN fails <=.
         out = tl.where(tl.abs(out) <= limit, out, x)
@@ -194,9 +204,7 @@ def _steer_kernel(
             for start in range(0, hidden, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < hidden
-                v = tl.load(x_ptr + t * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
-                if HAS_H:
-                    v += tl.load(h_ptr + t * h_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                v = _stream_block(x_ptr, h_ptr, t, x_stride, h_stride, offs, mask, HAS_H)
                 tl.store(capture_ptr + base + offs, v, mask=mask)
 
 
