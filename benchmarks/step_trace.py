@@ -101,8 +101,10 @@ MEASURES = ("host_us", "gpu_busy_us", "gpu_span_us", "first_wait_us", "kernels",
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per kind: the number of steps, the median of each measure, and the mean GPU time per
-    step of each kernel family."""
+    """Per kind: the number of steps, the median of each measure, the deciles of the host time
+    and the host times in step order (a process's host speed can change mid-trace: session
+    30's plain vLLM went from 12.5 to 17 ms per admitting step and from 2.2 to 2.9 ms per
+    decode step), and the mean GPU time per step of each kernel family."""
     kinds: dict[str, Any] = {}
     for kind in ("admit", "decode"):
         mine = [r for r in records if r["kind"] == kind]
@@ -112,8 +114,12 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         for r in mine:
             for name, us in r["by_kernel"].items():
                 per_kernel[name] += us / len(mine)
+        hosts = [r["host_us"] for r in mine]
         kinds[kind] = {"steps": len(mine),
                        **{m: statistics.median(r[m] for r in mine) for m in MEASURES},
+                       "host_us_deciles": (statistics.quantiles(hosts, n=10)
+                                           if len(hosts) > 1 else hosts * 9),
+                       "host_us_in_order": hosts,
                        "kernel_us_per_step": dict(per_kernel)}
     return kinds
 
@@ -129,6 +135,8 @@ def compare(base: dict[str, Any], other: dict[str, Any], top: int = 25) -> dict[
         out[kind] = {
             "steps": [a["steps"], b["steps"]],
             **{m: [a[m], b[m]] for m in MEASURES},
+            "host_us_deciles": [a["host_us_deciles"], b["host_us_deciles"]],
+            "host_us_in_order": [a["host_us_in_order"], b["host_us_in_order"]],
             "kernels_grown_us": [[n, ka.get(n, 0.0), kb.get(n, 0.0)] for n in grown[:top]],
         }
     return out
@@ -140,6 +148,8 @@ def print_comparison(names: tuple[str, str], table: dict[str, Any]) -> None:
               f"{names[0]} -> {names[1]}")
         for m in MEASURES:
             print(f"  {m:<14} {row[m][0]:>10.1f} {row[m][1]:>10.1f}")
+        for name, deciles in zip(names, row["host_us_deciles"], strict=True):
+            print(f"  host deciles, {name}: {' '.join(f'{d:.0f}' for d in deciles)}")
         print("  kernels whose GPU time per step grew most (µs):")
         for name, a, b in row["kernels_grown_us"]:
             print(f"  {b - a:>+9.1f} {a:>9.1f} {b:>9.1f}  {name}")

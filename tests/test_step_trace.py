@@ -69,6 +69,8 @@ def test_compare_ranks_the_kernel_that_grew() -> None:
     assert table["admit"]["gpu_busy_us"] == [34.0, 134.0]
     assert table["admit"]["kernels_grown_us"][0] == ["triton_red_fused_add_rms_norm", 14.0, 114.0]
     assert table["decode"]["kernels_grown_us"][0][1:] == [6.0, 6.0]
+    assert table["admit"]["host_us_deciles"] == [[50.0] * 9, [50.0] * 9]
+    assert base["decode"]["host_us_in_order"] == [20.0]
 
 
 def test_reads_a_gzipped_trace_in_a_folder(tmp_path: Path) -> None:
