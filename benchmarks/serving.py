@@ -156,7 +156,6 @@ def latencies(done: list[dict[str, Any]]) -> dict[str, float]:
 
 def wait_health(url: str, proc: subprocess.Popen, timeout: float = 480.0) -> None:
     """Until ``url`` answers 200 (raises when ``proc`` exits or ``timeout`` passes)."""
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -171,18 +170,18 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float = 480.0) -> Non
     raise TimeoutError("server did not start")
 
 
-def serve_args(model: Path, mem: float, trace: Path | None = None,
+def serve_args(model: Path, mem: float, trace_dir: Path | None = None,
                trace_steps: int = 0) -> list[str]:
-    """The servers' common arguments; with ``trace``, vLLM's torch profiler on the worker,
+    """The servers' common arguments; with ``trace_dir``, vLLM's torch profiler on the worker,
     ready to trace ``trace_steps`` engine steps into that folder from the 100th step after
     ``/start_profile`` (:func:`profiled`)."""
     args = [str(model), "--load-format", "dummy", "--dtype", "bfloat16",
             "--max-model-len", str(PROMPT_LEN + GEN_LEN + 16), "--max-num-seqs", "256",
             "--gpu-memory-utilization", str(mem), "--served-model-name", "bench",
             "--seed", "0"]
-    if trace is not None:
+    if trace_dir is not None:
         args += ["--profiler-config", json.dumps({
-            "profiler": "torch", "torch_profiler_dir": str(trace.resolve()),
+            "profiler": "torch", "torch_profiler_dir": str(trace_dir.resolve()),
             "torch_profiler_with_stack": False, "ignore_frontend": True,
             "delay_iterations": 100, "max_iterations": trace_steps})]
     return args
@@ -261,8 +260,8 @@ at a rate and returns the run; with ``trace``, under vLLM's profiler (:func:`pro
 @contextlib.contextmanager
 def plain_server(model: Path, out: Path, name: str, mem: float,
                  py_spy: Path | None, trace_steps: int = 0) -> Iterator[Load]:
-    trace = out / f"trace_{name}" if trace_steps else None
-    with plain_vllm(serve_args(model, mem, trace, trace_steps), out / f"serve_{name}.log",
+    trace_dir = out / f"trace_{name}" if trace_steps else None
+    with plain_vllm(serve_args(model, mem, trace_dir, trace_steps), out / f"serve_{name}.log",
                     py_spy=py_spy, stacks=out / f"{name}.pyspy.txt") as (url, proc):
         def load(bodies: list[dict[str, Any]], rate: float, trace: bool = False
                  ) -> dict[str, Any]:
@@ -281,9 +280,9 @@ def dynsteer_server(model: Path, out: Path, name: str, mem: float, py_spy: Path 
     from dynsteer.controller.client import DynsteerClient
     from dynsteer.probes import Probe, ProbeSite
 
-    trace = out / f"trace_{name}" if trace_steps else None
+    trace_dir = out / f"trace_{name}" if trace_steps else None
     cmd = [sys.executable, "-m", "dynsteer.engine_ext.cli", "serve",
-           *serve_args(model, mem, trace, trace_steps),
+           *serve_args(model, mem, trace_dir, trace_steps),
            "--dynsteer-api-key", KEY,
            "--additional-config", json.dumps({"dynsteer": engine})]
     with server_process(cmd, "/v1/dynsteer/health", out / f"serve_{name}.log", py_spy=py_spy,
