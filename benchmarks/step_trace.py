@@ -22,6 +22,7 @@ Usage: python benchmarks/step_trace.py BASE_TRACE OTHER_TRACE [--top 25] [--out 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import re
@@ -61,7 +62,7 @@ def kernel_family(name: str) -> str:
 
 def steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per annotated step, in time order (see the module docstring)."""
-    launches: dict[int, list[tuple[float, float]]] = defaultdict(list)  # tid -> (ts, corr)
+    launches: dict[int, list[tuple[float, int]]] = defaultdict(list)  # tid -> (ts, corr)
     gpu: dict[int, list[dict[str, Any]]] = defaultdict(list)  # correlation -> GPU events
     marks = []
     for e in events:
@@ -80,8 +81,10 @@ def steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for m in sorted(marks, key=lambda e: e["ts"]):
         ctx, ctx_tokens, gen, gen_tokens = map(int, _STEP.match(m["name"]).groups())
         start, end = m["ts"], m["ts"] + m["dur"]
-        work = [g for ts, corr in launches.get(m["tid"], []) if start <= ts <= end
-                for g in gpu.get(corr, [])]
+        mine = launches.get(m["tid"], [])
+        first_launch = bisect.bisect_left(mine, (start, -1))
+        last_launch = bisect.bisect_right(mine, (end, float("inf")))
+        work = [g for _, corr in mine[first_launch:last_launch] for g in gpu.get(corr, [])]
         rec: dict[str, Any] = {
             "kind": "admit" if ctx else "decode", "context": ctx, "context_tokens": ctx_tokens,
             "generation": gen, "tokens": ctx_tokens + gen_tokens, "host_us": m["dur"],
