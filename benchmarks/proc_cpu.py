@@ -61,6 +61,12 @@ def _label(pid: int) -> str:
     return process_label(" ".join(a.decode(errors="replace") for a in argv if a))
 
 
+def _thread_name(label: str, pid: int, tid: int, comm: str) -> str:
+    """``label/name/tid``: Python threads carry the process's kernel name, so the main thread
+    is told apart as ``main``."""
+    return f"{label}/{'main' if tid == pid else comm}/{tid}"
+
+
 def _wait_s(task: Path) -> float:
     """Seconds ``task`` has been runnable without a core (second field of ``schedstat``; 0
     where the kernel keeps no schedstats)."""
@@ -105,19 +111,20 @@ def process_facts() -> dict[str, Any]:
             "threads_by_name": dict(names.most_common())}
 
 
-def _cpu_busy() -> dict[int, tuple[int, int]]:
-    """Per CPU: (non-idle, all) ticks so far (the ``cpuN`` lines of ``/proc/stat``)."""
+def _stat_ticks() -> dict[int, tuple[int, int]]:
+    """(non-idle, all) ticks so far from ``/proc/stat``: per CPU, and the machine's total
+    under -1 (its ``cpu`` line)."""
     out = {}
     try:
         lines = (_PROC / "stat").read_text().splitlines()
     except OSError:
         return out
     for line in lines:
-        if line.startswith("cpu") and line[3:4].isdigit():
+        if line.startswith("cpu"):
             name, *rest = line.split()
             values = [int(v) for v in rest]
-            idle = values[3] + (values[4] if len(values) > 4 else 0)
-            out[int(name[3:])] = (sum(values) - idle, sum(values))
+            idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+            out[int(name[3:]) if name[3:] else -1] = (sum(values) - idle, sum(values))
     return out
 
 
@@ -178,9 +185,9 @@ class Placement:
         self._thread.start()
 
     def _run(self) -> None:
-        last = _cpu_busy()
+        last = _stat_ticks()
         while not self._stop.wait(self.period):
-            now, clocks = _cpu_busy(), _clocks_mhz()
+            now, clocks = _stat_ticks(), _clocks_mhz()
             share = {c: (b - last[c][0]) / max(1, t - last[c][1])
                      for c, (b, t) in now.items() if c in last}
             last = now
@@ -194,7 +201,7 @@ class Placement:
                     siblings = self._sibling_cache.setdefault(cpu, _siblings(cpu))
                     busy = (sum(share.get(c, 0.0) for c in siblings) / len(siblings)
                             if siblings else 0.0)
-                    name = f"{label}/{'main' if int(task.name) == pid else comm}/{task.name}"
+                    name = _thread_name(label, pid, int(task.name), comm)
                     self._samples.setdefault(name, []).append(
                         (cpu, busy, clocks.get(cpu, 0.0)))
 
@@ -215,13 +222,8 @@ class Placement:
 
 def busy_ticks() -> tuple[float, float]:
     """(non-idle, all) CPU seconds of the machine so far, over every core (``/proc/stat``)."""
-    try:
-        first = (_PROC / "stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return 0.0, 0.0
-    values = [int(v) for v in first]
-    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-    return (sum(values) - idle) / _TICK, sum(values) / _TICK
+    busy, total = _stat_ticks().get(-1, (0, 0))
+    return busy / _TICK, total / _TICK
 
 
 class Window:
@@ -256,8 +258,7 @@ class Window:
         waits: dict[str, float] = {}
         for (pid, tid), (label, comm, cpu, wait) in after.items():
             _, _, cpu0, wait0 = self._before.get((pid, tid), (label, comm, 0.0, 0.0))
-            # Python threads carry the process's kernel name; the main thread is told apart.
-            name = f"{label}/{'main' if tid == pid else comm}/{tid}"
+            name = _thread_name(label, pid, tid, comm)
             threads[name], waits[name] = cpu - cpu0, wait - wait0
         top = sorted(threads.items(), key=lambda kv: -kv[1])
         self.result = {

@@ -470,10 +470,10 @@ def compare_traces(out: Path, names: list[str]) -> None:
     written to OUT/step_trace.json."""
     import step_trace
 
-    base = step_trace.summary(step_trace.steps(step_trace.load_events(out / "trace_vllm")))
+    base = step_trace.summarize(out / "trace_vllm")
     table = {"vllm": base}
     for name in names:
-        mine = step_trace.summary(step_trace.steps(step_trace.load_events(out / f"trace_{name}")))
+        mine = step_trace.summarize(out / f"trace_{name}")
         table[name] = mine
         table[f"{name}_vs_vllm"] = step_trace.compare(base, mine)
         step_trace.print_comparison(("vllm", name), table[f"{name}_vs_vllm"])

@@ -127,6 +127,11 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     return kinds
 
 
+def summarize(path: Path) -> dict[str, Any]:
+    """:func:`summary` of the steps of the trace at ``path`` (a file or its folder)."""
+    return summary(steps(load_events(path)))
+
+
 def compare(base: dict[str, Any], other: dict[str, Any], top: int = 25) -> dict[str, Any]:
     """For each kind in both: the medians side by side and the kernel families whose GPU time
     per step grew most from ``base`` to ``other`` (and those only one of them ran)."""
@@ -165,8 +170,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, default=None, help="write the comparison as JSON")
     args = ap.parse_args()
-    table = compare(summary(steps(load_events(args.base))),
-                    summary(steps(load_events(args.other))), args.top)
+    table = compare(summarize(args.base), summarize(args.other), args.top)
     print_comparison((args.base.name, args.other.name), table)
     if args.out is not None:
         args.out.write_text(json.dumps(table, indent=2))
