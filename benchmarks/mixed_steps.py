@@ -45,7 +45,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -66,7 +65,7 @@ ENGINES: dict[str, dict[str, Any] | None] = {
 
 def start_engine(name: str, mem: float) -> Any:
     """Engine ``name`` of :data:`ENGINES` on ``overhead.py``'s model and settings."""
-    return start(make_model(Path(tempfile.mkdtemp()) / "llama8b"), ENGINES[name], mem)
+    return start(make_model(), ENGINES[name], mem)
 
 
 class Loop:

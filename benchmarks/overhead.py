@@ -95,6 +95,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune_choices import EngineChoices, flip_rblock
+from bench_model import dummy_model
 from tp_settings import GPU_TP_ENV, GPU_TP_KWARGS
 
 LLAMA_8B = {
@@ -130,10 +131,10 @@ model makes, far above float32's smallest normal number."""
 
 
 
-def make_model(folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
-    return folder
+def make_model(root: Path | None = None) -> Path:
+    """The Llama-8B-shaped dummy model (:mod:`bench_model`: a path that keeps vLLM's compile
+    cache from call to call; ``root``, a temporary folder, for a run that compiles afresh)."""
+    return dummy_model("llama8b", LLAMA_8B, root=root)
 
 
 def start(path: Path, dynsteer: dict[str, Any] | None, mem: float,
@@ -557,7 +558,8 @@ def main() -> None:
 
         bench_controllers.install()
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_model(Path(tmp) / "llama8b")
+        # --autotune own / shared control where compiled kernels come from: no earlier call's
+        path = make_model(None if args.autotune == "vllm" else Path(tmp))
         plan: list[tuple[str, dict[str, Any] | None]] = [("stock", None)]
         if set(args.scenarios) - set(OWN_ENGINE):
             plan.append(("plugin", {}))

@@ -40,7 +40,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -50,6 +49,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model import dummy_model
 from overhead import GATED_LAYERS, HIDDEN, LLAMA_8B, MONITOR
 from proc_cpu import Window, describe
 
@@ -61,13 +61,12 @@ VOCAB = 49152
 KEY = "bench-key"
 
 
-def make_model(folder: Path, tokenizer: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({**LLAMA_8B, "vocab_size": VOCAB}))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (tokenizer / name).exists():
-            shutil.copy(tokenizer / name, folder / name)
-    return folder
+def make_model(tokenizer: Path) -> Path:
+    """The Llama-8B-shaped dummy model with the tokenizer's files (:mod:`bench_model`: a path
+    that keeps vLLM's compile cache from one call to the next on a warm machine)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    return dummy_model("llama8b-served", {**LLAMA_8B, "vocab_size": VOCAB},
+                       [tokenizer / n for n in names if (tokenizer / n).exists()])
 
 
 MIXES = {"mixed": ("plain", "plain", "static", "gated"), "plain": ("plain",),
@@ -224,7 +223,9 @@ def server_process(cmd: list[str], health: str, log: Path, env: dict[str, str] |
                                 env=None if env is None else {**os.environ, **env})
         try:
             url = f"http://127.0.0.1:{port}"
+            t0 = time.monotonic()
             wait_health(url + health, proc, timeout)
+            print(f"{log.stem}: up in {time.monotonic() - t0:.0f} s", flush=True)
             yield url, proc
         finally:
             if py_spy is not None:  # py-spy writes its stacks on SIGINT, then the server goes
@@ -235,7 +236,11 @@ def server_process(cmd: list[str], health: str, log: Path, env: dict[str, str] |
                     os.killpg(proc.pid, signal.SIGTERM)
             else:
                 proc.terminate()
-            proc.wait(timeout=120)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=120)
+            with contextlib.suppress(ProcessLookupError):  # whatever of its group is left
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             if stacks is not None and stacks.exists():  # a few MiB of text, a tenth gzipped
                 with open(stacks, "rb") as raw, gzip.open(f"{stacks}.gz", "wb") as packed:
                     shutil.copyfileobj(raw, packed)
@@ -367,6 +372,22 @@ options of ``--variant``."""
 VARIANT = "-variant"
 
 
+@contextlib.contextmanager
+def stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM (e.g. ``timeout`` ending a device call) raises SystemExit inside the block, so
+    the servers' context managers stop them on the way out. Without it the interpreter dies
+    at once and the servers live on, holding their GPU memory: the next call's servers then
+    fail to start (session 31)."""
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -407,57 +428,61 @@ def main() -> None:
     if args.torch_profile and not args.interleave:
         ap.error("--torch-profile needs --interleave (one trace per server)")
     args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        model = make_model(Path(tmp) / "llama8b", args.tokenizer)
-        streams = {mix: requests(args.requests, mix) for mix in MIXES}
-        servers = {
-            "vllm": functools.partial(plain_server, model, args.out, "vllm", args.mem,
-                                      args.py_spy, args.torch_profile),
-            **{name + suffix: functools.partial(
-                dynsteer_server, model, args.out, name + suffix, args.mem, args.py_spy,
-                args.variant if suffix else {}, args.torch_profile)
-               for name in RUNS if name != "vllm" for suffix in ("", VARIANT)},
-        }
-        stream = {name: streams[name.removesuffix(VARIANT).partition("-")[2] or "mixed"]
-                  if name != "vllm" else streams["plain"] for name in servers}
-        results: dict[str, Any] = {"runs": [], "interleave": args.interleave}
-        done: dict[str, list[dict[str, Any]]] = {}
-        raw: dict[str, np.ndarray] = {}
+    model = make_model(args.tokenizer)
+    streams = {mix: requests(args.requests, mix) for mix in MIXES}
+    servers = {
+        "vllm": functools.partial(plain_server, model, args.out, "vllm", args.mem,
+                                  args.py_spy, args.torch_profile),
+        **{name + suffix: functools.partial(
+            dynsteer_server, model, args.out, name + suffix, args.mem, args.py_spy,
+            args.variant if suffix else {}, args.torch_profile)
+           for name in RUNS if name != "vllm" for suffix in ("", VARIANT)},
+    }
+    stream = {name: streams[name.removesuffix(VARIANT).partition("-")[2] or "mixed"]
+              if name != "vllm" else streams["plain"] for name in servers}
+    results: dict[str, Any] = {"runs": [], "interleave": args.interleave}
+    done: dict[str, list[dict[str, Any]]] = {}
+    raw: dict[str, np.ndarray] = {}
 
-        def keep(name: str, run: dict[str, Any]) -> None:
-            """A run kept as it ends (a call cut short keeps the runs before)."""
-            run_done = run.pop("_done")
-            done.setdefault(name, []).extend(run_done)
-            results["runs"].append({"name": name, **run})
-            (args.out / "serving.json").write_text(json.dumps(results, indent=2))
-            at = f"{len(results['runs']) - 1}_{name}"
-            raw[f"{at}_ttft_s"] = np.array([r["ttft"] for r in run_done])
-            raw[f"{at}_itl_s"] = np.concatenate([r["itl"] for r in run_done])
-            # Every chunk's arrival, to line the steps up across requests (which kind of
-            # admission made a slow step); request i's chunks follow those of requests < i.
-            raw[f"{at}_sent_s"] = np.array([r["sent"] for r in run_done])
-            raw[f"{at}_chunks"] = np.array([len(r["stamps"]) for r in run_done])
-            raw[f"{at}_stamps_s"] = np.concatenate([r["stamps"] for r in run_done])
-            raw[f"{at}_kind"] = np.array([r["kind"] for r in run_done])
+    def keep(name: str, run: dict[str, Any]) -> None:
+        """A run kept as it ends (a call cut short keeps the runs before)."""
+        run_done = run.pop("_done")
+        done.setdefault(name, []).extend(run_done)
+        results["runs"].append({"name": name, **run})
+        (args.out / "serving.json").write_text(json.dumps(results, indent=2))
+        at = f"{len(results['runs']) - 1}_{name}"
+        raw[f"{at}_ttft_s"] = np.array([r["ttft"] for r in run_done])
+        raw[f"{at}_itl_s"] = np.concatenate([r["itl"] for r in run_done])
+        # Every chunk's arrival, to line the steps up across requests (which kind of
+        # admission made a slow step); request i's chunks follow those of requests < i.
+        raw[f"{at}_sent_s"] = np.array([r["sent"] for r in run_done])
+        raw[f"{at}_chunks"] = np.array([len(r["stamps"]) for r in run_done])
+        raw[f"{at}_stamps_s"] = np.concatenate([r["stamps"] for r in run_done])
+        raw[f"{at}_kind"] = np.array([r["kind"] for r in run_done])
+        print(f"{name} segment {run.get('segment', '-')}: TTFT p50 {run['ttft_ms_p50']:.1f} ms, "
+              f"ITL p50 {run['itl_ms_p50']:.2f} / p99 {run['itl_ms_p99']:.2f} ms, "
+              f"{run['errors']} errors", flush=True)
 
-        if args.interleave:  # every server up at once, the stream's segments turn about
-            results["order"] = order
-            with contextlib.ExitStack() as stack:
-                loads = {name: stack.enter_context(servers[name]()) for name in order}
-                size = -(-args.requests // args.interleave)
-                if args.torch_profile:  # traced first, on the first segment, and not kept
-                    for name in order:
-                        loads[name](stream[name][:size], args.rate, trace=True)
-                for seg in range(args.interleave):
-                    for name in order if seg % 2 == 0 else order[::-1]:
-                        part = stream[name][seg * size:(seg + 1) * size]
-                        keep(name, {"segment": seg, **loads[name](part, args.rate)})
-        else:
-            order = order * args.repeat
-            results["order"] = order
-            for name in order:  # one server at a time, restarted each run
-                with servers[name]() as load:
-                    keep(name, load(stream[name], args.rate))
+    if args.interleave:  # every server up at once, the stream's segments turn about
+        results["order"] = order
+        with contextlib.ExitStack() as stack, stopped_by_sigterm():
+            loads = {name: stack.enter_context(servers[name]()) for name in order}
+            size = -(-args.requests // args.interleave)
+            if args.torch_profile:  # traced first, on the first segment, and not kept
+                for name in order:
+                    t0 = time.monotonic()
+                    loads[name](stream[name][:size], args.rate, trace=True)
+                    print(f"{name}: traced pass {time.monotonic() - t0:.0f} s", flush=True)
+            for seg in range(args.interleave):
+                for name in order if seg % 2 == 0 else order[::-1]:
+                    part = stream[name][seg * size:(seg + 1) * size]
+                    keep(name, {"segment": seg, **loads[name](part, args.rate)})
+    else:
+        order = order * args.repeat
+        results["order"] = order
+        for name in order:  # one server at a time, restarted each run
+            with stopped_by_sigterm(), servers[name]() as load:
+                keep(name, load(stream[name], args.rate))
     report(results, done)
     (args.out / "serving.json").write_text(json.dumps(results, indent=2))
     np.savez_compressed(args.out / "latencies.npz", **raw)  # to pool runs of several calls

@@ -18,8 +18,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import bench_model
 import mixed_steps
 import serving
+
+
+@pytest.fixture(autouse=True)
+def _models_in_tmp(tmp_path, monkeypatch):
+    """serving.main writes its dummy model folder; here, not under the user's cache."""
+    monkeypatch.setenv(bench_model.ROOT_ENV, str(tmp_path / "models"))
 
 
 class _Loop:
@@ -65,16 +72,20 @@ def test_mixed_steps_engines_take_turns_and_are_drained_between(tmp_path, monkey
     assert result["mean_step_ms"]["unfused"][0]["decode"] == pytest.approx(6.0)
 
 
-def _server(name: str, log: list[tuple[Any, ...]]) -> Any:
+def _server(name: str, log: list[tuple[Any, ...]], stopped: list[str] | None = None,
+            on_load: Any = None) -> Any:
     """A stand-in for ``serving.plain_server``/``dynsteer_server``: requests take a
     server-specific time to the first token and between tokens; a traced load is logged
-    with ``"traced"``."""
+    with ``"traced"``. ``stopped`` gets the name when the server stops; ``on_load(n)`` runs
+    before the n-th load of this server (from 0)."""
     scale = {"vllm": 1.0, "dynsteer": 1.5}[name]
 
     @contextlib.contextmanager
     def server() -> Iterator[serving.Load]:
         def load(bodies: list[dict[str, Any]], rate: float, trace: bool = False
                  ) -> dict[str, Any]:
+            if on_load is not None:
+                on_load(sum(entry[0] == name for entry in log) - 1)
             log.append((name, len(bodies), "traced") if trace else (name, len(bodies)))
             done = [{"ttft": 0.02 * scale, "itl": [0.005 * scale] * 3, "sent": 0.0,
                      "stamps": np.arange(4.0), "kind": serving.kind_of(b), "end": 1.0}
@@ -84,7 +95,11 @@ def _server(name: str, log: list[tuple[Any, ...]]) -> Any:
                     "_done": done, "worker_host": {}}
 
         log.append((name, -1))  # started
-        yield load
+        try:
+            yield load
+        finally:
+            if stopped is not None:
+                stopped.append(name)
 
     return server()
 
@@ -135,13 +150,46 @@ def test_serving_traces_each_server_once_before_the_measured_segments(tmp_path, 
         serving.main()
 
 
+def test_serving_stops_its_servers_on_sigterm_and_keeps_the_segments_before(tmp_path,
+                                                                          monkeypatch):
+    """A device call's ``timeout`` sends SIGTERM: the servers must stop (else they keep their
+    GPU memory and the next call's servers fail to start) and the finished segments stay."""
+    import os
+    import signal
+
+    log: list[tuple[Any, ...]] = []
+    stopped: list[str] = []
+
+    def term_at_second_segment(n: int) -> None:
+        if n == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(serving, "plain_server", lambda *a: _server("vllm", log, stopped))
+    monkeypatch.setattr(serving, "dynsteer_server", lambda *a: _server(
+        "dynsteer", log, stopped, term_at_second_segment))
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    monkeypatch.setattr(sys, "argv", ["serving.py", "--out", str(tmp_path), "--tokenizer",
+                                      str(tokenizer), "--runs", "vllm,dynsteer",
+                                      "--requests", "40", "--interleave", "4"])
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        serving.main()
+
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert sorted(stopped) == ["dynsteer", "vllm"]
+    kept = json.loads((tmp_path / "serving.json").read_text())["runs"]
+    assert [(r["name"], r["segment"]) for r in kept] == [("vllm", 0), ("dynsteer", 0)]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_importing_the_benchmarks_leaves_the_environment_alone():
     """Tests import these modules; an environment variable set at import (mixed_steps once set
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` there) changes how every later test starts engines."""
     import subprocess
 
     code = ("import os, sys; before = dict(os.environ); sys.path.insert(0, 'benchmarks'); "
-            "import mixed_steps, serving, overhead, proc_cpu, step_trace; "
+            "import mixed_steps, serving, overhead, proc_cpu, step_trace, bench_model; "
             "changed = sorted(set(before.items()) ^ set(os.environ.items())); "
             "assert not changed, changed")
     import os
