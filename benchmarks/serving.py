@@ -24,7 +24,11 @@ extra, unmeasured pass over the first segment and compares them with plain vLLM'
 
 Usage: python benchmarks/serving.py --out DIR --tokenizer DIR [--rate 16] [--requests 400]
        [--runs vllm,dynsteer[,dynsteer-plain]] [--repeat N | --interleave SEGMENTS --mem 0.42
-       [--torch-profile STEPS]] [--py-spy BIN]
+       [--torch-profile STEPS]] [--py-spy BIN] [--pin-cpus CPUS [CPUS ...]]
+
+``--pin-cpus`` runs each server (and the engine core it starts) on CPUs of its own, one
+``taskset -c`` list per server of ``--runs``: placement the same for every server, where under
+one shared ``taskset`` the scheduler placed them as it went (session 30's host regime).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import functools
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -43,6 +48,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -206,14 +212,19 @@ def profiled(url: str) -> Iterator[None]:
 @contextlib.contextmanager
 def server_process(cmd: list[str], health: str, log: Path, env: dict[str, str] | None = None,
                    timeout: float = 480.0, py_spy: Path | None = None,
-                   stacks: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+                   stacks: Path | None = None, cpus: str | None = None
+                   ) -> Iterator[tuple[str, subprocess.Popen]]:
     """``cmd`` (a server taking ``--port`` and ``--host``) on a free loopback port, its log in
-    ``log``: yields (its URL, the process) once ``health`` answers; stopped on exit. ``env``
-    is added to this process's environment. With ``py_spy`` the server runs under
-    ``py-spy record`` (every process of it, 100 Hz, without pausing them), which writes raw
-    stacks to ``stacks`` when interrupted at the end."""
+    ``log``: yields (its URL, the process) once ``health`` answers; stopped on exit, with
+    every process of its group (an engine core its server left behind included). ``env``
+    is added to this process's environment. ``cpus`` (a ``taskset -c`` list): the server
+    and the processes it starts run on those CPUs only. With ``py_spy`` the server runs under
+    ``py-spy record`` (every process of it, 100 Hz, without pausing them; py-spy itself is
+    not pinned), which writes raw stacks to ``stacks`` when interrupted at the end."""
     port = free_port()
     cmd = [*cmd, "--port", str(port), "--host", "127.0.0.1"]
+    if cpus is not None:
+        cmd = ["taskset", "-c", cpus, *cmd]
     if py_spy is not None:
         cmd = [str(py_spy), "record", "--nonblocking", "--subprocesses", "--threads",
                "--rate", "100", "--format", "raw", "--output", str(stacks), "--", *cmd]
@@ -248,13 +259,12 @@ def server_process(cmd: list[str], health: str, log: Path, env: dict[str, str] |
 
 
 def plain_vllm(args: list[str], log: Path, env: dict[str, str] | None = None,
-               timeout: float = 480.0, py_spy: Path | None = None,
-               stacks: Path | None = None) -> contextlib.AbstractContextManager[
+               timeout: float = 480.0, **process: Any) -> contextlib.AbstractContextManager[
                    tuple[str, subprocess.Popen]]:
     """Plain vLLM's OpenAI server (``--model ARGS``), as :func:`server_process` runs it
-    (``env``: e.g. ``VLLM_PLUGINS=""``, no plugin at all)."""
+    (``env``: e.g. ``VLLM_PLUGINS=""``, no plugin at all; ``process``: its other keywords)."""
     return server_process([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                           "--model", *args], "/health", log, env, timeout, py_spy, stacks)
+                           "--model", *args], "/health", log, env, timeout, **process)
 
 
 Load = Callable[..., dict[str, Any]]
@@ -262,12 +272,31 @@ Load = Callable[..., dict[str, Any]]
 at a rate and returns the run; with ``trace``, under vLLM's profiler (:func:`profiled`)."""
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How this benchmark starts a server: its share of GPU memory, py-spy (a binary), the
+    engine steps vLLM's profiler may trace (0: profiler off) and the CPUs it runs on (a
+    ``taskset -c`` list; None: wherever this process may run)."""
+
+    mem: float
+    py_spy: Path | None = None
+    trace_steps: int = 0
+    cpus: str | None = None
+
+    def process(self, out: Path, name: str) -> dict[str, Any]:
+        """:func:`server_process`'s keywords for server ``name`` writing under ``out``."""
+        return {"py_spy": self.py_spy, "stacks": out / f"{name}.pyspy.txt", "cpus": self.cpus}
+
+    def serve_args(self, model: Path, out: Path, name: str) -> list[str]:
+        """The server's arguments (:func:`serve_args`), its trace under ``OUT/trace_NAME``."""
+        trace_dir = out / f"trace_{name}" if self.trace_steps else None
+        return serve_args(model, self.mem, trace_dir, self.trace_steps)
+
+
 @contextlib.contextmanager
-def plain_server(model: Path, out: Path, name: str, mem: float,
-                 py_spy: Path | None, trace_steps: int = 0) -> Iterator[Load]:
-    trace_dir = out / f"trace_{name}" if trace_steps else None
-    with plain_vllm(serve_args(model, mem, trace_dir, trace_steps), out / f"serve_{name}.log",
-                    py_spy=py_spy, stacks=out / f"{name}.pyspy.txt") as (url, proc):
+def plain_server(model: Path, out: Path, name: str, launch: Launch) -> Iterator[Load]:
+    with plain_vllm(launch.serve_args(model, out, name), out / f"serve_{name}.log",
+                    **launch.process(out, name)) as (url, proc):
         def load(bodies: list[dict[str, Any]], rate: float, trace: bool = False
                  ) -> dict[str, Any]:
             with Window(proc.pid) as cpu, profiled(url) if trace else contextlib.nullcontext():
@@ -278,20 +307,19 @@ def plain_server(model: Path, out: Path, name: str, mem: float,
 
 
 @contextlib.contextmanager
-def dynsteer_server(model: Path, out: Path, name: str, mem: float, py_spy: Path | None,
-                    engine: dict[str, Any], trace_steps: int = 0) -> Iterator[Load]:
+def dynsteer_server(model: Path, out: Path, name: str, launch: Launch,
+                    engine: dict[str, Any]) -> Iterator[Load]:
     """``engine``: the server's dynsteer engine options; the stream's registered vector and
     probe are registered before the first load."""
     from dynsteer.controller.client import DynsteerClient
     from dynsteer.probes import Probe, ProbeSite
 
-    trace_dir = out / f"trace_{name}" if trace_steps else None
     cmd = [sys.executable, "-m", "dynsteer.engine_ext.cli", "serve",
-           *serve_args(model, mem, trace_dir, trace_steps),
+           *launch.serve_args(model, out, name),
            "--dynsteer-api-key", KEY,
            "--additional-config", json.dumps({"dynsteer": engine})]
-    with server_process(cmd, "/v1/dynsteer/health", out / f"serve_{name}.log", py_spy=py_spy,
-                        stacks=out / f"{name}.pyspy.txt") as (url, proc):
+    with server_process(cmd, "/v1/dynsteer/health", out / f"serve_{name}.log",
+                        **launch.process(out, name)) as (url, proc):
         client = DynsteerClient(url, api_key=KEY)
         rng = np.random.default_rng(3)
         client.register_vector("bench", rng.standard_normal(HIDDEN) * 0.01)
@@ -388,6 +416,23 @@ def stopped_by_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+"""A ``taskset -c`` list: CPUs and ranges, comma-separated."""
+
+
+def check_pins(ap: argparse.ArgumentParser, pins: list[str], servers: int) -> None:
+    """``--pin-cpus``: one CPU list per server, each CPU on this machine."""
+    if len(pins) != servers:
+        ap.error(f"--pin-cpus: {len(pins)} CPU lists for {servers} servers; give one each")
+    for pin in pins:
+        if not CPU_LIST.fullmatch(pin):
+            ap.error(f"--pin-cpus: {pin!r} is not a taskset -c list (e.g. 2-4 or 2,5)")
+        top = max(int(n) for n in re.split(r"[,-]", pin))
+        if top >= (os.cpu_count() or 1):
+            ap.error(f"--pin-cpus: CPU {top} in {pin!r}; this machine has CPUs "
+                     f"0-{(os.cpu_count() or 1) - 1}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -420,8 +465,15 @@ def main() -> None:
                          "torch profiler (OUT/trace_<run>; not measured: the trace is written "
                          "inside a step); each server's steps are then compared with plain "
                          "vLLM's: OUT/step_trace.json (benchmarks/step_trace.py)")
+    ap.add_argument("--pin-cpus", nargs="+", metavar="CPUS",
+                    help="one taskset -c list per server of --runs (in its order, each server "
+                         "once), e.g. 2-4 5-7 8-10: each server with its engine core on CPUs "
+                         "of its own, so placement is the same for all (run this script "
+                         "itself under taskset on other CPUs)")
     args = ap.parse_args()
     order = args.runs.split(",")
+    if args.pin_cpus is not None:
+        check_pins(ap, args.pin_cpus, len(dict.fromkeys(order)))
     if "vllm" not in order or not {n.removesuffix(VARIANT) for n in order} <= set(RUNS):
         ap.error(f"--runs: a comma list from {', '.join(RUNS)} (dynsteer ones optionally "
                  f"with {VARIANT}) with vllm in it")
@@ -430,17 +482,21 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model = make_model(args.tokenizer)
     streams = {mix: requests(args.requests, mix) for mix in MIXES}
+    pins = dict(zip(dict.fromkeys(order), args.pin_cpus or (), strict=False))
+
+    def launch(name: str) -> Launch:
+        return Launch(args.mem, args.py_spy, args.torch_profile, pins.get(name))
+
     servers = {
-        "vllm": functools.partial(plain_server, model, args.out, "vllm", args.mem,
-                                  args.py_spy, args.torch_profile),
+        "vllm": functools.partial(plain_server, model, args.out, "vllm", launch("vllm")),
         **{name + suffix: functools.partial(
-            dynsteer_server, model, args.out, name + suffix, args.mem, args.py_spy,
-            args.variant if suffix else {}, args.torch_profile)
+            dynsteer_server, model, args.out, name + suffix, launch(name + suffix),
+            args.variant if suffix else {})
            for name in RUNS if name != "vllm" for suffix in ("", VARIANT)},
     }
     stream = {name: streams[name.removesuffix(VARIANT).partition("-")[2] or "mixed"]
               if name != "vllm" else streams["plain"] for name in servers}
-    results: dict[str, Any] = {"runs": [], "interleave": args.interleave}
+    results: dict[str, Any] = {"runs": [], "interleave": args.interleave, "pin_cpus": pins}
     done: dict[str, list[dict[str, Any]]] = {}
     raw: dict[str, np.ndarray] = {}
 

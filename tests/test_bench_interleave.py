@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -199,3 +200,87 @@ def test_importing_the_benchmarks_leaves_the_environment_alone():
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env,
                    cwd=Path(__file__).resolve().parents[1])
+
+
+_TINY_SERVER = '''
+import argparse, http.server, json, os, subprocess, sys
+ap = argparse.ArgumentParser()
+ap.add_argument("--port", type=int)
+ap.add_argument("--host")
+a = ap.parse_args()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "child": child.pid,
+                           "child_cpus": sorted(os.sched_getaffinity(child.pid))}).encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+http.server.HTTPServer((a.host, a.port), Health).serve_forever()
+'''
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_server_process_pins_the_server_and_stops_its_whole_group(tmp_path):
+    """A server pinned with ``cpus`` runs there with what it starts; on exit its group goes
+    too, so a child its server leaves behind (as vLLM's engine core can) holds no GPU."""
+    import urllib.request
+
+    script = tmp_path / "server.py"
+    script.write_text(_TINY_SERVER)
+    with serving.server_process([sys.executable, str(script)], "/health", tmp_path / "s.log",
+                                timeout=60, cpus="0") as (url, proc):
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            seen = json.loads(r.read())
+        assert _running(seen["child"])
+    assert seen["cpus"] == [0] and seen["child_cpus"] == [0]
+    assert proc.returncode is not None
+    deadline = time.monotonic() + 10  # SIGKILL lands asynchronously
+    while _running(seen["child"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(seen["child"])
+
+
+def test_serving_pins_each_server_in_order_and_refuses_bad_lists(tmp_path, monkeypatch,
+                                                                 capsys):
+    log: list[tuple[Any, ...]] = []
+    pinned: dict[str, str | None] = {}
+
+    def server(name: str) -> Any:
+        def make(model: Path, out: Path, run: str, launch: serving.Launch, *rest: Any) -> Any:
+            pinned[run] = launch.cpus
+            return _server(name, log)
+        return make
+
+    monkeypatch.setattr(serving, "plain_server", server("vllm"))
+    monkeypatch.setattr(serving, "dynsteer_server", server("dynsteer"))
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    argv = ["serving.py", "--out", str(tmp_path), "--tokenizer", str(tokenizer), "--runs",
+            "vllm,dynsteer", "--requests", "20", "--interleave", "2", "--pin-cpus"]
+    monkeypatch.setattr(sys, "argv", [*argv, "1", "0"])
+    serving.main()
+    assert pinned == {"vllm": "1", "dynsteer": "0"}
+    assert json.loads((tmp_path / "serving.json").read_text())["pin_cpus"] == pinned
+
+    for bad, message in ((["0"], "1 CPU lists for 2 servers"),
+                         (["0", "a-b"], "is not a taskset -c list"),
+                         (["0", "0,4096"], "CPU 4096")):
+        monkeypatch.setattr(sys, "argv", [*argv, *bad])
+        with pytest.raises(SystemExit):
+            serving.main()
+        assert message in capsys.readouterr().err
