@@ -54,6 +54,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import make_model, start
 from proc_cpu import Window, describe, process_facts
+from sigterm import exits_on_sigterm
 
 PROMPT = 128
 ENGINES: dict[str, dict[str, Any] | None] = {
@@ -291,6 +292,7 @@ def interleaved(args: argparse.Namespace) -> None:
     print(f"CPU during the loops: {describe(cpu.result)}", flush=True)
 
 
+@exits_on_sigterm
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)

@@ -96,6 +96,7 @@ from typing import Any
 
 from autotune_choices import EngineChoices, flip_rblock
 from bench_model import dummy_model
+from sigterm import exits_on_sigterm
 from tp_settings import GPU_TP_ENV, GPU_TP_KWARGS
 
 LLAMA_8B = {
@@ -512,6 +513,7 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+@exits_on_sigterm
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))

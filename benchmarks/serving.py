@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import dummy_model
 from overhead import GATED_LAYERS, HIDDEN, LLAMA_8B, MONITOR
 from proc_cpu import Window, describe
+from sigterm import exits_on_sigterm
 
 from dynsteer.controller.contract import encode_f32
 from dynsteer.controller.launch import free_port
@@ -400,22 +401,6 @@ options of ``--variant``."""
 VARIANT = "-variant"
 
 
-@contextlib.contextmanager
-def stopped_by_sigterm() -> Iterator[None]:
-    """SIGTERM (e.g. ``timeout`` ending a device call) raises SystemExit inside the block, so
-    the servers' context managers stop them on the way out. Without it the interpreter dies
-    at once and the servers live on, holding their GPU memory: the next call's servers then
-    fail to start (session 31)."""
-    def stop(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 """A ``taskset -c`` list: CPUs and ranges, comma-separated."""
 
@@ -433,6 +418,7 @@ def check_pins(ap: argparse.ArgumentParser, pins: list[str], servers: int) -> No
                      f"0-{(os.cpu_count() or 1) - 1}")
 
 
+@exits_on_sigterm
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -521,7 +507,7 @@ def main() -> None:
 
     if args.interleave:  # every server up at once, the stream's segments turn about
         results["order"] = order
-        with contextlib.ExitStack() as stack, stopped_by_sigterm():
+        with contextlib.ExitStack() as stack:
             loads = {name: stack.enter_context(servers[name]()) for name in order}
             size = -(-args.requests // args.interleave)
             if args.torch_profile:  # traced first, on the first segment, and not kept
@@ -537,7 +523,7 @@ def main() -> None:
         order = order * args.repeat
         results["order"] = order
         for name in order:  # one server at a time, restarted each run
-            with stopped_by_sigterm(), servers[name]() as load:
+            with servers[name]() as load:
                 keep(name, load(stream[name], args.rate))
     report(results, done)
     (args.out / "serving.json").write_text(json.dumps(results, indent=2))

@@ -190,7 +190,7 @@ def test_importing_the_benchmarks_leaves_the_environment_alone():
     import subprocess
 
     code = ("import os, sys; before = dict(os.environ); sys.path.insert(0, 'benchmarks'); "
-            "import mixed_steps, serving, overhead, proc_cpu, step_trace, bench_model; "
+            "import mixed_steps, serving, overhead, proc_cpu, step_trace, bench_model, sigterm; "
             "changed = sorted(set(before.items()) ^ set(os.environ.items())); "
             "assert not changed, changed")
     import os
