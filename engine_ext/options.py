@@ -69,11 +69,12 @@ class EngineOptions(BaseModel):
     norm). Off by default: on serving traffic (H200, servers measured turn about at the same
     time) it made the steps that admit a request slower, ITL p99 1.23-1.42x plain vLLM's and
     TTFT p50 1.11-1.24x, where off read 0.99 and 1.00 (``benchmarks/RESULTS.md``, session
-    29; the cause is not found). On, decode steps are a little faster (idle 0.997 against
-    0.992 of stock's throughput at batch 1, sessions 25-27). Off, the site's ops are fused by
-    Inductor into the norm's kernel and a monitor site runs a kernel of its own. Where one of
-    vLLM's own norm fusions is on (an all-reduce or a quantization fused into the norm, see
-    ``compat.worker.NORM_PASSES``), sites keep that form regardless."""
+    29; with each server on CPUs of its own, session 32, 1.34x and 1.19x: the form's, not
+    placement's; the cause is not found). On, decode steps are a little faster (idle 0.997
+    against 0.992 of stock's throughput at batch 1, sessions 25-27). Off, the site's ops are
+    fused by Inductor into the norm's kernel and a monitor site runs a kernel of its own.
+    Where one of vLLM's own norm fusions is on (an all-reduce or a quantization fused into the
+    norm, see ``compat.worker.NORM_PASSES``), sites keep that form regardless."""
     max_gates: int = Field(default=128, ge=1, le=65536)
     """Distinct probes (with their threshold, sharpness and monitor site) gating requests in
     flight; each costs ``hidden * 4`` bytes of device memory."""

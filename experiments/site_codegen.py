@@ -73,6 +73,8 @@ def _decoder(site: Any, layers: int) -> Any:
     output; the next layer's fused add + RMSNorm follows it."""
     import torch
 
+    from dynsteer.engine_ext.worker import ops
+
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
         x = x.to(torch.float32) + residual.to(torch.float32)
         residual = x.to(torch.bfloat16)
@@ -86,7 +88,7 @@ def _decoder(site: Any, layers: int) -> Any:
             hidden, residual = add_rms_norm(hidden, residual, w_norm_attn)
             h = torch.relu(hidden @ w_up) @ w_down
             residual = site(residual, h, index, gate_score, table[layer], dyn[layer], proj_dir,
-                            proj_par, proj_gram)
+                            proj_par, proj_gram, ops.site_bit(layer, layers))
             hidden, residual = add_rms_norm(h, residual, w_norm_mlp)
         return hidden, residual
 
