@@ -75,12 +75,15 @@ def save(out: Path, caches: list[Path], root: Path, budget_mib: float, part_mib:
             packed[str(cache)] = 0
             continue
         archive = pack(cache, root)
-        packed[str(cache)] = len(archive) if len(archive) <= left else 0
-        if packed[str(cache)]:
+        fits = len(archive) <= left
+        packed[str(cache)] = len(archive) if fits else 0
+        if fits:
             archives.append(archive)
             left -= len(archive)
     data = b"".join(archives)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(f"{PART}*"):  # an earlier save's parts would be joined to these
+        stale.unlink()
     step = int(part_mib * MIB)
     for i in range(0, len(data), step):
         (out / f"{PART}{i // step:02d}").write_bytes(data[i:i + step])

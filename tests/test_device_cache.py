@@ -75,5 +75,18 @@ def test_load_refuses_an_entry_outside_the_root(tmp_path):
     assert not (tmp_path / "escaped").exists()
 
 
+def test_a_second_save_replaces_the_first_parts(tmp_path):
+    """Saving again into the same folder leaves only the new parts: an earlier, longer save's
+    last parts would otherwise be joined to them on load."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    big = _cache(src, "big", {"blob": os.urandom(50_000)})
+    small = _cache(src, "small", {"a.json": b"{}"})
+    device_cache.save(out, [big], src, budget_mib=1, part_mib=0.01)
+    device_cache.save(out, [small], src, budget_mib=1, part_mib=0.01)
+    assert len(list(out.glob("devcache.part*"))) == 1
+    device_cache.load(out, tmp_path / "dst")
+    assert _tree(tmp_path / "dst") == {"small/a.json": b"{}"}
+
+
 def test_load_without_parts_unpacks_nothing(tmp_path):
     assert device_cache.load(tmp_path, tmp_path / "root") == 0
