@@ -30,7 +30,13 @@ tell the parts apart. Variants (none steers anything here: every token is on row
   ran 4.64 us against current's 3.21 us at batch 32 on an H200);
 * ``read-through-h``: the entry and gate read per element, at the token's column where ``h``
   is a number (session 33: 7.93 us per kernel; per-element indirect loads cost more than the
-  config they were meant to win).
+  config they were meant to win);
+* ``int32-rows``: rows gathered by their int32 entries, one op fewer in the steered value
+  (session 33: still stored on CUDA, 8 direct loads, 3.17 us per kernel against 3.21).
+
+``--trace-realize`` prints each value Inductor stores and the rule that asked (session 33: on
+CUDA the site's ``keep`` mask, 34 ops, and the steered residual, 31 ops, both past
+``realize_opcount_threshold`` 30).
 
 ``--unfused-norm`` starts the engine with ``fused_norms: false``: each site and the norm
 after it as two ops, as before session 26 (the site fused by Inductor into the norm's
@@ -162,6 +168,20 @@ def _read_through_h(x, h, index, gate_score, table, dyn, proj_dir, proj_par, pro
     return (x32 + ops._within_limit(x32, h, delta, x.dtype)).to(x.dtype)
 
 
+def _int32_rows(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj_gram, site_bit):
+    """``current`` with the rows gathered by their int32 entries (no conversion to int64): one
+    op fewer in the steered value, whose 31 ops on CUDA pass Inductor's
+    ``realize_opcount_threshold`` (30) and make it stored and reloaded (session 33's
+    ``--trace-realize``); at 30 the fp32 sum is stored instead, as on CPU (7 direct loads)."""
+    n = x.shape[0]
+    entry = index[ops.INDEX_ROW, :n]
+    rows = torch.where((entry & site_bit) != 0, entry & ops.ROW_MASK, 0)
+    gate = gate_score[ops.GATE, :n]
+    x32 = x.to(torch.float32)
+    delta = ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
+    return (x32 + ops._within_limit(x32, h, delta, x.dtype)).to(x.dtype)
+
+
 def _every_site(*args):
     return ops.steer_add(*args[:9], 0)
 
@@ -170,7 +190,28 @@ VARIANTS = {"current": ops.steer_add, "every-site": _every_site, "gate-mask": ga
             "site-groups": _site_groups, "site-groups-tied": _site_groups_tied,
             "where-sum": _where_sum, "no-guard": _no_guard, "static": _static,
             "gather": _gather, "index": _index, "gate-indirect": _gate_indirect,
-            "read-through-h": _read_through_h}
+            "read-through-h": _read_through_h, "int32-rows": _int32_rows}
+
+
+def trace_realize() -> None:
+    """Print each pointwise value Inductor decides to store (its graph nodes, op count, reads
+    and the lowering rule that asked), to tell which rule stores a site's value on this
+    device (session 33: CUDA and CPU store different ones for the same graph)."""
+    import traceback
+
+    import torch._inductor.ir as ir
+
+    realize = ir.StorageBox.realize
+
+    def traced(self):
+        if isinstance(self.data, ir.Pointwise):
+            origins = sorted(node.name for node in self.data.origins)
+            rule = [f"{f.name}:{f.lineno}" for f in traceback.extract_stack(limit=6)[:-1]]
+            print(f"realize {origins[:10]} ops={self.data.inner_fn_opcount().num_ops} "
+                  f"reads={self.data.num_reads()} via {rule}", flush=True)
+        return realize(self)
+
+    ir.StorageBox.realize = traced
 
 
 def main() -> None:
@@ -184,7 +225,11 @@ def main() -> None:
                         help="Inductor settings (integers) to compile under")
     parser.add_argument("--unfused-norm", action="store_true",
                         help="the site, then the norm (not dynsteer::steer_norm)")
+    parser.add_argument("--trace-realize", action="store_true",
+                        help="print the values Inductor stores, and why (trace_realize)")
     args = parser.parse_args()
+    if args.trace_realize:
+        trace_realize()
     inductor = inductor_settings(args.inductor)
     name = "-".join(["idle", args.variant, *(["unfused"] if args.unfused_norm else []),
                      *(f"{k}{v}" for k, v in inductor.items())])
