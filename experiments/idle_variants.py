@@ -136,6 +136,17 @@ def _site_groups_tied(x, h, index, gate_score, table, dyn, *_):
     return (x32 + torch.where(keep, delta, 0.0)).to(x.dtype)
 
 
+def _group_rows(entry: torch.Tensor, site_bit: int) -> torch.Tensor:
+    """The rows the shipped form reads: the entry's row where it carries the site's bit, else 0."""
+    return torch.where((entry & site_bit) != 0, entry & ops.ROW_MASK, 0)
+
+
+def _steered(x: torch.Tensor, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The shipped form's last line: ``x`` plus ``delta`` where the sum is within the limit."""
+    x32 = x.to(torch.float32)
+    return (x32 + ops._within_limit(x32, h, delta, x.dtype)).to(x.dtype)
+
+
 def _gate_indirect(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj_gram, site_bit):
     """``current`` with the gate read at an index computed from the loaded entry (the token's
     own column where its entry carries the site's bit, else column 0): an indirect load, which
@@ -143,11 +154,9 @@ def _gate_indirect(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj
     n = x.shape[0]
     entry = index[ops.INDEX_ROW, :n]
     on = (entry & site_bit) != 0
-    rows = torch.where(on, entry & ops.ROW_MASK, 0).to(torch.long)
+    rows = _group_rows(entry, site_bit).to(torch.long)
     gate = gate_score[ops.GATE][torch.where(on, torch.arange(n, device=x.device), 0)]
-    x32 = x.to(torch.float32)
-    delta = ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
-    return (x32 + ops._within_limit(x32, h, delta, x.dtype)).to(x.dtype)
+    return _steered(x, h, ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows))
 
 
 def _read_through_h(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj_gram,
@@ -156,30 +165,24 @@ def _read_through_h(x, h, index, gate_score, table, dyn, proj_dir, proj_par, pro
     where ``h`` is a number and at column 0 where it is NaN (where the site adds nothing
     anyway): indirect loads, which Inductor's reduction heuristics do not count, so the norm
     kernel keeps stock's load count (session 33)."""
-    n = x.shape[0]
-    column = torch.where(torch.isnan(h), 0, torch.arange(n, device=x.device)[:, None])
-    entry = index[ops.INDEX_ROW][column]
-    rows = torch.where((entry & site_bit) != 0, entry & ops.ROW_MASK, 0).to(torch.long)
+    column = torch.where(torch.isnan(h), 0, torch.arange(x.shape[0], device=x.device)[:, None])
+    rows = _group_rows(index[ops.INDEX_ROW][column], site_bit).to(torch.long)
     gate = gate_score[ops.GATE][column]
-    x32 = x.to(torch.float32)
     lanes = torch.arange(x.shape[1], device=x.device)
-    delta = (F.pad(table[1:], (0, 0, 1, 0))[rows, lanes]
-             + gate * F.pad(dyn[1:], (0, 0, 1, 0))[rows, lanes])
-    return (x32 + ops._within_limit(x32, h, delta, x.dtype)).to(x.dtype)
+    return _steered(x, h, F.pad(table[1:], (0, 0, 1, 0))[rows, lanes]
+                    + gate * F.pad(dyn[1:], (0, 0, 1, 0))[rows, lanes])
 
 
 def _int32_rows(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj_gram, site_bit):
     """``current`` with the rows gathered by their int32 entries (no conversion to int64): one
     op fewer in the steered value, whose 31 ops on CUDA pass Inductor's
     ``realize_opcount_threshold`` (30) and make it stored and reloaded (session 33's
-    ``--trace-realize``); at 30 the fp32 sum is stored instead, as on CPU (7 direct loads)."""
+    ``--trace-realize``); at 30 or fewer the fp32 sum would be stored instead, as on CPU (7
+    direct loads)."""
     n = x.shape[0]
-    entry = index[ops.INDEX_ROW, :n]
-    rows = torch.where((entry & site_bit) != 0, entry & ops.ROW_MASK, 0)
+    rows = _group_rows(index[ops.INDEX_ROW, :n], site_bit)
     gate = gate_score[ops.GATE, :n]
-    x32 = x.to(torch.float32)
-    delta = ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows)
-    return (x32 + ops._within_limit(x32, h, delta, x.dtype)).to(x.dtype)
+    return _steered(x, h, ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows))
 
 
 def _every_site(*args):
