@@ -34,6 +34,10 @@ tell the parts apart. Variants (none steers anything here: every token is on row
 * ``int32-rows``: rows gathered by their int32 entries, one op fewer in the steered value
   (session 33: still stored on CUDA, 8 direct loads, 3.17 us per kernel against 3.21).
 
+* ``plain-rows``: the token's row read from an index row of its own, with no site-group
+  arithmetic (the op count a per-group row index, filled once per step, would give the site;
+  idle entries are 0 either way, so this is exact for idle traffic). Still tied to ``h``.
+
 ``--trace-realize`` prints each value Inductor stores and the rule that asked (session 33: on
 CUDA the site's ``keep`` mask, 34 ops, and the steered residual, 31 ops, both past
 ``realize_opcount_threshold`` 30).
@@ -185,6 +189,16 @@ def _int32_rows(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj_gr
     return _steered(x, h, ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows))
 
 
+def _plain_rows(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj_gram, site_bit):
+    """``current`` without the site-group arithmetic on the entry: the five ops that test the
+    site's bit and mask the row off (a steered value of at most 30 ops on CUDA should stay
+    inline, session 33)."""
+    n = x.shape[0]
+    rows = index[ops.INDEX_ROW, :n].to(torch.long)
+    gate = gate_score[ops.GATE, :n]
+    return _steered(x, h, ops._row_of(table, rows) + gate[:, None] * ops._row_of(dyn, rows))
+
+
 def _every_site(*args):
     return ops.steer_add(*args[:9], 0)
 
@@ -193,7 +207,7 @@ VARIANTS = {"current": ops.steer_add, "every-site": _every_site, "gate-mask": ga
             "site-groups": _site_groups, "site-groups-tied": _site_groups_tied,
             "where-sum": _where_sum, "no-guard": _no_guard, "static": _static,
             "gather": _gather, "index": _index, "gate-indirect": _gate_indirect,
-            "read-through-h": _read_through_h, "int32-rows": _int32_rows}
+            "read-through-h": _read_through_h, "int32-rows": _int32_rows, "plain-rows": _plain_rows}
 
 
 def trace_realize() -> None:
