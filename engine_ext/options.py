@@ -19,7 +19,7 @@ from dynsteer.controller.limits import DEFAULT_MAX_STEER_NORM
 from .plugin import CONFIG_KEY, requested
 
 PLUGIN_VERSION = "0.1.0"
-KERNEL_ABI = 13
+KERNEL_ABI = 14
 """Bumped whenever the in-graph ops change, so compile caches of older graphs are not reused."""
 
 

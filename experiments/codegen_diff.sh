@@ -4,8 +4,9 @@
 # that the add + RMSNorm kernels two site forms fuse into can be timed and read side by side
 # (with the config Triton's autotuner chose for each kernel: its .best_config files). Each
 # variant's log holds --trace-realize's lines (the values Inductor stored, and why).
-# Usage: bash experiments/codegen_diff.sh OUT BATCH VARIANT[:unfused][:KEY=VALUE]...
-#   (unfused: engine option fused_norms false; KEY=VALUE: an Inductor setting for that engine)
+# Usage: bash experiments/codegen_diff.sh OUT BATCH VARIANT[:unfused][:looped][:KEY=VALUE]...
+#   (unfused: engine option fused_norms false; looped: idle_variants.py --looped-sites;
+#   KEY=VALUE: an Inductor setting for that engine)
 #   Variants run first, stock last; writes OUT/compare.txt, OUT/code.tar.gz, OUT/logs.tar.gz.
 set -u
 out=$1; batch=$2; shift 2
@@ -16,7 +17,11 @@ for spec in "$@"; do
     flags=(--variant "${parts[0]}" --trace-realize)
     settings=()
     for part in "${parts[@]:1}"; do
-        if [[ $part == unfused ]]; then flags+=(--unfused-norm); else settings+=("$part"); fi
+        case $part in
+            unfused) flags+=(--unfused-norm) ;;
+            looped) flags+=(--looped-sites) ;;
+            *) settings+=("$part") ;;
+        esac
     done
     (( ${#settings[@]} )) && flags+=(--inductor "${settings[@]}")
     python -u "$root/experiments/idle_variants.py" --out "$out/runs" "${flags[@]}" --batch "$batch" \

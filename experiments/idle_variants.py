@@ -47,6 +47,9 @@ after it as two ops, as before session 26 (the site fused by Inductor into the n
 kernel), instead of ``dynsteer::steer_norm``. The ``steer_add`` variants above only reach the
 engine that way: with the default, ``current`` measures the sites in their norms' kernel.
 
+``--looped-sites`` compiles without :mod:`dynsteer.engine_ext.compat.inductor` (session 34: the
+kernels sites are fused into are persistent reductions; before, Inductor wrote them looped).
+
 ``--code DIR`` keeps Inductor's generated code (its cache directory) under ``DIR``, to diff
 the kernels a site fuses into between variants.
 
@@ -77,6 +80,7 @@ import launches
 from overhead import LLAMA_8B
 from site_cost import gate_masked_add, inductor_settings
 
+from dynsteer.engine_ext.compat import inductor as inductor_choices
 from dynsteer.engine_ext.worker import ops, sites
 
 
@@ -242,13 +246,18 @@ def main() -> None:
                         help="Inductor settings (integers) to compile under")
     parser.add_argument("--unfused-norm", action="store_true",
                         help="the site, then the norm (not dynsteer::steer_norm)")
+    parser.add_argument("--looped-sites", action="store_true",
+                        help="leave the site kernels' launch to Inductor (compat.inductor off)")
     parser.add_argument("--trace-realize", action="store_true",
                         help="print the values Inductor stores, and why (trace_realize)")
     args = parser.parse_args()
     if args.trace_realize:
         trace_realize()
     inductor = inductor_settings(args.inductor)
+    if args.looped_sites:
+        inductor_choices.install = lambda *_: None
     name = "-".join(["idle", args.variant, *(["unfused"] if args.unfused_norm else []),
+                     *(["looped"] if args.looped_sites else []),
                      *(f"{k}{v}" for k, v in inductor.items())])
     args.out.mkdir(parents=True, exist_ok=True)
     if args.code is not None:

@@ -8,10 +8,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..compat import inductor
 from ..compat import model as vllm_model
 from ..compat import worker as vllm_worker
 from ..options import EngineOptions, options_from_additional_config
 from .events import EngineEvents, EventPublisher
+from .ops import MAX_NORM_ROW, steer_add
 from .sites import install_sites
 from .state import SteeringState
 
@@ -85,6 +87,9 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
     if options.fused_norms and facts.norm_passes and facts.device.type == "cuda":
         logger.info("dynsteer: sites stay out of the RMSNorm kernels (fused_norms), since "
                     "vLLM fuses those norms itself here: %s", ", ".join(facts.norm_passes))
+    if facts.device.type == "cuda":
+        # The kernels fused sites are in: one pass over the row, as stock's norms (compat/inductor).
+        inductor.install(steer_add.__name__, MAX_NORM_ROW)
     installed = install_sites(facts.model, state.site_buffers(), fuse_norms)
     vllm_model.relay_between_stages(facts.model, state.gate_score,
                                     vllm_worker.stage_buffers(runner))

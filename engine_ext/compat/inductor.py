@@ -1,0 +1,74 @@
+"""Inductor (torch 2.11, vLLM 0.26's): one launch decision for the kernels a fused site is in.
+
+On CUDA a site that is not a monitor site is plain tensor ops (:func:`.ops.steer_add` in
+dynsteer's worker), which Inductor fuses into the next layer's add + RMSNorm kernel. Inductor
+writes that kernel as a *looped* reduction: each program walks the row twice in blocks of
+2048 (the sum of squares, then the normalization), storing the steered sum between the loops
+and reading it back. Stock's add + RMSNorm kernels are also written looped, but they are marked
+``add_persistent_rblock``, so their autotuner may pick a persistent config (the whole row in
+registers, one pass), and at decode batches it does. The site kernel's extra loads and stores
+fail that mark's memory-saving test (``TritonKernel.codegen_kernel``: looped bytes at least 1.3x
+persistent), so it runs looped with no alternative: 3.2 us per kernel against stock's 2.3 at
+batch 32 of an 8B shape on an H200, 29 kernels per decode step (``benchmarks/RESULTS.md``,
+sessions 32-34).
+
+The choice between a persistent and a looped reduction is Inductor's extension point
+``InductorChoices.should_use_persistent_reduction``. :func:`install` wraps the handler in place
+so that a reduction kernel holding a node traced inside the named function (its FX origins'
+stack traces) is persistent when its row is at most ``max_row`` elements; every other kernel is
+the wrapped handler's decision, so a kernel with no site in it is compiled as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_BASE = "_dynsteer_base"
+
+
+def install(function: str, max_row: int) -> None:
+    """Make reduction kernels that hold code traced in ``function`` (a function name, as a
+    stack trace prints it) persistent up to ``max_row`` elements per row, in this process.
+    Idempotent; a later call's arguments replace the earlier ones.
+
+    Inductor makes its handler lazily, once per thread, from ``inductor_choices_class``: set
+    there for threads that have not made theirs yet, and as this thread's handler."""
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+
+    configured = config.inductor_choices_class
+    base = getattr(configured, _BASE, configured) or InductorChoices
+    choices = _persistent_sites(base, f", in {function}\n", max_row)
+    config.inductor_choices_class = choices
+    V.set_choices_handler(choices())
+
+
+def _persistent_sites(base: Any, frame: str, max_row: int) -> Any:
+    """A subclass of the handler class ``base`` that answers
+    ``should_use_persistent_reduction`` as :func:`install` says."""
+
+    class PersistentSites(base):  # type: ignore[misc, valid-type]
+        def should_use_persistent_reduction(self, features: Any,
+                                            cooperative_reduction: bool) -> bool:
+            if not cooperative_reduction and _holds(features, frame) and _fits(features, max_row):
+                return True
+            return super().should_use_persistent_reduction(features, cooperative_reduction)
+
+    setattr(PersistentSites, _BASE, base)
+    return PersistentSites
+
+
+def _holds(features: Any, frame: str) -> bool:
+    """Whether a kernel's nodes include one traced inside the function of ``frame``."""
+    for node in features.scheduler_nodes():
+        for trace in node.node.get_stack_traces():
+            if frame in trace + "\n":
+                return True
+    return False
+
+
+def _fits(features: Any, max_row: int) -> bool:
+    from torch._inductor.virtualized import V
+
+    return bool(V.graph.sizevars.statically_known_leq(features.reduction_numel, max_row))
