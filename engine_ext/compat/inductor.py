@@ -21,42 +21,56 @@ the wrapped handler's decision, so a kernel with no site in it is compiled as be
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, ClassVar
 
-_BASE = "_dynsteer_base"
+from torch._inductor import config
+from torch._inductor.choices import InductorChoices
+from torch._inductor.virtualized import V
+
+logger = logging.getLogger(__name__)
+
+
+class PersistentSites(InductorChoices):
+    """Inductor's choices, but a reduction kernel that holds a node traced inside
+    :attr:`function` is persistent when its row is at most :attr:`max_row` elements.
+
+    A module-level class with its settings on the class: Inductor keeps its configuration,
+    this class included, in the compiled artifact vLLM pickles for its compile cache, and
+    torch's cache key asks the handler for :meth:`uuid`."""
+
+    function: ClassVar[str] = ""
+    max_row: ClassVar[int] = 0
+
+    def uuid(self) -> str:
+        return f"dynsteer.persistent-sites:{self.function}:{self.max_row}"
+
+    def should_use_persistent_reduction(self, features: Any,
+                                        cooperative_reduction: bool) -> bool:
+        if not cooperative_reduction and _holds(features, f", in {self.function}\n") \
+                and V.graph.sizevars.statically_known_leq(features.reduction_numel,
+                                                          self.max_row):
+            return True
+        return super().should_use_persistent_reduction(features, cooperative_reduction)
 
 
 def install(function: str, max_row: int) -> None:
     """Make reduction kernels that hold code traced in ``function`` (a function name, as a
-    stack trace prints it) persistent up to ``max_row`` elements per row, in this process.
-    Idempotent; a later call's arguments replace the earlier ones.
+    stack trace prints it) persistent up to ``max_row`` elements per row, in this process; a
+    later call's arguments replace the earlier ones. Where another choices class is configured
+    already, it is left alone (the site kernels are then Inductor's as before).
 
     Inductor makes its handler lazily, once per thread, from ``inductor_choices_class``: set
     there for threads that have not made theirs yet, and as this thread's handler."""
-    from torch._inductor import config
-    from torch._inductor.choices import InductorChoices
-    from torch._inductor.virtualized import V
-
     configured = config.inductor_choices_class
-    base = getattr(configured, _BASE, configured) or InductorChoices
-    choices = _persistent_sites(base, f", in {function}\n", max_row)
-    config.inductor_choices_class = choices
-    V.set_choices_handler(choices())
-
-
-def _persistent_sites(base: Any, frame: str, max_row: int) -> Any:
-    """A subclass of the handler class ``base`` that answers
-    ``should_use_persistent_reduction`` as :func:`install` says."""
-
-    class PersistentSites(base):  # type: ignore[misc, valid-type]
-        def should_use_persistent_reduction(self, features: Any,
-                                            cooperative_reduction: bool) -> bool:
-            if not cooperative_reduction and _holds(features, frame) and _fits(features, max_row):
-                return True
-            return super().should_use_persistent_reduction(features, cooperative_reduction)
-
-    setattr(PersistentSites, _BASE, base)
-    return PersistentSites
+    if configured not in (None, PersistentSites):
+        logger.warning("dynsteer: Inductor's choices are %r already; the kernels sites are "
+                       "fused into keep Inductor's launch decision", configured)
+        return
+    PersistentSites.function = function
+    PersistentSites.max_row = max_row
+    config.inductor_choices_class = PersistentSites
+    V.set_choices_handler(PersistentSites())
 
 
 def _holds(features: Any, frame: str) -> bool:
@@ -66,9 +80,3 @@ def _holds(features: Any, frame: str) -> bool:
             if frame in trace + "\n":
                 return True
     return False
-
-
-def _fits(features: Any, max_row: int) -> bool:
-    from torch._inductor.virtualized import V
-
-    return bool(V.graph.sizevars.statically_known_leq(features.reduction_numel, max_row))

@@ -1,0 +1,203 @@
+"""``compat.inductor.install``: the reduction kernel a fused site is in is written persistent,
+every other kernel as Inductor writes it.
+
+The product reason (``engine_ext/compat/inductor.py``'s docstring): Inductor fuses a site
+(:func:`dynsteer.engine_ext.worker.ops.steer_add`) into the next add + RMSNorm and writes that
+kernel as a *looped* reduction (two walks over the row in blocks), with no persistent config to
+autotune to, so it runs slower than stock's norms, which may run one pass over the row. With
+``install`` the site's kernel is one pass over the row too (a ``triton_per_`` kernel).
+
+The kernels are real Inductor output, generated without a GPU: with
+``cpu_backend="triton"`` Inductor writes Triton kernels for CPU tensors, and only the Triton
+compile that follows needs a backend (none here: the compile fails after the code is written,
+and the test reads the kernels from its own Inductor cache folder). The graph is vLLM's native
+fused add + RMSNorm twice, at hidden size 4096 with a dynamic token count as vLLM compiles it:
+once with a stand-in :func:`steer_add` (a row gather and add, traced inside a function of that
+name) on its input, once plain. On torch 2.13 (this venv), without ``install`` both kernels are
+looped (``triton_red_``, ``for r0_offset in``).
+
+Inductor's FX graph cache stays on (each compile in a folder of its own): torch 2.13 asks
+``inductor_choices_class`` for a ``uuid()`` to key that cache, and vLLM pickles Inductor's
+configuration, the class included, into its compile cache (session 34: a class made inside a
+function failed there). The test leaves Inductor's choices, config and cache folder as it found
+them.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dynsteer.engine_ext.compat import inductor
+
+HIDDEN = 4096
+TOKENS = 4
+ROWS = 8
+
+
+def steer_add(x: torch.Tensor, index: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The fused site's form (``ops.steer_add``): each token's row of ``table``, added in fp32."""
+    n = x.shape[0]
+    return (x.float() + table[index[:n].long()]).to(x.dtype)
+
+
+def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's native fused add + RMSNorm (fp32 math): the normalized row and the new residual."""
+    s = x.float() + residual.float()
+    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()
+    return normed.to(x.dtype), s.to(x.dtype)
+
+
+def _forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor,
+             residual2: torch.Tensor, weight2: torch.Tensor, index: torch.Tensor,
+             table: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """A norm with the site on its input, and a plain one (no buffer shared between them)."""
+    return (_add_rms_norm(steer_add(x, index, table), residual, weight),
+            _add_rms_norm(x2, residual2, weight2))
+
+
+def _inputs() -> list[torch.Tensor]:
+    bf16 = torch.bfloat16
+    inputs = [torch.randn(TOKENS, HIDDEN, dtype=bf16), torch.randn(TOKENS, HIDDEN, dtype=bf16),
+              torch.randn(HIDDEN, dtype=bf16), torch.randn(TOKENS, HIDDEN, dtype=bf16),
+              torch.randn(TOKENS, HIDDEN, dtype=bf16), torch.randn(HIDDEN, dtype=bf16),
+              torch.zeros(64, dtype=torch.int32), torch.randn(ROWS, HIDDEN)]
+    for tokens in (inputs[0], inputs[1], inputs[3], inputs[4]):
+        torch._dynamo.mark_dynamic(tokens, 0)  # vLLM compiles for any number of tokens
+    return inputs
+
+
+def _kernel_sources(text: str) -> list[str]:
+    """The Triton kernels a file of Inductor's cache holds: a kernel file, or the module that
+    inlines its kernels as ``async_compile.triton(name, source)``."""
+    found = [text] if "@triton.jit" in text and "async_compile.triton(" not in text else []
+    for node in ast.walk(ast.parse(text)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "triton" and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            found.append(node.args[1].value)
+    return found
+
+
+def _reductions(cache: Path) -> dict[str, str]:
+    """Every reduction kernel under an Inductor cache folder: its name and its source."""
+    kernels: dict[str, str] = {}
+    for path in sorted(cache.rglob("*.py")):
+        for source in _kernel_sources(path.read_text(errors="replace")):
+            for node in ast.parse(source).body:
+                if isinstance(node, ast.FunctionDef) and node.name.startswith(
+                        ("triton_red_", "triton_per_")):
+                    kernels.setdefault(node.name, source)
+    return kernels
+
+
+def _generate(cache: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, dict[str, str]]:
+    """Compile :func:`_forward` with Inductor's current choices into ``cache``: the site's
+    kernel, the plain norm's kernel, and every reduction kernel's source by name."""
+    from torch._inductor import config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    torch._dynamo.reset()
+    with config.patch(cpu_backend="triton", compile_threads=1):
+        try:
+            torch.compile(_forward, fullgraph=True)(*_inputs())
+        except Exception as e:  # the Triton compile, after the code is written
+            if "compatible backends" not in str(e):
+                raise
+    kernels = _reductions(cache)
+    site = [name for name in kernels if "_index_" in name]  # the row gather is in its name
+    plain = [name for name in kernels if name not in site]
+    assert len(site) == 1 and len(plain) == 1, sorted(kernels)
+    return site[0], plain[0], kernels
+
+
+@pytest.fixture
+def codegen(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Inductor generating Triton code without a backend; its choices restored afterwards."""
+    pytest.importorskip("triton")
+    import torch._inductor.codegen.triton as triton_codegen
+    import torch.utils._triton as torch_triton
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    # The generated code's header asks for the backend's hash, the only backend call before
+    # the Triton compile.
+    monkeypatch.setattr(torch_triton, "triton_hash_with_backend", lambda: "no-backend")
+    if hasattr(triton_codegen, "triton_hash_with_backend"):  # torch 2.11 imports it by name
+        monkeypatch.setattr(triton_codegen, "triton_hash_with_backend", lambda: "no-backend")
+    configured, handler = config.inductor_choices_class, V.choices
+    settings = inductor.PersistentSites.function, inductor.PersistentSites.max_row
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+        config.inductor_choices_class = configured
+        V.set_choices_handler(handler)
+        inductor.PersistentSites.function, inductor.PersistentSites.max_row = settings
+
+
+def _looped(source: str) -> bool:
+    return "for r0_offset in" in source
+
+
+def test_site_kernel_is_persistent_and_the_plain_norm_unchanged(
+        codegen: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    site, plain, stock = _generate(tmp_path / "stock", monkeypatch)
+    assert site.startswith("triton_red_") and _looped(stock[site])
+    assert plain.startswith("triton_red_") and _looped(stock[plain])
+
+    inductor.install("steer_add", 16384)
+    persistent_site, same_plain, installed = _generate(tmp_path / "installed", monkeypatch)
+    assert persistent_site == site.replace("triton_red_", "triton_per_", 1)
+    assert not _looped(installed[persistent_site])
+    assert same_plain == plain
+    assert installed[plain] == stock[plain]  # byte for byte: decorator, configs, loops
+
+
+def test_a_row_longer_than_max_row_stays_looped(
+        codegen: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    inductor.install("steer_add", HIDDEN // 2)
+    assert config.inductor_choices_class is inductor.PersistentSites  # installed, yet:
+    assert type(V.choices) is inductor.PersistentSites
+    site, plain, kernels = _generate(tmp_path, monkeypatch)
+    assert site.startswith("triton_red_") and _looped(kernels[site])
+    assert plain.startswith("triton_red_") and _looped(kernels[plain])
+
+
+def test_a_later_install_replaces_the_settings_and_the_class_pickles_by_name(
+        codegen: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._inductor import config
+
+    inductor.install("steer_add", 16384)
+    first = config.inductor_choices_class().uuid()
+    inductor.install("steer_add", HIDDEN // 2)  # the later call's max_row wins
+    assert config.inductor_choices_class().uuid() != first
+    assert pickle.loads(pickle.dumps(config.inductor_choices_class)) is inductor.PersistentSites
+    site, _, kernels = _generate(tmp_path, monkeypatch)
+    assert site.startswith("triton_red_") and _looped(kernels[site])
+
+
+def test_another_choices_class_is_left_alone(
+        codegen: None, caplog: pytest.LogCaptureFixture) -> None:
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+
+    class Theirs(InductorChoices):
+        pass
+
+    config.inductor_choices_class = Theirs
+    with caplog.at_level(logging.WARNING):
+        inductor.install("steer_add", 16384)
+    assert config.inductor_choices_class is Theirs
+    assert "keep Inductor's launch decision" in caplog.text
