@@ -63,6 +63,13 @@ class EngineOptions(BaseModel):
     its group of consecutive sites (a row steering layer 16 is read at one or two sites, not
     at every one). False compiles the form before the groups (a steered token's row read at
     every site, zeros included), kept to measure them against."""
+    persistent_sites: bool = True
+    """Whether, on CUDA, the kernel a fused site is in (the next layer's add + RMSNorm, written
+    by Inductor) is a persistent reduction, one pass over the row as stock's norms run. False
+    leaves the launch to Inductor, which writes that kernel looped, with no persistent config
+    to autotune to (3.2 us per kernel against 2.3 at batch 32 of an 8B shape on an H200;
+    ``benchmarks/RESULTS.md``, session 34); kept to measure against. See
+    :mod:`dynsteer.engine_ext.compat.inductor`."""
     fused_norms: bool = False
     """Whether a site whose stream the next RMSNorm adds (``post_block``, ``post_attn``) runs
     in that norm's kernel on CUDA (``dynsteer::steer_norm``: one kernel for the site and the

@@ -47,7 +47,7 @@ after it as two ops, as before session 26 (the site fused by Inductor into the n
 kernel), instead of ``dynsteer::steer_norm``. The ``steer_add`` variants above only reach the
 engine that way: with the default, ``current`` measures the sites in their norms' kernel.
 
-``--looped-sites`` compiles without :mod:`dynsteer.engine_ext.compat.inductor` (session 34: the
+``--looped-sites`` starts the engine with ``persistent_sites: false`` (session 34: by default the
 kernels sites are fused into are persistent reductions; before, Inductor wrote them looped).
 
 ``--code DIR`` keeps Inductor's generated code (its cache directory) under ``DIR``, to diff
@@ -80,7 +80,6 @@ import launches
 from overhead import LLAMA_8B
 from site_cost import gate_masked_add, inductor_settings
 
-from dynsteer.engine_ext.compat import inductor as inductor_choices
 from dynsteer.engine_ext.worker import ops, sites
 
 
@@ -247,15 +246,13 @@ def main() -> None:
     parser.add_argument("--unfused-norm", action="store_true",
                         help="the site, then the norm (not dynsteer::steer_norm)")
     parser.add_argument("--looped-sites", action="store_true",
-                        help="leave the site kernels' launch to Inductor (compat.inductor off)")
+                        help="engine option persistent_sites false (Inductor's own launch)")
     parser.add_argument("--trace-realize", action="store_true",
                         help="print the values Inductor stores, and why (trace_realize)")
     args = parser.parse_args()
     if args.trace_realize:
         trace_realize()
     inductor = inductor_settings(args.inductor)
-    if args.looped_sites:
-        inductor_choices.install = lambda *_: None
     name = "-".join(["idle", args.variant, *(["unfused"] if args.unfused_norm else []),
                      *(["looped"] if args.looped_sites else []),
                      *(f"{k}{v}" for k, v in inductor.items())])
@@ -266,7 +263,8 @@ def main() -> None:
     path = Path(tempfile.mkdtemp()) / "llama32"
     path.mkdir()
     (path / "config.json").write_text(json.dumps(LLAMA_8B))
-    options = {"fused_norms": False} if args.unfused_norm else {}
+    options = {**({"fused_norms": False} if args.unfused_norm else {}),
+               **({"persistent_sites": False} if args.looped_sites else {})}
     llm = launches.start(path, options, 0.8, inductor)
     result = launches.per_step(llm, None, args.batch)
     print(f"{name}: {result['kernels']:.1f} kernels, {result['kernel_us']:.1f} GPU us per step")

@@ -201,3 +201,18 @@ def test_another_choices_class_is_left_alone(
         inductor.install("steer_add", 16384)
     assert config.inductor_choices_class is Theirs
     assert "keep Inductor's launch decision" in caplog.text
+
+
+def test_remove_gives_inductor_its_own_choices_again(
+        codegen: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine with ``persistent_sites: false`` started after one with it on, in the same
+    process: its site kernel is Inductor's looped one again."""
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    inductor.install("steer_add", 16384)
+    inductor.remove()
+    assert config.inductor_choices_class is None
+    assert not isinstance(V.choices, inductor.PersistentSites)
+    site, _, kernels = _generate(tmp_path, monkeypatch)
+    assert site.startswith("triton_red_") and _looped(kernels[site])

@@ -56,9 +56,10 @@ class PersistentSites(InductorChoices):
 
 def install(function: str, max_row: int) -> None:
     """Make reduction kernels that hold code traced in ``function`` (a function name, as a
-    stack trace prints it) persistent up to ``max_row`` elements per row, in this process; a
-    later call's arguments replace the earlier ones. Where another choices class is configured
-    already, it is left alone (the site kernels are then Inductor's as before).
+    stack trace prints it) persistent up to ``max_row`` elements per row, in this process, for
+    what compiles next; a later call's arguments replace the earlier ones. Where another
+    choices class is configured already, it is left alone (the site kernels are then
+    Inductor's as before).
 
     Inductor makes its handler lazily, once per thread, from ``inductor_choices_class``: set
     there for threads that have not made theirs yet, and as this thread's handler."""
@@ -71,6 +72,17 @@ def install(function: str, max_row: int) -> None:
     PersistentSites.max_row = max_row
     config.inductor_choices_class = PersistentSites
     V.set_choices_handler(PersistentSites())
+
+
+def remove() -> None:
+    """Undo :func:`install` for what compiles next in this process (an engine started with
+    ``persistent_sites: false`` after one with it on, as the benchmarks do): Inductor's own
+    choices again, and a configuration without the class, so no compile cache entry of the
+    persistent kernels matches."""
+    if config.inductor_choices_class is PersistentSites:
+        config.inductor_choices_class = None
+    if isinstance(V.choices, PersistentSites):
+        V.set_choices_handler(InductorChoices())
 
 
 def _holds(features: Any, frame: str) -> bool:
