@@ -16,5 +16,7 @@ component it adapts; each calls dynsteer back through the small callback interfa
 * :mod:`.server`: vLLM's OpenAI server entry point and version.
 * :mod:`.compile_cache`: vLLM 0.32's CPU build never reloads its own compile cache; a no-op
   method makes it (10-40 s saved per engine start).
+* :mod:`.inductor`: torch Inductor's launch decision for the kernels fused sites are in (a
+  persistent reduction, as stock's norms run, instead of the looped one Inductor writes).
 * :mod:`.patching`: replace an attribute once, patch a module only when something imports it.
 """
