@@ -13,7 +13,7 @@ from ..compat import model as vllm_model
 from ..compat import worker as vllm_worker
 from ..options import EngineOptions, options_from_additional_config
 from .events import EngineEvents, EventPublisher
-from .ops import MAX_NORM_ROW, steer_add
+from .ops import PERSISTENT_SITE_ROW, steer_add
 from .sites import install_sites
 from .state import SteeringState
 
@@ -89,7 +89,7 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
                     "vLLM fuses those norms itself here: %s", ", ".join(facts.norm_passes))
     if facts.device.type == "cuda" and options.persistent_sites:
         # The kernels fused sites are in: one pass over the row, as stock's norms (compat/inductor).
-        inductor.install(steer_add.__name__, MAX_NORM_ROW)
+        inductor.install(steer_add.__name__, PERSISTENT_SITE_ROW)
     elif facts.device.type == "cuda":
         inductor.remove()
     installed = install_sites(facts.model, state.site_buffers(), fuse_norms)

@@ -186,6 +186,12 @@ class SteerBuffers(NamedTuple):
 MAX_NORM_ROW = 16384
 """The widest row ``dynsteer::steer_norm`` normalizes on CUDA (one block of at most 32 warps
 holds the row)."""
+PERSISTENT_SITE_ROW = 4096
+"""The widest row whose fused site's kernel is asked to be a persistent reduction (engine
+option ``persistent_sites``, :mod:`dynsteer.engine_ext.compat.inductor`). Inductor launches a
+persistent kernel with at most 8 warps up to 8192 elements (16 elements a thread at 4096, 32
+at 8192, where stock's persistent norm configs keep 16); measured at 4096 only (session 34), so
+wider rows keep Inductor's looped kernel until a measurement says otherwise."""
 _BUFFER_ARGS = "".join(f"Tensor {f}, " for f in SteerBuffers._fields)
 STEER_SCHEMA = f"(Tensor x, Tensor? h, {_BUFFER_ARGS}int site) -> Tensor"
 """The op's schema, derived from :class:`SteerBuffers` (nothing declared as mutated: see the
