@@ -36,11 +36,17 @@ tell the parts apart. Variants (none steers anything here: every token is on row
 
 * ``plain-rows``: the token's row read from an index row of its own, with no site-group
   arithmetic (the op count a per-group row index, filled once per step, would give the site;
-  idle entries are 0 either way, so this is exact for idle traffic). Still tied to ``h``.
+  idle entries are 0 either way, so this is exact for idle traffic). Still tied to ``h``
+  (session 34, looped kernels: 3.20 us per kernel against current's 3.17, 8 direct loads; the
+  mask no longer stored, the steered value still).
 
 ``--trace-realize`` prints each value Inductor stores and the rule that asked (session 33: on
 CUDA the site's ``keep`` mask, 34 ops, and the steered residual, 31 ops, both past
 ``realize_opcount_threshold`` 30).
+Session 34 raised that threshold (``--inductor realize_opcount_threshold=80``): 7 direct loads,
+yet still only the looped config (3.04 us per kernel), since the persistent one is offered only
+where it saves enough memory traffic; the engine option ``persistent_sites`` (default) asks
+Inductor for a persistent kernel outright (2.29 us).
 
 ``--unfused-norm`` starts the engine with ``fused_norms: false``: each site and the norm
 after it as two ops, as before session 26 (the site fused by Inductor into the norm's
