@@ -16,6 +16,9 @@ once with a stand-in :func:`steer_add` (a row gather and add, traced inside a fu
 name) on its input, once plain. On torch 2.13 (this venv), without ``install`` both kernels are
 looped (``triton_red_``, ``for r0_offset in``).
 
+The last test runs the kernels Inductor writes for the real site (``ops.steer_add`` and the
+norm after it), looped and persistent, in Triton's CPU interpreter against float64.
+
 Inductor's FX graph cache stays on (each compile in a folder of its own): torch 2.13 asks
 ``inductor_choices_class`` for a ``uuid()`` to key that cache, and vLLM pickles Inductor's
 configuration, the class included, into its compile cache (session 34: a class made inside a
@@ -216,3 +219,84 @@ def test_remove_gives_inductor_its_own_choices_again(
     assert not isinstance(V.choices, inductor.PersistentSites)
     site, _, kernels = _generate(tmp_path, monkeypatch)
     assert site.startswith("triton_red_") and _looped(kernels[site])
+
+
+INTERPRETED_SITE = """
+import json, os, sys, tempfile
+sys.path.insert(0, {tests!r})
+import torch
+import triton.language as tl
+import torch._inductor.codegen.triton as triton_codegen
+import torch.utils._triton as torch_triton
+from torch._inductor import config
+from torch._inductor.runtime import triton_helpers
+from test_inductor_choices import INTERPRETED_CASES
+from test_steer_norm import EPS, GROUP_BIT, grouped, inputs
+from dynsteer.engine_ext.compat import inductor
+from dynsteer.engine_ext.worker import ops
+
+# No backend here: the header's hash only. Two libdevice calls the interpreter lacks, as tl ops.
+torch_triton.triton_hash_with_backend = lambda: "interpreter"
+if hasattr(triton_codegen, "triton_hash_with_backend"):
+    triton_codegen.triton_hash_with_backend = torch_triton.triton_hash_with_backend
+triton_helpers.libdevice.isnan = lambda v: v != v
+triton_helpers.libdevice.rsqrt = lambda v: tl.rsqrt(v)
+
+
+def site_then_norm(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj_gram, weight):
+    steered = ops.steer_add(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj_gram,
+                            GROUP_BIT)
+    return ops.rms_norm_after(steered, h, weight, EPS)
+
+
+out = []
+for tokens, hidden, dtype, persistent in INTERPRETED_CASES:
+    cache = tempfile.mkdtemp()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    torch._dynamo.reset()
+    if persistent:
+        inductor.install("steer_add", hidden)
+    else:
+        inductor.remove()
+    x, h, b, weight = inputs(tokens, hidden, getattr(torch, dtype), tokens + hidden, False)
+    b = grouped(b)
+    with config.patch(cpu_backend="triton", compile_threads=1):
+        normed, stream = torch.compile(site_then_norm, fullgraph=True)(
+            x, h, b.index, b.gate_score, b.table, b.dyn, b.proj_dir, b.proj_par, b.proj_gram,
+            weight)
+    sources = [open(os.path.join(d, f)).read() for d, _, fs in os.walk(cache) for f in fs
+               if f.endswith(".py")]
+    kinds = sorted({{kind for s in sources for kind in ("triton_per_", "triton_red_")
+                    if "def " + kind in s and "isnan" in s}})
+    out.append([normed.float().tolist(), stream.float().tolist(), kinds])
+print(json.dumps(out))
+"""
+
+INTERPRETED_CASES = ((5, 4096, "bfloat16", False), (5, 4096, "bfloat16", True),
+                     (3, 4096, "float32", True))
+"""``(tokens, hidden, dtype, persistent)``: the site kernel as Inductor writes it (looped at
+4096) and as :func:`inductor.install` has it written (persistent), in bfloat16 as the GPU runs
+it and in float32."""
+
+
+def test_the_site_kernels_inductor_writes_match_float64_in_the_interpreter() -> None:
+    """Inductor's own Triton code for a fused site and the add + RMSNorm after it
+    (``ops.steer_add`` with site groups, then ``ops.rms_norm_after``), looped and persistent, run
+    by Triton's CPU interpreter, against float64: the persistent kernel that ``install`` asks
+    for computes what the looped one did (only the sum of squares is added in another order).
+    Both tiers, gates earlier sites wrote, unsteered tokens and a token whose row steers
+    another group of sites (:func:`test_steer_norm.grouped`)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():  # the GPU image's Triton 3.6 interpreter cannot run it
+        pytest.skip("on a GPU, experiments/gpu_check.py runs the engine's kernels compiled")
+    from test_steer_norm import check, grouped, inputs, norm_reference, ungrouped
+    from triton_interpreter import run_interpreted
+
+    got = run_interpreted(INTERPRETED_SITE)
+    for (tokens, hidden, dtype, persistent), (normed, stream, kinds) in zip(
+            INTERPRETED_CASES, got, strict=True):
+        assert kinds == ["triton_per_" if persistent else "triton_red_"]
+        x, h, b, weight = inputs(tokens, hidden, getattr(torch, dtype), tokens + hidden, False)
+        want = norm_reference(x, h, ungrouped(grouped(b)), weight)
+        check(torch.tensor(normed), torch.tensor(stream), b.gate_score, want, tokens, x.dtype,
+              monitored=False)
