@@ -250,8 +250,9 @@ def site_then_norm(x, h, index, gate_score, table, dyn, proj_dir, proj_par, proj
 
 
 out = []
-for tokens, hidden, dtype, persistent in INTERPRETED_CASES:
-    cache = tempfile.mkdtemp()
+caches = tempfile.TemporaryDirectory()
+for case, (tokens, hidden, dtype, persistent) in enumerate(INTERPRETED_CASES):
+    cache = os.path.join(caches.name, str(case))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     torch._dynamo.reset()
     if persistent:
@@ -269,6 +270,7 @@ for tokens, hidden, dtype, persistent in INTERPRETED_CASES:
     kinds = sorted({{kind for s in sources for kind in ("triton_per_", "triton_red_")
                     if "def " + kind in s and "isnan" in s}})
     out.append([normed.float().tolist(), stream.float().tolist(), kinds])
+caches.cleanup()
 print(json.dumps(out))
 """
 
