@@ -47,9 +47,8 @@ class PersistentSites(InductorChoices):
 
     def should_use_persistent_reduction(self, features: Any,
                                         cooperative_reduction: bool) -> bool:
-        if not cooperative_reduction and _holds(features, f", in {self.function}\n") \
-                and V.graph.sizevars.statically_known_leq(features.reduction_numel,
-                                                          self.max_row):
+        fits = V.graph.sizevars.statically_known_leq(features.reduction_numel, self.max_row)
+        if not cooperative_reduction and fits and _holds(features, f", in {self.function}\n"):
             return True
         return super().should_use_persistent_reduction(features, cooperative_reduction)
 
