@@ -31,11 +31,17 @@ from __future__ import annotations
 import ast
 import logging
 import pickle
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+from site_codegen import _kernel_sources
+from triton_interpreter import require_interpreter
 
 from dynsteer.engine_ext.compat import inductor
 
@@ -77,23 +83,11 @@ def _inputs() -> list[torch.Tensor]:
     return inputs
 
 
-def _kernel_sources(text: str) -> list[str]:
-    """The Triton kernels a file of Inductor's cache holds: a kernel file, or the module that
-    inlines its kernels as ``async_compile.triton(name, source)``."""
-    found = [text] if "@triton.jit" in text and "async_compile.triton(" not in text else []
-    for node in ast.walk(ast.parse(text)):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "triton" and len(node.args) >= 2
-                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
-            found.append(node.args[1].value)
-    return found
-
-
 def _reductions(cache: Path) -> dict[str, str]:
     """Every reduction kernel under an Inductor cache folder: its name and its source."""
     kernels: dict[str, str] = {}
     for path in sorted(cache.rglob("*.py")):
-        for source in _kernel_sources(path.read_text(errors="replace")):
+        for source in _kernel_sources(path):
             for node in ast.parse(source).body:
                 if isinstance(node, ast.FunctionDef) and node.name.startswith(
                         ("triton_red_", "triton_per_")):
@@ -226,19 +220,16 @@ import json, os, sys, tempfile
 sys.path.insert(0, {tests!r})
 import torch
 import triton.language as tl
-import torch._inductor.codegen.triton as triton_codegen
-import torch.utils._triton as torch_triton
 from torch._inductor import config
 from torch._inductor.runtime import triton_helpers
-from test_inductor_choices import INTERPRETED_CASES
+from test_inductor_choices import INTERPRETED_CASES  # puts experiments/ on the path
+from site_codegen import _codegen_without_gpu
 from test_steer_norm import EPS, GROUP_BIT, grouped, inputs
 from dynsteer.engine_ext.compat import inductor
 from dynsteer.engine_ext.worker import ops
 
-# No backend here: the header's hash only. Two libdevice calls the interpreter lacks, as tl ops.
-torch_triton.triton_hash_with_backend = lambda: "interpreter"
-if hasattr(triton_codegen, "triton_hash_with_backend"):
-    triton_codegen.triton_hash_with_backend = torch_triton.triton_hash_with_backend
+_codegen_without_gpu()  # no backend here: the header's hash only
+# Two libdevice calls the interpreter lacks, as tl ops.
 triton_helpers.libdevice.isnan = lambda v: v != v
 triton_helpers.libdevice.rsqrt = lambda v: tl.rsqrt(v)
 
@@ -288,9 +279,7 @@ def test_the_site_kernels_inductor_writes_match_float64_in_the_interpreter() -> 
     for computes what the looped one did (only the sum of squares is added in another order).
     Both tiers, gates earlier sites wrote, unsteered tokens and a token whose row steers
     another group of sites (:func:`test_steer_norm.grouped`)."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():  # the GPU image's Triton 3.6 interpreter cannot run it
-        pytest.skip("on a GPU, experiments/gpu_check.py runs the engine's kernels compiled")
+    require_interpreter("experiments/gpu_check.py runs the engine's kernels compiled")
     from test_steer_norm import check, grouped, inputs, norm_reference, ungrouped
     from triton_interpreter import run_interpreted
 

@@ -199,10 +199,9 @@ print(json.dumps(out))
 def test_steer_kernel_matches_float64_in_the_interpreter():
     """The CUDA kernel (``_steer_kernel``), run by Triton's CPU interpreter, against float64:
     monitor, gate, both tiers, two projection slots and capture, with and without ``h``."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():  # the GPU image's Triton 3.6 interpreter cannot run it
-        pytest.skip("on a GPU, test_steer_matches_float64 runs the kernel compiled")
-    from triton_interpreter import run_interpreted
+    from triton_interpreter import require_interpreter, run_interpreted
+
+    require_interpreter("test_steer_matches_float64 runs the kernel compiled")
 
     got = run_interpreted(INTERPRETED)
     for (tokens, hidden, dtype, with_h), (out, gate_score, capture) in zip(

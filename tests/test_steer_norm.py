@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_ops import DEVICES, SITE, make_inputs, on, reference
-from triton_interpreter import run_interpreted
+from triton_interpreter import require_interpreter, run_interpreted
 
 from dynsteer.engine_ext.worker import ops
 
@@ -121,9 +121,7 @@ def test_steer_norm_kernel_matches_float64_in_the_interpreter():
     """The CUDA kernel's code (the ``NORM`` form of ``_steer_kernel``), run by Triton's CPU
     interpreter, against float64; compiled without the monitor, it captures nothing; with a
     site bit, a token whose entry lacks it reads no row."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():  # the GPU image's Triton 3.6 interpreter cannot run it
-        pytest.skip("on a GPU, test_steer_norm_matches_float64 runs the kernel compiled")
+    require_interpreter("test_steer_norm_matches_float64 runs the kernel compiled")
     got = run_interpreted(INTERPRETED)
     for (tokens, hidden, dtype, monitor, groups), (normed, stream, gate_score, untouched) in zip(
             INTERPRETED_CASES, got, strict=True):

@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
 
 def run_interpreted(script: str) -> Any:
     """Run ``script`` (``{tests}`` is replaced by this folder, for its imports) with
@@ -19,3 +22,12 @@ def run_interpreted(script: str) -> Any:
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
+
+
+def require_interpreter(on_gpu: str) -> None:
+    """Skip unless Triton's CPU interpreter can run here: Triton is installed and there is no
+    GPU (the GPU image's Triton 3.6 interpreter cannot run the kernels; ``on_gpu`` says what
+    checks them compiled there instead)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip(f"on a GPU, {on_gpu}")
