@@ -13,10 +13,11 @@ batch 32 of an 8B shape on an H200, 29 kernels per decode step (``benchmarks/RES
 sessions 32-34).
 
 The choice between a persistent and a looped reduction is Inductor's extension point
-``InductorChoices.should_use_persistent_reduction``. :func:`install` wraps the handler in place
-so that a reduction kernel holding a node traced inside the named function (its FX origins'
-stack traces) is persistent when its row is at most ``max_row`` elements; every other kernel is
-the wrapped handler's decision, so a kernel with no site in it is compiled as before.
+``InductorChoices.should_use_persistent_reduction``. :func:`install` configures a subclass
+(:class:`PersistentSites`) whose answer is "persistent" for a reduction kernel holding a node
+traced inside the named function (its FX origins' stack traces) when its row is at most
+``max_row`` elements; every other kernel gets Inductor's own answer, so a kernel with no site
+in it is compiled as before.
 """
 
 from __future__ import annotations

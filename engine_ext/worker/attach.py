@@ -87,11 +87,11 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
     if options.fused_norms and facts.norm_passes and facts.device.type == "cuda":
         logger.info("dynsteer: sites stay out of the RMSNorm kernels (fused_norms), since "
                     "vLLM fuses those norms itself here: %s", ", ".join(facts.norm_passes))
-    if facts.device.type == "cuda" and options.persistent_sites:
-        # The kernels fused sites are in: one pass over the row, as stock's norms (compat/inductor).
-        inductor.install(steer_add.__name__, PERSISTENT_SITE_ROW)
-    elif facts.device.type == "cuda":
-        inductor.remove()
+    if facts.device.type == "cuda":  # the kernels fused sites are in (compat/inductor)
+        if options.persistent_sites:
+            inductor.install(steer_add.__name__, PERSISTENT_SITE_ROW)
+        else:
+            inductor.remove()
     installed = install_sites(facts.model, state.site_buffers(), fuse_norms)
     vllm_model.relay_between_stages(facts.model, state.gate_score,
                                     vllm_worker.stage_buffers(runner))
