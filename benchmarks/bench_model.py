@@ -58,3 +58,19 @@ def dummy_model(name: str, config: dict[str, Any], files: Iterable[Path] = (),
     except OSError:  # another process put the same folder in place first
         shutil.rmtree(staging)
     return folder
+
+
+def memory_need_gib(config: dict[str, Any], tokens: int, margin_gib: float = 3.0) -> float:
+    """GPU memory one bf16 engine of a Llama-shaped ``config`` needs to hold ``tokens`` tokens
+    of KV cache at once: its weights, that cache, and ``margin_gib`` for activations and CUDA
+    graphs. A benchmark whose engines get less than this either fails at start ("No available
+    memory for the cache blocks") or, worse, preempts requests mid-run and times that."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim", hidden // heads)
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp = 3 * hidden * config["intermediate_size"]
+    embeddings = config["vocab_size"] * hidden * (1 if config["tie_word_embeddings"] else 2)
+    weights = 2 * (layers * (attention + mlp) + embeddings)
+    kv_per_token = 2 * 2 * layers * kv_heads * head_dim
+    return (weights + tokens * kv_per_token) / 2**30 + margin_gib

@@ -79,7 +79,7 @@ admitted request, and the steps whose index the device filled, the host filled o
 path kept) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
-       [--scenarios idle gated ...] [--control --mem 0.28] [--variant JSON]
+       [--scenarios idle gated ...] [--control] [--variant JSON] [--mem 0.3]
        [--autotune vllm|own|shared] [--flip-site-rblock] [--instances 2] [--tp 2]
 """
 
@@ -89,13 +89,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from autotune_choices import EngineChoices, flip_rblock
-from bench_model import dummy_model
+from bench_model import dummy_model, memory_need_gib
 from sigterm import exits_on_sigterm
 from tp_settings import GPU_TP_ENV, GPU_TP_KWARGS
 
@@ -445,6 +446,24 @@ def kind(engine: str, variant_is_plugin: bool = False) -> str:
     return "plugin" if variant_is_plugin and base == "variant" else base
 
 
+def engine_share(given: float | None, engines: int, tp: int,
+                 shapes: list[tuple[str, int, int, int]], gpu_gib: float) -> float:
+    """Each engine's ``gpu_memory_utilization``: ``given`` (``--mem``), else 0.9 shared by the
+    ``engines``. Exits with the fix where that share cannot hold the weights and every
+    sequence of the largest of ``shapes`` (name, batch, prompt, generated) on one of ``tp``
+    GPUs: vLLM would fail at start after minutes of compiling, or preempt requests mid-run."""
+    share = round(0.9 / engines, 3) if given is None else given
+    tokens = max(batch * (prompt + generated) for _, batch, prompt, generated in shapes)
+    need = memory_need_gib(LLAMA_8B, tokens) / tp
+    if share * engines > 0.95 or share * gpu_gib < need:
+        sys.exit(f"--mem {share}: {engines} engines of {share * gpu_gib:.1f} GiB each on this "
+                 f"{gpu_gib:.0f} GiB GPU, where each needs {need:.1f} GiB for the weights and "
+                 f"{tokens} tokens of KV cache (and all together at most 0.95 of the GPU). "
+                 f"Start fewer engines (--instances, --control, --variant), run fewer "
+                 f"tokens at once (--batches, --no-prefill), or use a larger GPU.")
+    return share
+
+
 def instance_plan(plan: list[tuple[str, dict[str, Any] | None]],
                   instances: int) -> list[tuple[str, dict[str, Any] | None]]:
     """``plan`` with its :data:`REPEATED` engines started ``instances`` times, every other
@@ -522,13 +541,16 @@ def main() -> None:
     ap.add_argument("--no-prefill", action="store_true", help="skip the 2048+16 shape")
     ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=SCENARIOS,
                     help="plugin scenarios to run beside stock (fewer: more reps in the time)")
-    ap.add_argument("--mem", type=float, default=0.42, help="gpu_memory_utilization per engine")
+    ap.add_argument("--mem", type=float, default=None,
+                    help="gpu_memory_utilization per engine (default: 0.9 shared by the "
+                         "engines); refused before any engine starts where it cannot hold the "
+                         "largest shape's every sequence")
     ap.add_argument("--control", action="store_true",
                     help="a second stock engine, started last, timed like the others: the "
-                         "method's own bias and noise (an A/A ratio); use --mem 0.28")
+                         "method's own bias and noise (an A/A ratio)")
     ap.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
                     help="engine options of a third engine that runs the plugin scenarios "
-                         "too, compared with the plugin's (use --mem 0.28)")
+                         "too, compared with the plugin's")
     ap.add_argument("--autotune", choices=AUTOTUNE_MODES, default="vllm",
                     help="where engines keep Inductor's kernels and Triton's autotune choices: "
                          "as vLLM does; 'own' (each compiles and tunes for itself: with "
@@ -541,7 +563,7 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=1,
                     help="start stock, plugin (and variant) this many times each, in ABBA "
                          "order, and pool each side's instances (engines of one build differ "
-                         "by up to 0.5%% at batch 1); set --mem to fit them all")
+                         "by up to 0.5%% at batch 1)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel size of every engine (each spans that many GPUs)")
     args = ap.parse_args()
@@ -573,10 +595,16 @@ def main() -> None:
             plan.append(("control", None))
         if "events" in args.scenarios:
             plan.append(("events", {"events_address": EVENTS_ADDRESS, "events_every": 1}))
+        plan = instance_plan(plan, args.instances)
+        shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
+        if not args.no_prefill:
+            shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
+        mem = engine_share(args.mem, len(plan), args.tp, shapes,
+                           torch.cuda.get_device_properties(0).total_memory / 2**30)
         inductor = Path(tmp) / "inductor"
         choices = EngineChoices([inductor])
         t0 = time.time()
-        engines = start_engines(instance_plan(plan, args.instances), path, args.mem,
+        engines = start_engines(plan, path, mem,
                                 args.autotune, inductor, choices, tp=args.tp,
                                 flip_sites=args.flip_site_rblock)
         startup = time.time() - t0
@@ -601,9 +629,6 @@ def main() -> None:
                                    "autotune_mode": args.autotune,
                                    "autotune": choices.report(),
                                    "site_rblock_flipped": choices.flipped, "runs": {}}
-        shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
-        if not args.no_prefill:
-            shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
         runs = engine_runs(list(engines), args.scenarios)
         seed = 0
         clocks = {name: StepClock(llm) for name, llm in engines.items()}

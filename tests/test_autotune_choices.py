@@ -181,3 +181,24 @@ def test_pooled_rows_average_the_instances_of_each_side():
     assert rows["variant/idle vs plugin"]["base"] == ["plugin/idle"]
     assert pooled_rows({"decode_step_s": {"stock/idle": [1.0], "plugin/idle": [1.0]}},
                        variant_is_plugin=False) == {}
+
+
+def test_engine_share_fits_the_engines_or_says_what_to_change():
+    """``overhead.py --mem``: by default 0.9 shared by the engines; a share that cannot hold the
+    8B shape's weights and every sequence of the largest shape exits before any engine starts
+    (session 35: ``--mem 0.15`` on an H100 failed only after the first engine had compiled)."""
+    import pytest
+    from overhead import engine_share
+
+    decode_32 = [("32x128+128", 32, 128, 128)]
+    decode_256 = [("256x128+128", 256, 128, 128)]
+    assert engine_share(None, 2, 1, decode_32, 79.2) == 0.45
+    assert engine_share(0.3, 2, 1, decode_32, 79.2) == 0.3
+    assert engine_share(None, 4, 1, decode_256, 139.8) == 0.225  # two instances a side, H200
+    with pytest.raises(SystemExit, match=r"--mem 0.15: 2 engines of 11.9 GiB .* needs 19.0 GiB"):
+        engine_share(0.15, 2, 1, decode_32, 79.2)
+    with pytest.raises(SystemExit, match="--instances"):
+        engine_share(None, 4, 1, decode_256, 79.2)  # 19.8 GiB each, 26 needed
+    assert engine_share(None, 4, 2, decode_256, 79.2) == 0.225  # TP 2 halves each GPU's share
+    with pytest.raises(SystemExit, match="at most 0.95"):
+        engine_share(0.5, 2, 1, decode_32, 139.8)

@@ -54,3 +54,16 @@ def test_root_argument_and_a_folder_made_meanwhile(tmp_path, monkeypatch):
     (folder / "other").write_text("x")
     assert bench_model.dummy_model("m", CONFIG, root=tmp_path / "fresh") == folder
     assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == [folder.name]
+
+
+def test_memory_need_of_the_8b_shape():
+    """Llama-3-8B: 8.03e9 parameters in bf16 (14.96 GiB) and 128 KiB of KV cache a token."""
+    config = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+              "tie_word_embeddings": False}
+    weights = bench_model.memory_need_gib(config, 0, margin_gib=0)
+    assert abs(weights * 2**30 / 2 - 8.03e9) < 0.01e9
+    per_token = bench_model.memory_need_gib(config, 1, margin_gib=0) - weights
+    assert per_token * 2**30 == 128 * 1024
+    tied = bench_model.memory_need_gib({**config, "tie_word_embeddings": True}, 0, margin_gib=0)
+    assert abs((weights - tied) * 2**30 - 2 * 128256 * 4096) < 1
