@@ -200,5 +200,5 @@ def test_engine_share_fits_the_engines_or_says_what_to_change():
     with pytest.raises(SystemExit, match="--instances"):
         engine_share(None, 4, 1, decode_256, 79.2)  # 19.8 GiB each, 26 needed
     assert engine_share(None, 4, 2, decode_256, 79.2) == 0.225  # TP 2 halves each GPU's share
-    with pytest.raises(SystemExit, match="at most 0.95"):
+    with pytest.raises(SystemExit, match=r"at most 0\.95"):
         engine_share(0.5, 2, 1, decode_32, 139.8)
