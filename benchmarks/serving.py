@@ -21,10 +21,16 @@ by up to 2x from one start to the next (session 29), more than the plugin's cost
 With it, ``--torch-profile STEPS`` traces each server's engine steps (vLLM's profiler) on an
 extra, unmeasured pass over the first segment and compares them with plain vLLM's
 (:mod:`step_trace`): host time and GPU time per admitting and per decode step, kernel by kernel.
+``--warmup REQUESTS`` has each server serve that many requests of another stream (the same mix,
+other prompts) before the measured segments: the first ~20 s of load after the servers start
+ran slower admitting steps than the rest (session 36), and a segment that falls there measures
+the start, not the plugin. The warm-up's latencies are reported on their own (``warmup``),
+beside plain vLLM's, so a start-up cost of the plugin's stays visible.
 
 Usage: python benchmarks/serving.py --out DIR --tokenizer DIR [--rate 16] [--requests 400]
        [--runs vllm,dynsteer[,dynsteer-plain]] [--repeat N | --interleave SEGMENTS --mem 0.42
-       [--torch-profile STEPS]] [--py-spy BIN] [--pin-cpus CPUS [CPUS ...]]
+       [--torch-profile STEPS] [--warmup REQUESTS]] [--py-spy BIN]
+       [--pin-cpus CPUS [CPUS ...]]
 
 ``--pin-cpus`` runs each server (and the engine core it starts) on CPUs of its own, one
 ``taskset -c`` list per server of ``--runs``: placement the same for every server, where under
@@ -58,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import dummy_model
 from overhead import GATED_LAYERS, HIDDEN, LLAMA_8B, MONITOR
 from proc_cpu import Window, describe
+from serving_steps import admitting_step_ms
 from sigterm import exits_on_sigterm
 
 from dynsteer.controller.contract import encode_f32
@@ -82,8 +89,10 @@ MIXES = {"mixed": ("plain", "plain", "static", "gated"), "plain": ("plain",),
 and half plain with half of one steered kind (which tells the kinds' costs apart)."""
 
 
-def requests(n: int, mix: str) -> list[dict[str, Any]]:
-    rng = np.random.default_rng(0)
+def requests(n: int, mix: str, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` request bodies of stream ``mix`` (:data:`MIXES`); ``seed`` draws the inline
+    vectors and the prompts (0: the measured stream)."""
+    rng = np.random.default_rng(seed)
     vectors = rng.standard_normal((32, HIDDEN)).astype(np.float32) * 0.01
     gate = {"probe": "bench", "layer": MONITOR,
             "steer": [{"vector": "bench", "layers": GATED_LAYERS}]}
@@ -139,8 +148,8 @@ async def drive(url: str, bodies: list[dict[str, Any]], rate: float) -> dict[str
     for r, kind in zip(done, kinds, strict=True):  # the run's clock starts at its first send
         r["sent"], r["stamps"], r["kind"] = r["sent"] - t0, np.array(r["stamps"]) - t0, kind
     return {"requests": len(bodies), "errors": len(errors), "first_errors": errors[:3],
-            **latencies(done), "requests_per_s": len(done) / span, "by_kind": by_kind,
-            "_done": done}
+            **latencies(done), ADMIT: admitting_step_ms(done),
+            "requests_per_s": len(done) / span, "by_kind": by_kind, "_done": done}
 
 
 def kind_of(body: dict[str, Any]) -> str:
@@ -158,6 +167,11 @@ def latencies(done: list[dict[str, Any]]) -> dict[str, float]:
             "ttft_ms_p99": float(np.percentile(ttft, 99)),
             "itl_ms_p50": float(np.percentile(itl, 50)),
             "itl_ms_p99": float(np.percentile(itl, 99))}
+
+
+ADMIT = "admit_step_ms_p50"
+"""A load's admitting step (:func:`serving_steps.admitting_step_ms`); in ``ratios`` the ratio
+of the loads' means."""
 
 
 def wait_health(url: str, proc: subprocess.Popen, timeout: float = 480.0) -> None:
@@ -451,6 +465,11 @@ def main() -> None:
                          "torch profiler (OUT/trace_<run>; not measured: the trace is written "
                          "inside a step); each server's steps are then compared with plain "
                          "vLLM's: OUT/step_trace.json (benchmarks/step_trace.py)")
+    ap.add_argument("--warmup", type=int, default=0, metavar="REQUESTS",
+                    help="with --interleave: before the measured segments, each server serves "
+                         "this many requests of another stream (same mix and rate, other "
+                         "prompts and vectors), reported apart as 'warmup' (the first ~20 s "
+                         "of load after a start ran slower admitting steps, session 36)")
     ap.add_argument("--pin-cpus", nargs="+", metavar="CPUS",
                     help="one taskset -c list per server of --runs (in its order, each server "
                          "once), e.g. 2-4 5-7 8-10: each server with its engine core on CPUs "
@@ -465,9 +484,10 @@ def main() -> None:
                  f"with {VARIANT}) with vllm in it")
     if args.torch_profile and not args.interleave:
         ap.error("--torch-profile needs --interleave (one trace per server)")
+    if args.warmup and not args.interleave:
+        ap.error("--warmup needs --interleave (one start for every server's segments)")
     args.out.mkdir(parents=True, exist_ok=True)
     model = make_model(args.tokenizer)
-    streams = {mix: requests(args.requests, mix) for mix in MIXES}
     pins = dict(zip(dict.fromkeys(order), args.pin_cpus or (), strict=False))
 
     def launch(name: str) -> Launch:
@@ -480,8 +500,13 @@ def main() -> None:
             args.variant if suffix else {})
            for name in RUNS if name != "vllm" for suffix in ("", VARIANT)},
     }
-    stream = {name: streams[name.removesuffix(VARIANT).partition("-")[2] or "mixed"]
-              if name != "vllm" else streams["plain"] for name in servers}
+
+    def stream_of(name: str, n: int = args.requests, seed: int = 0) -> list[dict[str, Any]]:
+        """Server ``name``'s stream: plain vLLM's, or the mix its run name says."""
+        return requests(n, "plain" if name == "vllm" else
+                        name.removesuffix(VARIANT).partition("-")[2] or "mixed", seed)
+
+    stream = {name: stream_of(name) for name in servers}
     results: dict[str, Any] = {"runs": [], "interleave": args.interleave, "pin_cpus": pins}
     done: dict[str, list[dict[str, Any]]] = {}
     raw: dict[str, np.ndarray] = {}
@@ -502,8 +527,8 @@ def main() -> None:
         raw[f"{at}_stamps_s"] = np.concatenate([r["stamps"] for r in run_done])
         raw[f"{at}_kind"] = np.array([r["kind"] for r in run_done])
         print(f"{name} segment {run.get('segment', '-')}: TTFT p50 {run['ttft_ms_p50']:.1f} ms, "
-              f"ITL p50 {run['itl_ms_p50']:.2f} / p99 {run['itl_ms_p99']:.2f} ms, "
-              f"{run['errors']} errors", flush=True)
+              f"ITL p50 {run['itl_ms_p50']:.2f} / p99 {run['itl_ms_p99']:.2f} ms, admitting "
+              f"step p50 {admit_text(run)}, {run['errors']} errors", flush=True)
 
     if args.interleave:  # every server up at once, the stream's segments turn about
         results["order"] = order
@@ -515,6 +540,9 @@ def main() -> None:
                     t0 = time.monotonic()
                     loads[name](stream[name][:size], args.rate, trace=True)
                     print(f"{name}: traced pass {time.monotonic() - t0:.0f} s", flush=True)
+            if args.warmup:  # not pooled: its own table beside plain vLLM's
+                results["warmup"] = warm_up(loads, order, stream_of, args.warmup, args.rate)
+                (args.out / "serving.json").write_text(json.dumps(results, indent=2))
             for seg in range(args.interleave):
                 for name in order if seg % 2 == 0 else order[::-1]:
                     part = stream[name][seg * size:(seg + 1) * size]
@@ -530,6 +558,36 @@ def main() -> None:
     np.savez_compressed(args.out / "latencies.npz", **raw)  # to pool runs of several calls
     if args.torch_profile:
         compare_traces(args.out, [n for n in dict.fromkeys(order) if n != "vllm"])
+
+
+def admit_text(run: dict[str, Any]) -> str:
+    """A load's admitting step (:func:`serving_steps.admitting_step_ms`) as printed."""
+    ms = run.get(ADMIT)
+    return "-" if ms is None else f"{ms:.2f} ms"
+
+
+WARMUP_SEED = 1
+"""The warm-up stream's prompts and vectors (the measured stream's are seed 0)."""
+
+
+def warm_up(loads: dict[str, Load], order: list[str], stream_of: Callable[..., list[Any]],
+            n: int, rate: float) -> dict[str, Any]:
+    """``--warmup``: each server in turn serves ``n`` requests of the warm-up stream; its
+    latencies, and each dynsteer server's against plain vLLM's (``ratios``)."""
+    keys = ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
+    runs = {}
+    for name in order:
+        run = loads[name](stream_of(name, n, WARMUP_SEED), rate)
+        run.pop("_done")
+        runs[name] = run
+        print(f"{name} warm-up: TTFT p50 {run['ttft_ms_p50']:.1f} ms, ITL p50 "
+              f"{run['itl_ms_p50']:.2f} / p99 {run['itl_ms_p99']:.2f} ms, admitting step p50 "
+              f"{admit_text(run)}, {run['errors']} errors", flush=True)
+    ratios = {name: {k: run[k] / runs["vllm"][k] for k in keys}
+              for name, run in runs.items() if name != "vllm"}
+    for name, ratio in ratios.items():
+        print(f"{name} / vllm, warm-up:", {k: round(v, 4) for k, v in ratio.items()})
+    return {"requests": n, "runs": runs, "ratios": ratios}
 
 
 def compare_traces(out: Path, names: list[str]) -> None:
@@ -573,6 +631,13 @@ def report(results: dict[str, Any], done: dict[str, list[dict[str, Any]]]) -> No
         results["pair_ratios"][name] = {
             k: [a[k] / b[k] for a, b in zip(mine[name], mine["vllm"], strict=False)]
             for k in keys}
+        admits = [(a.get(ADMIT), b.get(ADMIT))
+                  for a, b in zip(mine[name], mine["vllm"], strict=False)]
+        if admits and all(a is not None and b is not None for a, b in admits):
+            # Each load's stamps run on its own clock: the loads' medians, not one pooled.
+            results["pair_ratios"][name][ADMIT] = [a / b for a, b in admits]
+            results["ratios"][name][ADMIT] = (float(np.mean([a for a, _ in admits]))
+                                              / float(np.mean([b for _, b in admits])))
         print(f"{name} / vllm, pooled:",
               {k: round(v, 4) for k, v in results["ratios"][name].items()})
         print(f"{name} / vllm, run by run:",

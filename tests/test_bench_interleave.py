@@ -151,6 +151,44 @@ def test_serving_traces_each_server_once_before_the_measured_segments(tmp_path, 
         serving.main()
 
 
+def test_serving_warms_every_server_up_before_the_segments_and_reports_it_apart(
+        tmp_path, monkeypatch, capsys):
+    """``--warmup``: each server serves a stream of its own first (other prompts and vectors,
+    the same mix); its latencies are kept apart, with the ratio to vLLM's, and the segments
+    are measured as without it."""
+    log: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(serving, "plain_server", lambda *a: _server("vllm", log))
+    monkeypatch.setattr(serving, "dynsteer_server", lambda *a: _server("dynsteer", log))
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    argv = ["serving.py", "--out", str(tmp_path), "--tokenizer", str(tokenizer), "--runs",
+            "vllm,dynsteer", "--requests", "20", "--warmup", "6"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--interleave", "2"])
+    serving.main()
+
+    assert log == [("vllm", -1), ("dynsteer", -1), ("vllm", 6), ("dynsteer", 6),
+                   ("vllm", 10), ("dynsteer", 10), ("dynsteer", 10), ("vllm", 10)]
+    result = json.loads((tmp_path / "serving.json").read_text())
+    assert [r["segment"] for r in result["runs"]] == [0, 0, 1, 1]  # the warm-up not pooled
+    assert result["warmup"]["requests"] == 6
+    assert result["warmup"]["ratios"]["dynsteer"]["itl_ms_p99"] == pytest.approx(1.5)
+    assert "dynsteer / vllm, warm-up" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", argv)  # one server at a time: refused
+    with pytest.raises(SystemExit):
+        serving.main()
+
+
+def test_the_warm_up_stream_has_the_mix_but_not_the_prompts_or_vectors_of_the_measured_one():
+    measured = serving.requests(8, "mixed")
+    warm = serving.requests(8, "mixed", serving.WARMUP_SEED)
+    assert [serving.kind_of(b) for b in warm] == [serving.kind_of(b) for b in measured]
+    assert all(a["prompt"] != b["prompt"] for a, b in zip(measured, warm, strict=True))
+    static = [(a["dynsteer"], b["dynsteer"]) for a, b in zip(measured, warm, strict=True)
+              if serving.kind_of(a) == "static"]
+    assert static and all(a != b for a, b in static)
+    assert serving.requests(8, "mixed") == measured  # the measured stream is fixed
+
+
 def test_serving_stops_its_servers_on_sigterm_and_keeps_the_segments_before(tmp_path,
                                                                           monkeypatch):
     """A device call's ``timeout`` sends SIGTERM: the servers must stop (else they keep their
@@ -284,3 +322,18 @@ def test_serving_pins_each_server_in_order_and_refuses_bad_lists(tmp_path, monke
         with pytest.raises(SystemExit):
             serving.main()
         assert message in capsys.readouterr().err
+
+
+def test_the_admitting_step_is_the_gap_running_requests_saw_before_a_first_chunk():
+    """Three requests decode at 5 ms a step; a fourth is admitted by a 12 ms step, and its
+    first chunk comes with the burst after it (async scheduling): that step is the reading,
+    whatever the kinds; a load with no admission beside running requests has none."""
+    import serving_steps
+
+    gaps = np.array([5.0] * 20 + [12.0] + [5.0] * 20) / 1e3
+    steps = np.concatenate([[0.0], np.cumsum(gaps)])
+    running = [{"stamps": steps + 1e-4 * i, "kind": "plain"} for i in range(3)]
+    admitted = {"stamps": steps[22:], "kind": "gated"}
+    assert serving_steps.admitting_step_ms([*running, admitted]) == pytest.approx(12.0, abs=0.01)
+    assert serving_steps.admitting_step_ms([admitted]) is None
+    assert serving_steps.admitting_step_ms([]) is None
