@@ -22,10 +22,10 @@ With it, ``--torch-profile STEPS`` traces each server's engine steps (vLLM's pro
 extra, unmeasured pass over the first segment and compares them with plain vLLM's
 (:mod:`step_trace`): host time and GPU time per admitting and per decode step, kernel by kernel.
 ``--warmup REQUESTS`` has each server serve that many requests of another stream (the same mix,
-other prompts) before the measured segments: the first ~20 s of load after the servers start
-ran slower admitting steps than the rest (session 36), and a segment that falls there measures
-the start, not the plugin. The warm-up's latencies are reported on their own (``warmup``),
-beside plain vLLM's, so a start-up cost of the plugin's stays visible.
+other prompts and vectors) before the measured segments: the first ~20 s of load after the
+servers start ran slower admitting steps than the rest (session 36), and a segment that falls
+there measures the start, not the plugin. The warm-up's latencies are reported on their own
+(``warmup``), beside plain vLLM's, so a start-up cost of the plugin's stays visible.
 
 Usage: python benchmarks/serving.py --out DIR --tokenizer DIR [--rate 16] [--requests 400]
        [--runs vllm,dynsteer[,dynsteer-plain]] [--repeat N | --interleave SEGMENTS --mem 0.42
