@@ -105,16 +105,23 @@ def _server(name: str, log: list[tuple[Any, ...]], stopped: list[str] | None = N
     return server()
 
 
-def test_serving_servers_are_all_up_and_serve_each_segment_in_turn(tmp_path, monkeypatch,
-                                                                   capsys):
-    log: list[tuple[str, int]] = []
+def _serving_argv(tmp_path: Path, monkeypatch: Any, log: list[tuple[Any, ...]],
+                  *flags: str) -> list[str]:
+    """serving.py's servers replaced by recorders logging into ``log``; its command line with
+    a tokenizer folder, ``--runs vllm,dynsteer`` and ``flags``."""
     monkeypatch.setattr(serving, "plain_server", lambda *a: _server("vllm", log))
     monkeypatch.setattr(serving, "dynsteer_server", lambda *a: _server("dynsteer", log))
     tokenizer = tmp_path / "tok"
     tokenizer.mkdir()
-    monkeypatch.setattr(sys, "argv", ["serving.py", "--out", str(tmp_path), "--tokenizer",
-                                      str(tokenizer), "--runs", "vllm,dynsteer",
-                                      "--requests", "40", "--interleave", "4"])
+    return ["serving.py", "--out", str(tmp_path), "--tokenizer", str(tokenizer), "--runs",
+            "vllm,dynsteer", *flags]
+
+
+def test_serving_servers_are_all_up_and_serve_each_segment_in_turn(tmp_path, monkeypatch,
+                                                                   capsys):
+    log: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(sys, "argv", _serving_argv(tmp_path, monkeypatch, log, "--requests",
+                                                   "40", "--interleave", "4"))
     serving.main()
 
     assert log[:2] == [("vllm", -1), ("dynsteer", -1)]  # both up before the first segment
@@ -130,13 +137,9 @@ def test_serving_servers_are_all_up_and_serve_each_segment_in_turn(tmp_path, mon
 def test_serving_traces_each_server_once_before_the_measured_segments(tmp_path, monkeypatch):
     log: list[tuple[Any, ...]] = []
     compared: list[list[str]] = []
-    monkeypatch.setattr(serving, "plain_server", lambda *a: _server("vllm", log))
-    monkeypatch.setattr(serving, "dynsteer_server", lambda *a: _server("dynsteer", log))
     monkeypatch.setattr(serving, "compare_traces", lambda out, names: compared.append(names))
-    tokenizer = tmp_path / "tok"
-    tokenizer.mkdir()
-    argv = ["serving.py", "--out", str(tmp_path), "--tokenizer", str(tokenizer), "--runs",
-            "vllm,dynsteer", "--requests", "20", "--torch-profile", "300"]
+    argv = _serving_argv(tmp_path, monkeypatch, log, "--requests", "20", "--torch-profile",
+                         "300")
     monkeypatch.setattr(sys, "argv", [*argv, "--interleave", "2"])
     serving.main()
 
@@ -157,12 +160,7 @@ def test_serving_warms_every_server_up_before_the_segments_and_reports_it_apart(
     the same mix); its latencies are kept apart, with the ratio to vLLM's, and the segments
     are measured as without it."""
     log: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(serving, "plain_server", lambda *a: _server("vllm", log))
-    monkeypatch.setattr(serving, "dynsteer_server", lambda *a: _server("dynsteer", log))
-    tokenizer = tmp_path / "tok"
-    tokenizer.mkdir()
-    argv = ["serving.py", "--out", str(tmp_path), "--tokenizer", str(tokenizer), "--runs",
-            "vllm,dynsteer", "--requests", "20", "--warmup", "6"]
+    argv = _serving_argv(tmp_path, monkeypatch, log, "--requests", "20", "--warmup", "6")
     monkeypatch.setattr(sys, "argv", [*argv, "--interleave", "2"])
     serving.main()
 
