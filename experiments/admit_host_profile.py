@@ -6,7 +6,8 @@ and the timed worker hooks explain only ~0.3 ms. What else does the plugin add o
 
 What it does: real engines, one at a time, each in a fresh subprocess, in-process engine core
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on a tiny random Llama (``--hidden`` 512, ``--layers``
-32, eager: the model's compute is not what is measured). ``LLMEngine.step()`` is driven by hand:
+32, vLLM's default compile mode; the model's compute is not what is measured: it is taken out,
+below). ``LLMEngine.step()`` is driven by hand:
 a request (128 random prompt tokens, ``--gen`` greedy tokens, ignore_eos) is added before every
 ``--every``-th step, so ~``gen/every`` requests decode while each new one is admitted. Engines:
 
@@ -128,7 +129,7 @@ def child(args: argparse.Namespace) -> None:
     plugin = args.child == "plugin"
     kw: dict[str, Any] = dict(
         dtype="float32", max_model_len=PROMPT + args.gen + 16, max_num_seqs=32,
-        max_num_batched_tokens=1024, skip_tokenizer_init=True, seed=0, enforce_eager=True,
+        max_num_batched_tokens=1024, skip_tokenizer_init=True, seed=0,
         enable_prefix_caching=True)
     if plugin:
         kw["additional_config"] = {"dynsteer": {}}
