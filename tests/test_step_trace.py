@@ -33,7 +33,9 @@ def _trace(norm_us: float) -> list[dict]:
         {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "python"}},
         _x("user_annotation", "execute_context_1(128)_generation_9(9)", 100.0, 50.0),
         _x("cuda_runtime", "cudaGraphLaunch", 110.0, 5.0, correlation=1),
+        _x("cpu_op", "vllm::unified_attention_with_output", 115.0, 13.0),
         _x("cuda_driver", "cuLaunchKernelEx", 120.0, 3.0, correlation=2),
+        _x("cpu_op", "aten::copy_", 140.0, 2.0),
         _x("kernel", "triton_red_fused_add_rms_norm_3", 130.0, norm_us, tid=20, correlation=1),
         _x("kernel", "triton_red_fused_add_rms_norm_12", 140.0 + norm_us, 4.0, tid=20,
            correlation=1),
@@ -61,15 +63,33 @@ def test_steps_match_kernels_to_their_step() -> None:
     assert (decode["kind"], decode["kernels"], decode["gpu_busy_us"]) == ("decode", 1, 6.0)
 
 
+def test_host_side_of_a_step() -> None:
+    """Calls and time per host operation inside the step, nested ones under their own name;
+    Python is the step less the union of the operations (the launch inside the attention op
+    is covered once); the launch between the steps and the other thread's are left out."""
+    admit, decode = step_trace.steps(_trace(norm_us=10.0))
+    assert admit["by_host_op"] == {
+        "cudaGraphLaunch": [1, 5.0], "vllm::unified_attention_with_output": [1, 13.0],
+        "cuLaunchKernelEx": [1, 3.0], "aten::copy_": [1, 2.0]}
+    assert admit["python_us"] == pytest.approx(50.0 - (5.0 + 13.0 + 2.0))
+    assert decode["by_host_op"] == {"cudaGraphLaunch": [1, 5.0]}
+    assert decode["python_us"] == pytest.approx(15.0)
+    base = step_trace.summary([admit, decode])
+    assert base["admit"]["host_op_per_step"]["aten::copy_"] == {"calls": 1.0, "us": 2.0}
+
+
 def test_compare_ranks_the_kernel_that_grew() -> None:
     base = step_trace.summary(step_trace.steps(_trace(norm_us=10.0)))
-    other = step_trace.summary(step_trace.steps(_trace(norm_us=110.0)))
+    extra = _x("cpu_op", "dynsteer::fill", 143.0, 4.0)  # an operation only the other calls
+    other = step_trace.summary(step_trace.steps([*_trace(norm_us=110.0), extra]))
     table = step_trace.compare(base, other, top=2)
     assert set(table) == {"admit", "decode"}
     assert table["admit"]["gpu_busy_us"] == [34.0, 134.0]
     assert table["admit"]["kernels_grown_us"][0] == ["triton_red_fused_add_rms_norm", 14.0, 114.0]
     assert table["decode"]["kernels_grown_us"][0][1:] == [6.0, 6.0]
     assert table["admit"]["host_us_deciles"] == [[50.0] * 9, [50.0] * 9]
+    assert table["admit"]["python_us"] == [30.0, 26.0]
+    assert table["admit"]["host_ops_grown"][0] == ["dynsteer::fill", 0.0, 1.0, 0.0, 4.0]
     assert base["decode"]["host_us_in_order"] == [20.0]
 
 
@@ -97,6 +117,8 @@ def test_finds_vllms_annotations_in_a_real_cpu_trace(tmp_path: Path) -> None:
     found = step_trace.steps(step_trace.load_events(tmp_path))
     assert [(s["kind"], s["tokens"]) for s in found] == [("admit", 43), ("decode", 5)]
     assert all(s["host_us"] > 0 and s["kernels"] == 0 for s in found)
+    assert all(s["by_host_op"]["aten::sum"][0] == 1 for s in found)  # Kineto's cpu_op events
+    assert all(0 <= s["python_us"] < s["host_us"] for s in found)
 
 
 def test_profiler_arguments_parse_in_vllm(tmp_path: Path) -> None:
