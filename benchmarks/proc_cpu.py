@@ -11,7 +11,12 @@ and :func:`process_facts` gives what bounds the process's threads (affinity, tor
 :class:`Placement` samples, during the window, which core each running thread is on, how busy
 that core's SMT siblings are and the core's clock: session 30 saw plain vLLM's engine core
 switch from 12 to 17 ms of host time per admitting step halfway through a trace, with the same
-work, which is what a sibling's load or a clock change would do.
+work, which is what a sibling's load or a clock change would do. Session 37 saw it again (every
+host operation of the plugin's engine core 1.5-1.7x longer in the first seconds after its start,
+the same calls, no run-queue wait), so a window also records each process's page faults in it
+and, at its end, where the process's resident pages are (:func:`memory_facts`): a process whose
+memory sits on another NUMA node than the cores it runs on is slower at everything, until the
+kernel's NUMA balancing moves the pages (if on).
 Linux only (``/proc``); elsewhere the snapshots are empty.
 """
 
@@ -220,6 +225,57 @@ class Placement:
                 "mhz": round(sum(m for _, _, m in samples) / len(samples), 1)}
 
 
+def numa_nodes() -> dict[int, list[int]]:
+    """The machine's NUMA nodes and their CPUs (``/sys/devices/system/node``)."""
+    out = {}
+    for node in Path("/sys/devices/system/node").glob("node[0-9]*"):
+        try:
+            out[int(node.name[4:])] = cpu_list((node / "cpulist").read_text())
+        except OSError:
+            continue
+    return dict(sorted(out.items()))
+
+
+def numa_pages(pid: int) -> dict[int, int]:
+    """Resident pages of process ``pid`` per NUMA node (the ``N<node>=<pages>`` fields of
+    ``/proc/<pid>/numa_maps``); empty where the file is missing or unreadable."""
+    out: dict[int, int] = {}
+    try:
+        text = (_PROC / str(pid) / "numa_maps").read_text()
+    except OSError:
+        return out
+    for token in text.split():
+        if token.startswith("N") and "=" in token:
+            node, _, pages = token[1:].partition("=")
+            if node.isdigit() and pages.isdigit():
+                out[int(node)] = out.get(int(node), 0) + int(pages)
+    return dict(sorted(out.items()))
+
+
+def _faults(pid: int) -> tuple[int, int]:
+    """(minor, major) page faults of process ``pid`` so far; (0, 0) when it is gone."""
+    parsed = _stat_fields(_PROC / str(pid) / "stat")
+    return (int(parsed[1][7]), int(parsed[1][9])) if parsed is not None else (0, 0)
+
+
+def memory_facts(pids: list[int], before: dict[int, tuple[int, int]]) -> dict[str, Any]:
+    """Per process (``label/pid``): page faults since ``before`` (:func:`_faults` per pid) and
+    its resident pages per NUMA node now; the nodes' CPUs and whether the kernel balances
+    pages between nodes (``numa_balancing``)."""
+    try:
+        balancing: str | None = Path("/proc/sys/kernel/numa_balancing").read_text().strip()
+    except OSError:
+        balancing = None
+    processes = {}
+    for pid in pids:
+        minor, major = _faults(pid)
+        minor0, major0 = before.get(pid, (minor, major))
+        processes[f"{_label(pid)}/{pid}"] = {"minor_faults": minor - minor0,
+                                             "major_faults": major - major0,
+                                             "pages_by_node": numa_pages(pid)}
+    return {"nodes": numa_nodes(), "numa_balancing": balancing, "processes": processes}
+
+
 def busy_ticks() -> tuple[float, float]:
     """(non-idle, all) CPU seconds of the machine so far, over every core (``/proc/stat``)."""
     busy, total = _stat_ticks().get(-1, (0, 0))
@@ -230,7 +286,9 @@ class Window:
     """CPU seconds spent inside a ``with`` block by each thread (``label/name/tid``; ``main``
     for a process's main thread) of the processes of ``root``'s tree (default: this process),
     busiest first; and the machine's busy cores on average. A thread (or process) that exits
-    inside the block is not counted: the window reads each thread's total at its two ends."""
+    inside the block is not counted: the window reads each thread's total at its two ends.
+    ``memory``: :func:`memory_facts` of the processes (read after the block's end time is
+    taken: walking a large process's page tables is not counted in ``seconds``)."""
 
     def __init__(self, root: int | None = None) -> None:
         self.root = os.getpid() if root is None else root
@@ -243,6 +301,7 @@ class Window:
         self._placement = Placement(self._pids)
         self._placement.start()
         self._before = snapshot(self._pids)
+        self._faults = {pid: _faults(pid) for pid in self._pids}
         self._busy = busy_ticks()
         self._t = time.monotonic()
         return self
@@ -268,6 +327,7 @@ class Window:
             "machine_busy_cores": (busy[0] - self._busy[0]) / seconds if seconds else 0.0,
             "machine_cores": os.cpu_count(),
             "placement": self._placement.result,
+            "memory": memory_facts(self._pids, self._faults),
         }
 
 

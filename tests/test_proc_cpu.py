@@ -116,3 +116,25 @@ def test_placement_names_the_core_a_pinned_thread_ran_on():
 def test_cpu_lists_parse_as_the_kernel_writes_them():
     assert cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
     assert cpu_list("5") == [5] and cpu_list("") == []
+
+
+def test_memory_facts_count_faults_and_pages_by_node():
+    """Touching fresh memory inside the window shows as minor faults of this process, and its
+    resident pages are placed on the machine's nodes (every node named has CPUs)."""
+    import proc_cpu
+
+    with Window() as window:
+        block = bytearray(64 << 20)  # 16384 pages of 4 KiB, touched by the zero fill
+        block[::4096] = b"x" * len(block[::4096])
+    memory = window.result["memory"]
+    mine = memory["processes"][next(k for k in memory["processes"]
+                                    if k.endswith(f"/{os.getpid()}"))]
+    assert mine["minor_faults"] >= 8000, mine
+    assert mine["major_faults"] >= 0
+    nodes = memory["nodes"]
+    if Path("/proc/self/numa_maps").exists() and nodes:
+        assert set(mine["pages_by_node"]) <= set(nodes)
+        assert sum(mine["pages_by_node"].values()) >= 16384
+        assert all(nodes.values())
+    assert memory["numa_balancing"] in (None, "0", "1", "2", "3")
+    assert proc_cpu.numa_pages(2 ** 22 + 12345) == {}  # no such process
