@@ -13,10 +13,12 @@ that core's SMT siblings are and the core's clock: session 30 saw plain vLLM's e
 switch from 12 to 17 ms of host time per admitting step halfway through a trace, with the same
 work, which is what a sibling's load or a clock change would do. Session 37 saw it again (every
 host operation of the plugin's engine core 1.5-1.7x longer in the first seconds after its start,
-the same calls, no run-queue wait), so a window also records each process's page faults in it
-and, at its end, where the process's resident pages are (:func:`memory_facts`): a process whose
-memory sits on another NUMA node than the cores it runs on is slower at everything, until the
-kernel's NUMA balancing moves the pages (if on).
+the same calls, no run-queue wait), so a window also records two causes that fit: steal (the
+lent machines are VMs; a virtual CPU whose host core runs something else is slower at
+everything, and the guest sees no wait: the placement samples each CPU's steal share), and
+memory placement (each process's page faults in the window and, at its end, its resident pages
+per NUMA node, :func:`memory_facts`: memory on another node than the cores a process runs on
+slows everything until the kernel's NUMA balancing, if on, moves the pages).
 Linux only (``/proc``); elsewhere the snapshots are empty.
 """
 
@@ -116,9 +118,10 @@ def process_facts() -> dict[str, Any]:
             "threads_by_name": dict(names.most_common())}
 
 
-def _stat_ticks() -> dict[int, tuple[int, int]]:
-    """(non-idle, all) ticks so far from ``/proc/stat``: per CPU, and the machine's total
-    under -1 (its ``cpu`` line)."""
+def _stat_ticks() -> dict[int, tuple[int, int, int]]:
+    """(non-idle, all, steal) ticks so far from ``/proc/stat``: per CPU, and the machine's
+    total under -1 (its ``cpu`` line). Steal is time the hypervisor ran something else while
+    the virtual CPU had work: a thread on such a CPU runs slower with no run-queue wait."""
     out = {}
     try:
         lines = (_PROC / "stat").read_text().splitlines()
@@ -129,7 +132,8 @@ def _stat_ticks() -> dict[int, tuple[int, int]]:
             name, *rest = line.split()
             values = [int(v) for v in rest]
             idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-            out[int(name[3:]) if name[3:] else -1] = (sum(values) - idle, sum(values))
+            steal = values[7] if len(values) > 7 else 0
+            out[int(name[3:]) if name[3:] else -1] = (sum(values) - idle, sum(values), steal)
     return out
 
 
@@ -172,9 +176,10 @@ def _clocks_mhz() -> dict[int, float]:
 class Placement:
     """Samples, every ``period`` seconds on a thread of its own, each running thread of the
     given processes: the CPU it is on (``/proc/.../stat`` field 39), the busy share of that
-    CPU's SMT siblings over the last period (by any process) and the CPU's clock. ``result``
-    (after :meth:`stop`): per thread with at least 5 samples running, the samples, the CPUs
-    it ran on (sample counts), the mean sibling busy share and the mean clock."""
+    CPU's SMT siblings over the last period (by any process), the CPU's clock and its steal
+    share over the last period. ``result`` (after :meth:`stop`): per thread with at least 5
+    samples running, the samples, the CPUs it ran on (sample counts), the mean sibling busy
+    share, the mean clock and the mean steal share of the CPUs it ran on."""
 
     def __init__(self, pids: list[int], period: float = 0.1) -> None:
         import threading
@@ -183,7 +188,7 @@ class Placement:
         self.result: dict[str, Any] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="placement", daemon=True)
-        self._samples: dict[str, list[tuple[int, float, float]]] = {}
+        self._samples: dict[str, list[tuple[int, float, float, float]]] = {}
         self._sibling_cache: dict[int, list[int]] = {}
 
     def start(self) -> None:
@@ -194,7 +199,9 @@ class Placement:
         while not self._stop.wait(self.period):
             now, clocks = _stat_ticks(), _clocks_mhz()
             share = {c: (b - last[c][0]) / max(1, t - last[c][1])
-                     for c, (b, t) in now.items() if c in last}
+                     for c, (b, t, _) in now.items() if c in last}
+            stolen = {c: (st - last[c][2]) / max(1, t - last[c][1])
+                      for c, (_, t, st) in now.items() if c in last}
             last = now
             for pid, label in self.labels.items():
                 for task in (_PROC / str(pid) / "task").glob("[0-9]*"):
@@ -208,7 +215,7 @@ class Placement:
                             if siblings else 0.0)
                     name = _thread_name(label, pid, int(task.name), comm)
                     self._samples.setdefault(name, []).append(
-                        (cpu, busy, clocks.get(cpu, 0.0)))
+                        (cpu, busy, clocks.get(cpu, 0.0), stolen.get(cpu, 0.0)))
 
     def stop(self) -> None:
         import collections
@@ -218,11 +225,12 @@ class Placement:
         for name, samples in sorted(self._samples.items(), key=lambda kv: -len(kv[1])):
             if len(samples) < 5:
                 continue
-            cpus = collections.Counter(cpu for cpu, _, _ in samples)
+            cpus = collections.Counter(sample[0] for sample in samples)
             self.result[name] = {
                 "samples": len(samples), "cpus": dict(cpus.most_common()),
-                "sibling_busy": round(sum(b for _, b, _ in samples) / len(samples), 3),
-                "mhz": round(sum(m for _, _, m in samples) / len(samples), 1)}
+                "sibling_busy": round(sum(s[1] for s in samples) / len(samples), 3),
+                "mhz": round(sum(s[2] for s in samples) / len(samples), 1),
+                "steal": round(sum(s[3] for s in samples) / len(samples), 3)}
 
 
 def numa_nodes() -> dict[int, list[int]]:
@@ -276,10 +284,11 @@ def memory_facts(pids: list[int], before: dict[int, tuple[int, int]]) -> dict[st
     return {"nodes": numa_nodes(), "numa_balancing": balancing, "processes": processes}
 
 
-def busy_ticks() -> tuple[float, float]:
-    """(non-idle, all) CPU seconds of the machine so far, over every core (``/proc/stat``)."""
-    busy, total = _stat_ticks().get(-1, (0, 0))
-    return busy / _TICK, total / _TICK
+def busy_ticks() -> tuple[float, float, float]:
+    """(non-idle, all, steal) CPU seconds of the machine so far, over every core
+    (``/proc/stat``)."""
+    busy, total, steal = _stat_ticks().get(-1, (0, 0, 0))
+    return busy / _TICK, total / _TICK, steal / _TICK
 
 
 class Window:
@@ -325,6 +334,8 @@ class Window:
             "threads_cpu_s": {name: round(s, 3) for name, s in top if s > 0},
             "threads_wait_s": {name: round(waits[name], 4) for name, s in top if s > 0},
             "machine_busy_cores": (busy[0] - self._busy[0]) / seconds if seconds else 0.0,
+            "machine_steal_share": ((busy[2] - self._busy[2]) / (busy[1] - self._busy[1])
+                                    if busy[1] > self._busy[1] else 0.0),
             "machine_cores": os.cpu_count(),
             "placement": self._placement.result,
             "memory": memory_facts(self._pids, self._faults),
@@ -339,7 +350,8 @@ def describe(result: dict[str, Any], top: int = 8) -> str:
                         for name, s in list(result["threads_cpu_s"].items())[:top])
     placed = "; ".join(
         f"{name} on CPUs {list(p['cpus'])[:4]}, siblings {p['sibling_busy']:.0%} busy, "
-        f"{p['mhz']:.0f} MHz" for name, p in list(result.get("placement", {}).items())[:2])
+        f"{p['mhz']:.0f} MHz, {p.get('steal', 0.0):.0%} stolen"
+        for name, p in list(result.get("placement", {}).items())[:2])
     return (f"{result['seconds']:.1f} s window, machine {result['machine_busy_cores']:.1f} of "
             f"{result['machine_cores']} cores busy; threads: {threads}"
             + (f"; placement: {placed}" if placed else ""))

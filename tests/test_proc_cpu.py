@@ -109,8 +109,21 @@ def test_placement_names_the_core_a_pinned_thread_ran_on():
     assert len(placed) == 1, window.result["placement"]
     (found,) = placed.values()
     assert found["cpus"] == {cpu: found["samples"]} and found["samples"] >= 5
-    assert 0.0 <= found["sibling_busy"] <= 1.0
-    assert "placement:" in describe(window.result)
+    assert 0.0 <= found["sibling_busy"] <= 1.0 and 0.0 <= found["steal"] <= 1.0
+    assert 0.0 <= window.result["machine_steal_share"] <= 1.0
+    assert "placement:" in describe(window.result) and "stolen" in describe(window.result)
+
+
+def test_stat_ticks_read_steal(tmp_path, monkeypatch):
+    """``/proc/stat`` as a VM writes it: user nice system idle iowait irq softirq steal ...;
+    idle and iowait are not busy, steal is busy and reported apart."""
+    import proc_cpu
+
+    (tmp_path / "stat").write_text("cpu  100 0 50 800 10 0 0 40 0 0\n"
+                                   "cpu3 10 0 5 80 1 0 0 4 0 0\nintr 1 2 3\n")
+    monkeypatch.setattr(proc_cpu, "_PROC", tmp_path)
+    ticks = proc_cpu._stat_ticks()
+    assert ticks == {-1: (190, 1000, 40), 3: (19, 100, 4)}
 
 
 def test_cpu_lists_parse_as_the_kernel_writes_them():
