@@ -260,6 +260,30 @@ def numa_pages(pid: int) -> dict[int, int]:
     return dict(sorted(out.items()))
 
 
+def huge_pages(pid: int) -> dict[str, int]:
+    """Resident and anonymous-huge-page kB of process ``pid`` (``/proc/<pid>/smaps_rollup``):
+    with transparent huge pages on, the kernel collapses a process's memory into huge pages
+    over minutes, and its code runs faster as TLB misses fall; empty where unreadable."""
+    out = {}
+    try:
+        lines = (_PROC / str(pid) / "smaps_rollup").read_text().splitlines()
+    except OSError:
+        return out
+    names = {"Rss": "rss_kb", "AnonHugePages": "anon_huge_kb"}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key in names and value.split():
+            out[names[key]] = int(value.split()[0])
+    return out
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
 def _faults(pid: int) -> tuple[int, int]:
     """(minor, major) page faults of process ``pid`` so far; (0, 0) when it is gone."""
     parsed = _stat_fields(_PROC / str(pid) / "stat")
@@ -267,21 +291,21 @@ def _faults(pid: int) -> tuple[int, int]:
 
 
 def memory_facts(pids: list[int], before: dict[int, tuple[int, int]]) -> dict[str, Any]:
-    """Per process (``label/pid``): page faults since ``before`` (:func:`_faults` per pid) and
-    its resident pages per NUMA node now; the nodes' CPUs and whether the kernel balances
-    pages between nodes (``numa_balancing``)."""
-    try:
-        balancing: str | None = Path("/proc/sys/kernel/numa_balancing").read_text().strip()
-    except OSError:
-        balancing = None
+    """Per process (``label/pid``): page faults since ``before`` (:func:`_faults` per pid), its
+    resident pages per NUMA node now and its huge pages (:func:`huge_pages`); the nodes'
+    CPUs, whether the kernel balances pages between nodes (``numa_balancing``) and its
+    transparent-huge-page mode."""
     processes = {}
     for pid in pids:
         minor, major = _faults(pid)
         minor0, major0 = before.get(pid, (minor, major))
         processes[f"{_label(pid)}/{pid}"] = {"minor_faults": minor - minor0,
                                              "major_faults": major - major0,
-                                             "pages_by_node": numa_pages(pid)}
-    return {"nodes": numa_nodes(), "numa_balancing": balancing, "processes": processes}
+                                             "pages_by_node": numa_pages(pid),
+                                             **huge_pages(pid)}
+    return {"nodes": numa_nodes(), "numa_balancing": _read("/proc/sys/kernel/numa_balancing"),
+            "transparent_hugepage": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "processes": processes}
 
 
 def busy_ticks() -> tuple[float, float, float]:

@@ -132,8 +132,9 @@ def test_cpu_lists_parse_as_the_kernel_writes_them():
 
 
 def test_memory_facts_count_faults_and_pages_by_node():
-    """Touching fresh memory inside the window shows as minor faults of this process, and its
-    resident pages are placed on the machine's nodes (every node named has CPUs)."""
+    """Touching fresh memory inside the window shows as minor faults of this process, its
+    resident pages are placed on the machine's nodes (every node named has CPUs), and its
+    resident size holds the block."""
     import proc_cpu
 
     with Window() as window:
@@ -150,4 +151,7 @@ def test_memory_facts_count_faults_and_pages_by_node():
         assert sum(mine["pages_by_node"].values()) >= 16384
         assert all(nodes.values())
     assert memory["numa_balancing"] in (None, "0", "1", "2", "3")
+    if Path("/proc/self/smaps_rollup").exists():
+        assert mine["rss_kb"] >= 64 << 10 and 0 <= mine["anon_huge_kb"] <= mine["rss_kb"]
+    assert memory["transparent_hugepage"] is None or "[" in memory["transparent_hugepage"]
     assert proc_cpu.numa_pages(2 ** 22 + 12345) == {}  # no such process
