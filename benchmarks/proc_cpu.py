@@ -376,6 +376,13 @@ def describe(result: dict[str, Any], top: int = 8) -> str:
         f"{name} on CPUs {list(p['cpus'])[:4]}, siblings {p['sibling_busy']:.0%} busy, "
         f"{p['mhz']:.0f} MHz, {p.get('steal', 0.0):.0%} stolen"
         for name, p in list(result.get("placement", {}).items())[:2])
+    memory = "; ".join(
+        f"{name} {m['minor_faults']} minor / {m['major_faults']} major faults, pages by node "
+        f"{m['pages_by_node']}, {m.get('anon_huge_kb', 0) >> 10} of {m.get('rss_kb', 0) >> 10}"
+        " MiB in huge pages"
+        for name, m in result.get("memory", {}).get("processes", {}).items()
+        if name.startswith(("engine-core", "api-server")))
     return (f"{result['seconds']:.1f} s window, machine {result['machine_busy_cores']:.1f} of "
             f"{result['machine_cores']} cores busy; threads: {threads}"
-            + (f"; placement: {placed}" if placed else ""))
+            + (f"; placement: {placed}" if placed else "")
+            + (f"; memory: {memory}" if memory else ""))

@@ -155,3 +155,19 @@ def test_memory_facts_count_faults_and_pages_by_node():
         assert mine["rss_kb"] >= 64 << 10 and 0 <= mine["anon_huge_kb"] <= mine["rss_kb"]
     assert memory["transparent_hugepage"] is None or "[" in memory["transparent_hugepage"]
     assert proc_cpu.numa_pages(2 ** 22 + 12345) == {}  # no such process
+
+
+def test_describe_names_the_servers_memory():
+    """The printed line carries the engine core's faults, pages by node and huge pages (and
+    leaves other processes of the tree out)."""
+    result = {"seconds": 2.0, "machine_busy_cores": 1.5, "machine_cores": 16,
+              "threads_cpu_s": {"engine-core/main/7": 1.2}, "threads_wait_s": {},
+              "memory": {"processes": {
+                  "engine-core/7": {"minor_faults": 120, "major_faults": 3,
+                                    "pages_by_node": {0: 1000, 1: 24},
+                                    "rss_kb": 4 << 20, "anon_huge_kb": 1 << 20},
+                  "launcher/5": {"minor_faults": 9, "major_faults": 0, "pages_by_node": {}}}}}
+    line = describe(result)
+    assert ("memory: engine-core/7 120 minor / 3 major faults, pages by node {0: 1000, 1: 24}, "
+            "1024 of 4096 MiB in huge pages") in line
+    assert "launcher" not in line
