@@ -149,6 +149,22 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = 
     return elapsed / steps * 1e6, fill_cpu / steps * 1e6
 
 
+def run_scenario(name: str, requests: int, steps: int, device: Any,
+                 profiler: cProfile.Profile | None = None) -> tuple[float, float]:
+    """:func:`run_steps` of scenario ``name`` (``gated-churn``: an admission and a finish in
+    every step; a ``-device`` suffix: the device fills the index), with ``profiler`` (if
+    given) on for the steps alone."""
+    base = name.removesuffix("-device")
+    state = make_state(requests, SCENARIOS.get(base), device, static=base == "static")
+    if profiler is not None:
+        profiler.enable()
+    try:
+        return run_steps(state, requests, steps, device, base == "gated-churn", base != name)
+    finally:
+        if profiler is not None:
+            profiler.disable()
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One process's figures: µs per step per scenario and request count (and of the fill's
     CPU time, as scenario ``"<name> fill CPU"``), and a profile."""
@@ -160,21 +176,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     bench_controllers.install()
     device = torch.device(args.device)
     table: dict[str, dict[int, float]] = {}
-    for name in args.scenarios:  # gated-churn: an admission and a finish in every step
-        base = name.removesuffix("-device")  # "-device": the device fills the index
-        churn = base == "gated-churn"
+    for name in args.scenarios:
         for n in args.requests:
-            state = make_state(n, SCENARIOS.get(base), device, static=base == "static")
-            step, fill = run_steps(state, n, args.steps, device, churn, base != name)
+            step, fill = run_scenario(name, n, args.steps, device)
             table.setdefault(name, {})[n] = step
             table.setdefault(f"{name} fill CPU", {})[n] = fill
     profiler = cProfile.Profile()
-    state = make_state(32, SCENARIOS[args.profile], device)
-    profiler.enable()
-    run_steps(state, 32, args.steps, device)
-    profiler.disable()
+    run_scenario(args.profile, args.profile_requests, args.steps, device, profiler)
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(25)
     return {"device": args.device, "us_per_step": table, "profile": text.getvalue(),
             "package": str(Path(dynsteer.engine_ext.__file__).parent)}
 
@@ -191,6 +203,7 @@ def in_processes(args: argparse.Namespace) -> dict[str, Any]:
             versions = {"baseline": tmp, **versions}
         rounds: dict[str, list[dict[str, Any]]] = {v: [] for v in versions}
         flags = ["--device", args.device, "--steps", str(args.steps), "--profile", args.profile,
+                 "--profile-requests", str(args.profile_requests),
                  "--requests", *map(str, args.requests), "--scenarios", *args.scenarios]
         for k in range(args.rounds):
             for version, path in versions.items():
@@ -246,11 +259,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 32, 256])
-    ap.add_argument("--profile", default="latch", choices=list(SCENARIOS))
     every = [*SCENARIOS, "gated-churn", "static"]
-    ap.add_argument("--scenarios", nargs="+", default=every,
-                    choices=[*every, *(f"{name}-device" for name in every)],
+    names = [*every, *(f"{name}-device" for name in every)]
+    ap.add_argument("--scenarios", nargs="+", default=every, choices=names,
                     help="NAME-device: the device fills the index (the V2 runner on CUDA)")
+    ap.add_argument("--profile", default="latch", choices=names,
+                    help="the scenario profiled (cProfile, top functions by own time)")
+    ap.add_argument("--profile-requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=1,
                     help="fresh processes per version, run in turn (medians and ranges)")
     ap.add_argument("--baseline", type=Path, default=None,

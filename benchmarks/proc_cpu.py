@@ -59,7 +59,7 @@ def tree(root: int) -> list[int]:
     return found
 
 
-def _label(pid: int) -> str:
+def label(pid: int) -> str:
     """The process's name as :func:`stacks.process_label` gives it (engine-core, api-server)."""
     try:
         argv = (_PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
@@ -88,12 +88,12 @@ def snapshot(pids: list[int]) -> dict[tuple[int, int], tuple[str, str, float, fl
     run-queue wait seconds so far)."""
     out = {}
     for pid in pids:
-        label = _label(pid)
+        name = label(pid)
         for task in (_PROC / str(pid) / "task").glob("[0-9]*"):
             parsed = _stat_fields(task / "stat")
             if parsed is not None:
                 comm, fields = parsed
-                out[(pid, int(task.name))] = (label, comm,
+                out[(pid, int(task.name))] = (name, comm,
                                               (int(fields[11]) + int(fields[12])) / _TICK,
                                               _wait_s(task))
     return out
@@ -184,7 +184,7 @@ class Placement:
     def __init__(self, pids: list[int], period: float = 0.1) -> None:
         import threading
 
-        self.labels, self.period = {pid: _label(pid) for pid in pids}, period
+        self.labels, self.period = {pid: label(pid) for pid in pids}, period
         self.result: dict[str, Any] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="placement", daemon=True)
@@ -299,7 +299,7 @@ def memory_facts(pids: list[int], before: dict[int, tuple[int, int]]) -> dict[st
     for pid in pids:
         minor, major = _faults(pid)
         minor0, major0 = before.get(pid, (minor, major))
-        processes[f"{_label(pid)}/{pid}"] = {"minor_faults": minor - minor0,
+        processes[f"{label(pid)}/{pid}"] = {"minor_faults": minor - minor0,
                                              "major_faults": major - major0,
                                              "pages_by_node": numa_pages(pid),
                                              **huge_pages(pid)}

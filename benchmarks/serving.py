@@ -62,6 +62,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import dummy_model
+from gc_log import GcWindow
+from gc_log import describe as describe_gc
 from overhead import GATED_LAYERS, HIDDEN, LLAMA_8B, MONITOR
 from proc_cpu import Window, describe
 from serving_steps import admitting_step_ms
@@ -290,13 +292,15 @@ at a rate and returns the run; with ``trace``, under vLLM's profiler (:func:`pro
 @dataclass(frozen=True)
 class Launch:
     """How this benchmark starts a server: its share of GPU memory, py-spy (a binary), the
-    engine steps vLLM's profiler may trace (0: profiler off) and the CPUs it runs on (a
-    ``taskset -c`` list; None: wherever this process may run)."""
+    engine steps vLLM's profiler may trace (0: profiler off), the CPUs it runs on (a
+    ``taskset -c`` list; None: wherever this process may run) and the folder its processes'
+    garbage-collector counts are kept in (``--gc-log``; None: not kept)."""
 
     mem: float
     py_spy: Path | None = None
     trace_steps: int = 0
     cpus: str | None = None
+    gc_log: Path | None = None
 
     def process(self, out: Path, name: str) -> dict[str, Any]:
         """:func:`server_process`'s keywords for server ``name`` writing under ``out``."""
@@ -314,9 +318,10 @@ def plain_server(model: Path, out: Path, name: str, launch: Launch) -> Iterator[
                     **launch.process(out, name)) as (url, proc):
         def load(bodies: list[dict[str, Any]], rate: float, trace: bool = False
                  ) -> dict[str, Any]:
-            with Window(proc.pid) as cpu, profiled(url) if trace else contextlib.nullcontext():
+            with (Window(proc.pid) as cpu, GcWindow(proc.pid, launch.gc_log) as gc,
+                  profiled(url) if trace else contextlib.nullcontext()):
                 result = asyncio.run(drive(url, bodies, rate))
-            return {**result, "cpu": cpu.result}
+            return {**result, "cpu": cpu.result, "gc": gc.result}
 
         yield load
 
@@ -345,10 +350,11 @@ def dynsteer_server(model: Path, out: Path, name: str, launch: Launch,
         def load(bodies: list[dict[str, Any]], rate: float, trace: bool = False
                  ) -> dict[str, Any]:
             before = worker_host_time(url)
-            with Window(proc.pid) as cpu, profiled(url) if trace else contextlib.nullcontext():
+            with (Window(proc.pid) as cpu, GcWindow(proc.pid, launch.gc_log) as gc,
+                  profiled(url) if trace else contextlib.nullcontext()):
                 result = asyncio.run(drive(url, bodies, rate))
             result["worker_host"] = host_time_delta(before, worker_host_time(url))
-            result["cpu"] = cpu.result
+            result["cpu"], result["gc"] = cpu.result, gc.result
             return result
 
         yield load
@@ -470,6 +476,9 @@ def main() -> None:
                          "this many requests of another stream (same mix and rate, other "
                          "prompts and vectors), reported apart as 'warmup' (the first ~20 s "
                          "of load after a start ran slower admitting steps, session 36)")
+    ap.add_argument("--gc-log", action="store_true",
+                    help="keep each server process's garbage-collector pauses per generation "
+                         "(benchmarks/gc_timing: OUT/gc) and report them per load")
     ap.add_argument("--pin-cpus", nargs="+", metavar="CPUS",
                     help="one taskset -c list per server of --runs (in its order, each server "
                          "once), e.g. 2-4 5-7 8-10: each server with its engine core on CPUs "
@@ -490,8 +499,15 @@ def main() -> None:
     model = make_model(args.tokenizer)
     pins = dict(zip(dict.fromkeys(order), args.pin_cpus or (), strict=False))
 
+    gc_log = None
+    if args.gc_log:  # the servers' Python processes start with gc_timing's sitecustomize
+        gc_log = args.out / "gc"
+        os.environ["DYNSTEER_BENCH_GC_LOG"] = str(gc_log)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(Path(__file__).parent / "gc_timing"), os.environ.get("PYTHONPATH")]))
+
     def launch(name: str) -> Launch:
-        return Launch(args.mem, args.py_spy, args.torch_profile, pins.get(name))
+        return Launch(args.mem, args.py_spy, args.torch_profile, pins.get(name), gc_log)
 
     servers = {
         "vllm": functools.partial(plain_server, model, args.out, "vllm", launch("vllm")),
@@ -619,6 +635,8 @@ def report(results: dict[str, Any], done: dict[str, list[dict[str, Any]]]) -> No
               f"{r['errors']:>6}")
     for r in results["runs"]:  # a thread burning CPU beside the engine core's shows here
         print(f"{r['name']} CPU during the load: {describe(r.get('cpu', {}))}")
+        if r.get("gc"):
+            print(f"{r['name']} garbage collector during the load: {describe_gc(r['gc'])}")
     results["pooled"] = {name: latencies(d) for name, d in done.items()}
     results["ratios"], results["pair_ratios"] = {}, {}
     base = results["pooled"]["vllm"]
