@@ -5,7 +5,8 @@ The real :class:`~dynsteer.engine_ext.worker.state.SteeringState` (Llama-8B size
 controller, runs decode steps as the runner hooks drive it: ``fill`` (index, controllers) then
 ``cache_report`` (read-back, telemetry fold, prefix-guard report), with fresh gates written
 between steps as a forward would; ``gated-churn`` also finishes one request and admits one
-in its slot every step (its prompt in the step), as an admission step does; ``static``
+in its slot every step (its prompt in the step), as an admission step does; ``mixed`` is
+``serving.py``'s stream (plain, static and gated requests, one admitted every 12 steps); ``static``
 steers each request by one vector at layers 16-23, ungated (where the device fill keeps a
 decode step's index, and the prefix-guard report has nothing to do). Prints µs per
 step per scenario and request count, the top functions of one profiled configuration, and
@@ -55,8 +56,15 @@ SCENARIOS: dict[str, dict[str, Any] | None] = {
 }
 
 
+MIXED = ("plain", "static", "plain", "gated")
+"""The kinds of ``mixed``'s requests in turn: serving.py's stream (half plain, a quarter static,
+a quarter gated)."""
+MIXED_CHURN = 12
+"""``mixed``: steps per admission (serving.py's 16 requests/s at ~200 steps/s on an H200)."""
+
+
 def make_state(requests: int, controller: dict[str, Any] | None, device: Any,
-               static: bool = False) -> Any:
+               static: bool = False, mixed: bool = False) -> Any:
     import numpy as np
 
     from dynsteer.controller.spec import parse_spec
@@ -70,15 +78,20 @@ def make_state(requests: int, controller: dict[str, Any] | None, device: Any,
     rng = np.random.default_rng(0)
     steer = [{"vector": (rng.standard_normal(HIDDEN) * 0.01).tolist(),
               "layers": list(range(16, 24))}]
-    spec: dict[str, Any] = {"steer": steer} if static else {"gate": {
+    gated: dict[str, Any] = {"gate": {
         "probe": {"weights": (rng.standard_normal(HIDDEN) / HIDDEN**0.5).tolist()},
         "layer": MONITOR, "steer": steer}}
     if controller is not None:
-        spec["controller"] = controller
-    wire = {WIRE_KEY: spec_to_wire(parse_spec(spec))}
+        gated["controller"] = controller
+    wires = {kind: {WIRE_KEY: spec_to_wire(parse_spec(spec))}
+             for kind, spec in (("static", {"steer": steer}), ("gated", gated))}
+    wires["plain"] = None
+    kinds = [MIXED[i % len(MIXED)] if mixed else "static" if static else "gated"
+             for i in range(requests)]
+    state.bench_wires = [wires[kind] for kind in kinds]
+    """Each request's spec (by its index), which a request admitted in its place takes too."""
     for i in range(requests):
-        state.add_request(f"r{i}", i + 1, wire, PROMPT)
-    state.bench_wire = wire
+        state.add_request(f"r{i}", i + 1, state.bench_wires[i], PROMPT)
     return state
 
 
@@ -105,14 +118,15 @@ def batch_buffers(state: Any, requests: int, device: Any) -> Any:
     return write
 
 
-def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = False,
+def run_steps(state: Any, requests: int, steps: int, device: Any, churn_every: int = 0,
               on_device: bool = False) -> tuple[float, float]:
     """µs per decode step (after a prefill step and a warm-up), and the µs of CPU time of
     the index fill alone (the ``step`` hook; the thread's clock, which another process's
-    load on the machine does not inflate). ``churn``: in every step one request finishes and
-    a new one takes its slot, its prompt in the step (an admission step, where serving
-    latency is host-bound). ``on_device``: the runner hands over its device tensors, so the
-    device fills the index (vLLM's V2 runner on CUDA)."""
+    load on the machine does not inflate). ``churn_every``: every that many steps (1: every
+    step; 0: never) one request finishes and a new one with its spec takes its slot, its
+    prompt in the step (an admission step, where serving latency is host-bound).
+    ``on_device``: the runner hands over its device tensors, so the device fills the index
+    (vLLM's V2 runner on CUDA)."""
     import numpy as np
     import torch
 
@@ -127,7 +141,8 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = 
     elapsed = fill_cpu = 0.0
     for k in range(steps + 8):
         scheduled = np.ones(requests, np.int64)
-        i = k % requests
+        churn = churn_every > 0 and k % churn_every == 0
+        i = k // max(churn_every, 1) % requests
         if churn:
             computed[i], scheduled[i] = 0, PROMPT
         extra = (write(slots, computed, scheduled),) if on_device else ()
@@ -137,7 +152,7 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = 
         if churn:
             state.remove_request(ids[i])
             ids[i] = f"r{i}-{k}"
-            state.add_request(ids[i], i + 1, state.bench_wire, PROMPT)
+            state.add_request(ids[i], i + 1, state.bench_wires[i], PROMPT)
         fill_start = time.thread_time()
         state.fill(slots, computed, scheduled, *extra)
         fill_end = time.thread_time()
@@ -152,14 +167,17 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn: bool = 
 def run_scenario(name: str, requests: int, steps: int, device: Any,
                  profiler: cProfile.Profile | None = None) -> tuple[float, float]:
     """:func:`run_steps` of scenario ``name`` (``gated-churn``: an admission and a finish in
-    every step; a ``-device`` suffix: the device fills the index), with ``profiler`` (if
-    given) on for the steps alone."""
+    every step; ``mixed``: the kinds of :data:`MIXED` in turn, an admission and a finish every
+    :data:`MIXED_CHURN` steps; a ``-device`` suffix: the device fills the index), with
+    ``profiler`` (if given) on for the steps alone."""
     base = name.removesuffix("-device")
-    state = make_state(requests, SCENARIOS.get(base), device, static=base == "static")
+    state = make_state(requests, SCENARIOS.get(base), device, static=base == "static",
+                       mixed=base == "mixed")
+    churn_every = {"gated-churn": 1, "mixed": MIXED_CHURN}.get(base, 0)
     if profiler is not None:
         profiler.enable()
     try:
-        return run_steps(state, requests, steps, device, base == "gated-churn", base != name)
+        return run_steps(state, requests, steps, device, churn_every, base != name)
     finally:
         if profiler is not None:
             profiler.disable()
@@ -259,7 +277,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 32, 256])
-    every = [*SCENARIOS, "gated-churn", "static"]
+    every = [*SCENARIOS, "gated-churn", "static", "mixed"]
     names = [*every, *(f"{name}-device" for name in every)]
     ap.add_argument("--scenarios", nargs="+", default=every, choices=names,
                     help="NAME-device: the device fills the index (the V2 runner on CUDA)")
