@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from proc_cpu import label, tree
+from proc_cpu import process_key, tree
 
 GENERATIONS = 3
 
@@ -56,16 +56,15 @@ class GcWindow:
 
     def __enter__(self) -> GcWindow:
         if self.folder is not None:
-            self._pids = tree(self.root)
-            self._before = read(self.folder, self._pids)
+            self._before = read(self.folder, tree(self.root))
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.folder is None:
             return
         pids = tree(self.root)
-        labels = {pid: f"{label(pid)}/{pid}" for pid in pids}
-        self.result = window(self._before, read(self.folder, pids), labels)
+        self.result = window(self._before, read(self.folder, pids),
+                             {pid: process_key(pid) for pid in pids})
 
 
 def describe(result: dict[str, dict[str, list[float]]]) -> str:

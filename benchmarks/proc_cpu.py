@@ -68,6 +68,11 @@ def label(pid: int) -> str:
     return process_label(" ".join(a.decode(errors="replace") for a in argv if a))
 
 
+def process_key(pid: int) -> str:
+    """``label/pid``: how a window's results name a process."""
+    return f"{label(pid)}/{pid}"
+
+
 def _thread_name(label: str, pid: int, tid: int, comm: str) -> str:
     """``label/name/tid``: Python threads carry the process's kernel name, so the main thread
     is told apart as ``main``."""
@@ -299,10 +304,10 @@ def memory_facts(pids: list[int], before: dict[int, tuple[int, int]]) -> dict[st
     for pid in pids:
         minor, major = _faults(pid)
         minor0, major0 = before.get(pid, (minor, major))
-        processes[f"{label(pid)}/{pid}"] = {"minor_faults": minor - minor0,
-                                             "major_faults": major - major0,
-                                             "pages_by_node": numa_pages(pid),
-                                             **huge_pages(pid)}
+        processes[process_key(pid)] = {"minor_faults": minor - minor0,
+                                       "major_faults": major - major0,
+                                       "pages_by_node": numa_pages(pid),
+                                       **huge_pages(pid)}
     return {"nodes": numa_nodes(), "numa_balancing": _read("/proc/sys/kernel/numa_balancing"),
             "transparent_hugepage": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
             "processes": processes}

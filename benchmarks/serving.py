@@ -313,15 +313,26 @@ class Launch:
 
 
 @contextlib.contextmanager
+def measured(pid: int, url: str, launch: Launch, trace: bool) -> Iterator[dict[str, Any]]:
+    """One load's window on server process ``pid``: its CPU (:mod:`proc_cpu`) and, with
+    ``--gc-log``, its garbage collector (:mod:`gc_log`), under vLLM's profiler when ``trace``.
+    The dict yielded holds them (``cpu``, ``gc``) once the window closes."""
+    facts: dict[str, Any] = {}
+    with (Window(pid) as cpu, GcWindow(pid, launch.gc_log) as gc,
+          profiled(url) if trace else contextlib.nullcontext()):
+        yield facts
+    facts.update(cpu=cpu.result, gc=gc.result)
+
+
+@contextlib.contextmanager
 def plain_server(model: Path, out: Path, name: str, launch: Launch) -> Iterator[Load]:
     with plain_vllm(launch.serve_args(model, out, name), out / f"serve_{name}.log",
                     **launch.process(out, name)) as (url, proc):
         def load(bodies: list[dict[str, Any]], rate: float, trace: bool = False
                  ) -> dict[str, Any]:
-            with (Window(proc.pid) as cpu, GcWindow(proc.pid, launch.gc_log) as gc,
-                  profiled(url) if trace else contextlib.nullcontext()):
+            with measured(proc.pid, url, launch, trace) as facts:
                 result = asyncio.run(drive(url, bodies, rate))
-            return {**result, "cpu": cpu.result, "gc": gc.result}
+            return {**result, **facts}
 
         yield load
 
@@ -350,12 +361,10 @@ def dynsteer_server(model: Path, out: Path, name: str, launch: Launch,
         def load(bodies: list[dict[str, Any]], rate: float, trace: bool = False
                  ) -> dict[str, Any]:
             before = worker_host_time(url)
-            with (Window(proc.pid) as cpu, GcWindow(proc.pid, launch.gc_log) as gc,
-                  profiled(url) if trace else contextlib.nullcontext()):
+            with measured(proc.pid, url, launch, trace) as facts:
                 result = asyncio.run(drive(url, bodies, rate))
             result["worker_host"] = host_time_delta(before, worker_host_time(url))
-            result["cpu"], result["gc"] = cpu.result, gc.result
-            return result
+            return {**result, **facts}
 
         yield load
 

@@ -335,3 +335,16 @@ def test_the_admitting_step_is_the_gap_running_requests_saw_before_a_first_chunk
     assert serving_steps.admitting_step_ms([*running, admitted]) == pytest.approx(12.0, abs=0.01)
     assert serving_steps.admitting_step_ms([admitted]) is None
     assert serving_steps.admitting_step_ms([]) is None
+
+
+def test_a_load_window_holds_the_cpu_and_garbage_collector_facts(tmp_path):
+    """``serving.measured``: what both servers' loads record, filled once the window closes
+    (the CPU of the process tree; the collector's counts only with ``--gc-log``)."""
+    import os
+
+    launch = serving.Launch(0.5)
+    with serving.measured(os.getpid(), "http://unused", launch, trace=False) as facts:
+        assert facts == {}  # nothing before the window closes
+        sum(range(200_000))
+    assert facts["gc"] == {}
+    assert any(key.endswith(f"/{os.getpid()}") for key in facts["cpu"]["memory"]["processes"])
