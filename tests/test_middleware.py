@@ -114,7 +114,9 @@ def test_top_level_spec_moves_into_vllm_xargs(client, path):
     assert r.status_code == 200, r.text
     received = r.json()
     assert "dynsteer" not in received
-    assert received["vllm_xargs"] == {"other": 1, "dynsteer": json.dumps(SPEC)}
+    xargs = received["vllm_xargs"]
+    assert xargs.keys() == {"other", "dynsteer"} and xargs["other"] == 1
+    assert json.loads(xargs["dynsteer"]) == SPEC  # the spec's JSON text
     assert r.headers["x-content-length"] == str(len(r.content))
     r = client.post(path, json={"dynsteer": SPEC, "vllm_xargs": {"dynsteer": "{}"}})
     assert r.status_code == 400 and "give it once" in message_of(r)
@@ -309,3 +311,17 @@ def test_a_top_level_spec_is_moved_checked_and_written_once():
                         "vllm_xargs": {"dynsteer": json.dumps(SPEC)}}).encode()
     with pytest.raises(ValueError, match="give it once"):
         check_completion(twice, state)
+
+
+def test_what_strict_json_refuses_reaches_validation_as_json_reads_it():
+    """Bodies are read and written by msgspec where they are strict JSON; a ``NaN`` (which
+    vLLM's parser, json, reads) takes json both ways, so validation sees a NaN, not a null,
+    and names the element. A strict body's spec comes back as the same values."""
+    nan = b'{"model": "m", "dynsteer": {"steer": [{"vector": [1.0, NaN], "layers": [0]}]}}'
+    moved = json.loads(move_spec_to_xargs(nan))["vllm_xargs"]["dynsteer"]
+    assert np.isnan(json.loads(moved)["steer"][0]["vector"][1])
+    with pytest.raises(ValueError, match=r"dynsteer.steer\[0\].vector\[1\]"):
+        check_completion(nan, frontend())
+    strict = json.dumps({"model": "m", "dynsteer": SPEC}).encode()
+    assert json.loads(json.loads(check_completion(strict, frontend()))["vllm_xargs"]["dynsteer"]) \
+        == SPEC

@@ -191,7 +191,8 @@ def test_monitor_summaries_and_finished_events():
         seen.append(step(tele, values, rng, [(1, k, 1), (2, k, 1)]))
     tele.drain()
     tele.finish("a")
-    tele.before_step(0, False)  # its counters are read out with the next step
+    tele.before_step(0, False)  # its counters are read out with the next step,
+    tele.cache_report()  # and taken by the step's one fold of what landed
     assert [m[0] for m in events.monitors] == [0, 2]
     _, ids, sessions, tokens, gated, _ = events.monitors[0]
     assert ids == ["a", "b"] and sessions == ["s1", None] and tokens == [2, 2]

@@ -235,8 +235,12 @@ def _cache_blocks(guard: Guard, original: Callable[..., Any]) -> Callable[..., A
     up to its clean frontier."""
 
     def cache_blocks(request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        found = guard(request)
-        if found is not None and found.withhold:
+        # Called per scheduled request per step: the guard kept on the request since its
+        # admission is read inline (False: none), ``guard`` only for one never seen.
+        found = getattr(request, _GUARD_ATTR, None)
+        if found is None:
+            found = guard(request)
+        if found and found.withhold:
             num_computed_tokens = found.cacheable(num_computed_tokens)
         return original(request, num_computed_tokens, *args, **kwargs)
 

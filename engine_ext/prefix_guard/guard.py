@@ -38,14 +38,14 @@ def frontier(processed: int, first_dynamic: int | None) -> int:
 
 
 def grown_frontiers(processed: np.ndarray, first_dynamic: np.ndarray,
-                    reported_blocks: np.ndarray, block_size: int) -> np.ndarray:
+                    reported_blocks: np.ndarray, block_size: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """The workers' side of :func:`frontier`, for all request slots at once: the slots whose
-    frontier grew by a whole block since last reported (``reported_blocks`` is updated).
-    ``first_dynamic`` holds :data:`NONE` where no position was dynamically steered."""
+    frontier grew by a whole block past ``reported_blocks``, and every slot's frontier in
+    whole blocks (the caller records those of the slots it reports). ``first_dynamic``
+    holds :data:`NONE` where no position was dynamically steered."""
     blocks = np.minimum(processed, first_dynamic) // block_size
-    grown = np.flatnonzero(blocks > reported_blocks)
-    reported_blocks[grown] = blocks[grown]
-    return grown
+    return np.flatnonzero(blocks > reported_blocks), blocks
 
 
 @dataclass

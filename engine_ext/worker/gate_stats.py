@@ -210,19 +210,20 @@ class GateStats:
 
     @property
     def snapshot_folds(self) -> int:
-        """The replays the newest snapshot taken includes (by :meth:`take` or
-        :meth:`frontiers`): while this number stays, :meth:`frontiers` can only lose slots
-        (to writes), never grow."""
+        """The replays the newest snapshot taken (by :meth:`take`) includes: while this
+        number stays, no frontier of :meth:`frontiers` can have grown."""
         return self._snapshot_folds
 
     def frontiers(self) -> tuple[np.ndarray, np.ndarray]:
-        """(processed frontier, first dynamic position) of every slot as of the newest landed
-        replay; 0 and NONE for slots written since (their request's folds have not landed)."""
-        if self._cuda:
-            self._land(wait=False)
-        stale = self._written_at > self._snapshot_folds
-        return (np.where(stale, 0, self._snapshot[1]),
-                np.where(stale, NONE, self._snapshot[0]))
+        """(processed frontier, first dynamic position) of every slot as of the newest
+        replay :meth:`take` saw land; a slot written since holds its previous request's
+        values there (:meth:`current` tells them apart)."""
+        return self._snapshot[1], self._snapshot[0]
+
+    def current(self, slots: np.ndarray) -> np.ndarray:
+        """Which of ``slots`` :meth:`frontiers` describes: those not written since the
+        snapshot's replay (a request admitted since has no fold landed yet)."""
+        return self._written_at[slots] <= self._snapshot_folds
 
     def write(self, slot: int, column: np.ndarray) -> None:
         """Set the slot's column with the next step (after the read-outs asked for before)."""
@@ -273,28 +274,30 @@ class GateStats:
 
     # ---- internals --------------------------------------------------------------------
     def _apply(self, gated: bool) -> None:
+        """Queue the pending read-outs and writes: a few scalar writes per request, its
+        admission's or finish's share (a step admits few; whole-array calls cost more)."""
         reads, self._reads = self._reads, []
         writes, self._writes = self._writes, {}
-        read_slots = np.fromiter((slot for slot, _ in reads), dtype=np.int64, count=len(reads))
-        write_slots = np.fromiter(writes, dtype=np.int64, count=len(writes))
-        columns = (np.stack(list(writes.values())) if writes
-                   else np.zeros((0, STAT_COLS), dtype=np.int64))
-        self._written_at[write_slots] = self.folds + 1
+        for slot in writes:
+            self._written_at[slot] = self.folds + 1
         if not self._cuda:
             stats = self.stats.numpy()
             self._landed += [(owner, stats[:, slot].copy()) for slot, owner in reads]
-            stats[:, write_slots] = columns.T
+            for slot, column in writes.items():
+                stats[:, slot] = column
             return
         if len(self._in_flight) == RING:  # the pinned buffer's last replay must have landed
             self._land(wait=True, limit=1)
         ring = (self.folds + 1) % RING
         ops = self._ops_np[ring]
-        r, w = len(read_slots), len(write_slots)
+        r, w = len(reads), len(writes)
         ops[0], ops[1], ops[2] = r, w, gated
-        ops[OPS_HEAD:OPS_HEAD + r] = read_slots
-        ops[OPS_HEAD + r:OPS_HEAD + r + w] = write_slots
-        end = OPS_HEAD + r + w + STAT_COLS * w
-        ops[OPS_HEAD + r + w:end] = columns.reshape(-1)
+        for at, (slot, _) in enumerate(reads, OPS_HEAD):
+            ops[at] = slot
+        columns = OPS_HEAD + r + w  # where the written columns start
+        for k, (slot, column) in enumerate(writes.items()):
+            ops[OPS_HEAD + r + k] = slot
+            ops[columns + STAT_COLS * k:columns + STAT_COLS * (k + 1)] = column
         self._ops.copy_(self._ops_host[ring], non_blocking=True)  # whole: no slicing
         self._owners = [owner for _, owner in reads]
 
@@ -320,14 +323,14 @@ class GateStats:
         while self._in_flight and (limit is None or done < limit):
             folds, ring, owners = self._in_flight[0]
             event = self._events[ring]
-            if not wait and not event.query():
+            if wait:
+                event.synchronize()
+            elif not event.query():  # True: landed (no synchronize call needed)
                 break
-            event.synchronize()
             self._in_flight.popleft()
             done += 1
             if owners:
                 columns = self._read_np[ring]
                 self._landed += [(owner, columns[:, i].copy()) for i, owner in enumerate(owners)]
-            if not self._in_flight or not self._events[self._in_flight[0][1]].query():
-                self._snapshot = self._snap_np[ring].copy()
-                self._snapshot_folds = folds
+            # copied now: a later replay may reuse the ring buffer while this stays newest
+            self._snapshot, self._snapshot_folds = self._snap_np[ring].copy(), folds

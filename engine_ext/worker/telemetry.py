@@ -249,8 +249,8 @@ class GateTelemetry:
         and their controller rows (None when no token has a controller)."""
         self.launch_copy()
         self._stats.begin_step(tokens, gated)
-        self._fold(wait=False)
-        self._retire_landed()
+        if self._in_flight:
+            self._fold(wait=False)  # frees ring slots (what landed is retired by the report)
         number, self.steps = self.steps, self.steps + 1
         if index is not None and len(index):
             self._pending = _Step(number, tokens, index, self._record_of_slot[slot], pos,
@@ -269,17 +269,25 @@ class GateTelemetry:
         dynamically steered position or None). The scheduler caches only blocks below the
         first dynamic position (or, while there is none, below ``processed``).
 
-        Empty at no cost (no pass over the slots) when no gated request is live, or when no
-        replay landed since the last report: then no frontier can have grown."""
+        This runs after every step, so it is also the step's one fold of what landed
+        (finished requests' counters, per-token steps). The report is empty after a few
+        whole-array operations when no gated request is live, when no replay landed since
+        the last report (no frontier can have grown) or when no frontier grew by a block
+        (most steps: a decode step adds one position per request)."""
         self.launch_copy()
-        self._fold(wait=False)
+        if self._in_flight:
+            self._fold(wait=False)
         self._retire_landed()  # takes what landed, the newest snapshot included
         snapshot = self._stats.snapshot_folds
         if not self._live or snapshot == self._reported_snapshot:
             return {}
         self._reported_snapshot = snapshot
         upto, first_dynamic = self._stats.frontiers()
-        grown = grown_frontiers(upto, first_dynamic, self._reported, self._block)
+        grown, blocks = grown_frontiers(upto, first_dynamic, self._reported, self._block)
+        if not grown.size:
+            return {}
+        grown = grown[self._stats.current(grown)]  # not those admitted since the snapshot
+        self._reported[grown] = blocks[grown]
         slots = grown[np.not_equal(self._req_of_slot[grown], None)]
         first = first_dynamic[slots]
         return dict(zip(self._req_of_slot[slots].tolist(),
