@@ -292,9 +292,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.baseline is not None and not (args.baseline / "engine_ext").is_dir():
         ap.error(f"--baseline {args.baseline}: no engine_ext folder (a checkout of this repo?)")
-    if args.baseline is not None and any(n.endswith("-device") for n in args.scenarios):
-        ap.error("--baseline: the device fill is newer than any baseline (compare NAME with "
-                 "NAME-device in one run instead)")
     if args.one or (args.rounds == 1 and args.baseline is None):
         result = measure(args)
         if not args.one:

@@ -10,9 +10,11 @@ before (with async scheduling, the step that ran ``j``'s prefill shows there); -
 the decode steps around them.
 
 Printed per run and kind of request admitted (plain, static, gated): p50 / p90 / p99 ms of each
-offset's gap over the admissions. ``--json`` writes the same.
+offset's gap over the admissions; with ``--pool``, per server over every run of every file
+given (``--skip-first``: without each server's warm-up load). ``--json`` writes the same.
 
-Usage: python benchmarks/serving_steps.py latencies.npz [--json FILE]
+Usage: python benchmarks/serving_steps.py latencies.npz [...] [--pool [--skip-first]]
+       [--json FILE]
 """
 
 from __future__ import annotations
@@ -72,23 +74,58 @@ def runs_of(npz: Any) -> list[str]:
     return sorted(names, key=lambda name: int(name.split("_", 1)[0]))
 
 
+def pooled(files: list[Any], skip_first: bool) -> dict[str, dict[str, np.ndarray]]:
+    """Per server and kind admitted, the :func:`around_admissions` rows of every run of every
+    file (``skip_first``: each server's first run in each file left out, ``serving.py
+    --warmup``'s load)."""
+    out: dict[str, dict[str, list[np.ndarray]]] = {}
+    for npz in files:
+        seen: set[str] = set()
+        for run in runs_of(npz):
+            server = run.split("_", 1)[1]
+            first = server not in seen
+            seen.add(server)
+            if first and skip_first:
+                continue
+            gaps = around_admissions(npz[f"{run}_stamps_s"], npz[f"{run}_chunks"],
+                                     npz[f"{run}_kind"])
+            for kind, g in gaps.items():
+                out.setdefault(server, {}).setdefault(kind, []).append(g)
+    return {server: {kind: np.concatenate(parts) for kind, parts in sorted(kinds.items())}
+            for server, kinds in sorted(out.items())}
+
+
+def _summary(name: str, gaps: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Print and return p50 / p90 / p99 (ms) of each offset's gap, per kind admitted."""
+    out = {}
+    for kind, g in gaps.items():
+        row = {f"{o:+d}": [float(np.percentile(g[:, n], q) * 1e3) for q in (50, 90, 99)]
+               for n, o in enumerate(OFFSETS)}
+        out[kind] = {"admissions": len(g), "p50_p90_p99_ms": row}
+        print(f"{name} {kind} ({len(g)}): " + "  ".join(
+            f"{o}: {'/'.join(f'{v:.2f}' for v in vs)}" for o, vs in row.items()))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("npz", type=Path)
+    ap.add_argument("npz", type=Path, nargs="+")
+    ap.add_argument("--pool", action="store_true",
+                    help="pool every file's runs per server (serving.py calls of one setup)")
+    ap.add_argument("--skip-first", action="store_true",
+                    help="with --pool: leave out each server's first run in each file "
+                         "(serving.py --warmup's load)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    npz = np.load(args.npz)
-    out: dict[str, Any] = {}
-    for run in runs_of(npz):
-        gaps = around_admissions(npz[f"{run}_stamps_s"], npz[f"{run}_chunks"],
-                                 npz[f"{run}_kind"])
-        out[run] = {}
-        for kind, g in gaps.items():
-            row = {f"{o:+d}": [float(np.percentile(g[:, n], q) * 1e3) for q in (50, 90, 99)]
-                   for n, o in enumerate(OFFSETS)}
-            out[run][kind] = {"admissions": len(g), "p50_p90_p99_ms": row}
-            print(f"{run} {kind} ({len(g)}): " + "  ".join(
-                f"{o}: {'/'.join(f'{v:.2f}' for v in vs)}" for o, vs in row.items()))
+    files = [np.load(path) for path in args.npz]
+    if args.pool:
+        out = {server: _summary(server, gaps)
+               for server, gaps in pooled(files, args.skip_first).items()}
+    else:
+        out = {f"{path}:{run}" if len(files) > 1 else run: _summary(
+                   run, around_admissions(npz[f"{run}_stamps_s"], npz[f"{run}_chunks"],
+                                          npz[f"{run}_kind"]))
+               for path, npz in zip(args.npz, files, strict=True) for run in runs_of(npz)}
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2))
 

@@ -337,6 +337,37 @@ def test_the_admitting_step_is_the_gap_running_requests_saw_before_a_first_chunk
     assert serving_steps.admitting_step_ms([]) is None
 
 
+def test_admissions_pool_over_calls_per_server_without_the_warm_up(tmp_path):
+    """``serving_steps.pooled``: every file's runs per server and kind admitted, each
+    server's first run in each file left out with ``skip_first`` (serving.py's warm-up)."""
+    import serving_steps
+
+    def run(step_ms: float) -> dict[str, np.ndarray]:
+        gaps = np.array([5.0] * 20 + [step_ms] + [5.0] * 20) / 1e3
+        steps = np.concatenate([[0.0], np.cumsum(gaps)])
+        stamps = [steps + 1e-4 * i for i in range(3)] + [steps[22:]]
+        return {"stamps_s": np.concatenate(stamps),
+                "chunks": np.array([len(s) for s in stamps]),
+                "kind": np.array(["plain"] * 3 + ["gated"])}
+
+    calls = ([("vllm", 30.0), ("dynsteer", 30.0), ("vllm", 9.0), ("dynsteer", 12.0)],
+             [("dynsteer", 30.0), ("vllm", 30.0), ("dynsteer", 10.0), ("vllm", 11.0)])
+    files = []
+    for call, runs in enumerate(calls):  # each server's first run: a 30 ms warm-up
+        arrays = {f"{index}_{server}_{key}": value
+                  for index, (server, ms) in enumerate(runs) for key, value in run(ms).items()}
+        np.savez(tmp_path / f"{call}.npz", **arrays)
+        files.append(np.load(tmp_path / f"{call}.npz"))
+    measured = serving_steps.pooled(files, skip_first=True)
+    assert set(measured) == {"vllm", "dynsteer"}
+    assert measured["vllm"]["gated"][:, serving_steps.OFFSETS.index(-1)] * 1e3 \
+        == pytest.approx([9.0, 11.0], abs=0.01)
+    assert measured["dynsteer"]["gated"][:, serving_steps.OFFSETS.index(-1)] * 1e3 \
+        == pytest.approx([12.0, 10.0], abs=0.01)
+    every = serving_steps.pooled(files, skip_first=False)
+    assert len(every["vllm"]["gated"]) == 4  # the warm-up runs (30 ms) are in
+
+
 def test_a_load_window_holds_the_cpu_and_garbage_collector_facts(tmp_path):
     """``serving.measured``: what both servers' loads record, filled once the window closes
     (the CPU of the process tree; the collector's counts only with ``--gc-log``)."""
