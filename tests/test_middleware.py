@@ -317,11 +317,16 @@ def test_what_strict_json_refuses_reaches_validation_as_json_reads_it():
     """Bodies are read and written by msgspec where they are strict JSON; a ``NaN`` (which
     vLLM's parser, json, reads) takes json both ways, so validation sees a NaN, not a null,
     and names the element. A strict body's spec comes back as the same values."""
+    # a null would read "a valid number": this names the NaN itself
+    named = r"dynsteer.steer\[0\].vector\[1\]: Input should be a finite"
     nan = b'{"model": "m", "dynsteer": {"steer": [{"vector": [1.0, NaN], "layers": [0]}]}}'
     moved = json.loads(move_spec_to_xargs(nan))["vllm_xargs"]["dynsteer"]
     assert np.isnan(json.loads(moved)["steer"][0]["vector"][1])
-    with pytest.raises(ValueError, match=r"dynsteer.steer\[0\].vector\[1\]"):
+    with pytest.raises(ValueError, match=named):
         check_completion(nan, frontend())
+    with_session = nan.replace(b'{"steer"', b'{"session": "s", "steer"')
+    with pytest.raises(ValueError, match=named):
+        check_completion(with_session, frontend(), KEYED)  # namespaced: written back by json
     strict = json.dumps({"model": "m", "dynsteer": SPEC}).encode()
     assert json.loads(json.loads(check_completion(strict, frontend()))["vllm_xargs"]["dynsteer"]) \
         == SPEC

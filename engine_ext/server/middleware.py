@@ -94,14 +94,27 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 class _Json(NamedTuple):
-    """A body's JSON object and the encoder that writes it back as the same JSON."""
+    """JSON read, and the encoder that writes it back as the same JSON."""
 
-    data: dict[str, Any]
+    data: Any
     dumps: Callable[[Any], bytes]
 
 
 def _json_dumps(obj: Any) -> bytes:
     return json.dumps(obj).encode()
+
+
+def _loads(text: bytes | str) -> _Json:
+    """``text`` read as JSON. Strict JSON is read and written by msgspec: a spec's base64
+    vector (~22 kB) costs json ~60 µs to write, on the API server's event loop, which streams
+    every request's tokens; msgspec takes a tenth. What msgspec refuses but vLLM's parser
+    (json) reads (``NaN``, ``Infinity``, numbers past float64, lone surrogates) goes through
+    json both ways, so its values reach validation as they are. ValueError when neither
+    reads it (RecursionError: json's nesting limit)."""
+    try:
+        return _Json(msgspec.json.decode(text), msgspec.json.encode)
+    except msgspec.DecodeError:
+        return _Json(json.loads(text), _json_dumps)
 
 
 def _with_spec(body: bytes) -> _Json | None:
@@ -117,26 +130,16 @@ def _with_spec(body: bytes) -> _Json | None:
 
 
 def _json_object(body: bytes) -> _Json | None:
-    """The body's JSON object; None when the body is not JSON or not an object (vLLM reports
-    it). :class:`SpecError` when it nests deeper than ``MAX_JSON_DEPTH`` (checked on the bytes
-    first, so a hostile depth never reaches the parser).
-
-    Strict JSON is read and written by msgspec: a spec's base64 vector (~22 kB) costs json
-    ~60 µs to write, on the API server's event loop, which streams every request's tokens;
-    msgspec takes a tenth. What msgspec refuses but vLLM's parser (json) reads (``NaN``,
-    ``Infinity``, numbers past float64, lone surrogates) goes through json both ways, so
-    its values reach validation as they are."""
+    """The body's JSON object (:func:`_loads`); None when the body is not JSON or not an
+    object (vLLM reports it). :class:`SpecError` when it nests deeper than ``MAX_JSON_DEPTH``
+    (checked on the bytes first, so a hostile depth never reaches the parser)."""
     check_json_depth(body, SPEC_KEY)
     try:
-        found = _Json(msgspec.json.decode(body), msgspec.json.encode)
-    except msgspec.DecodeError:
-        try:
-            found = _Json(json.loads(body), _json_dumps)
-        except RecursionError:
-            raise SpecError(f"{SPEC_KEY}: JSON nested deeper than {MAX_JSON_DEPTH} "
-                            "levels") from None
-        except ValueError:
-            return None
+        found = _loads(body)
+    except RecursionError:
+        raise SpecError(f"{SPEC_KEY}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError:
+        return None
     return found if isinstance(found.data, dict) else None
 
 
@@ -217,22 +220,25 @@ def check_completion(body: bytes, frontend: FrontendState,
                         f"{SPEC_KEY!r} object")
     if SPEC_KEY in xargs:
         if namespace is not None:
-            changed = _namespace_session(xargs, namespace) or changed
+            changed = _namespace_session(xargs, namespace, found.dumps) or changed
         admission.precheck(frontend, xargs)
     return found.dumps(found.data) if changed else body
 
 
-def _namespace_session(xargs: dict[str, Any], namespace: Callable[[str], str]) -> bool:
-    """Put the spec's session (if any) in ``namespace``, in place; whether it had one."""
+def _namespace_session(xargs: dict[str, Any], namespace: Callable[[str], str],
+                       dumps: Callable[[Any], bytes]) -> bool:
+    """Put the spec's session (if any) in ``namespace``, in place; whether it had one. A spec
+    given as an object is written back by ``dumps``, the encoder of the body it came in."""
     raw = xargs[SPEC_KEY]
     try:
-        spec = json.loads(raw) if isinstance(raw, str) else raw
-    except ValueError:
+        found = _loads(raw) if isinstance(raw, str) else _Json(raw, dumps)
+    except (ValueError, RecursionError):
         return False  # admission names the field
+    spec = found.data
     if not isinstance(spec, dict) or not isinstance(spec.get("session"), str):
         return False
     spec["session"] = namespace(spec["session"])
-    xargs[SPEC_KEY] = json.dumps(spec)
+    xargs[SPEC_KEY] = found.dumps(spec).decode()
     return True
 
 
