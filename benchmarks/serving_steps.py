@@ -74,6 +74,11 @@ def runs_of(npz: Any) -> list[str]:
     return sorted(names, key=lambda name: int(name.split("_", 1)[0]))
 
 
+def run_gaps(npz: Any, run: str) -> dict[str, np.ndarray]:
+    """:func:`around_admissions` of one run of a ``latencies.npz``."""
+    return around_admissions(npz[f"{run}_stamps_s"], npz[f"{run}_chunks"], npz[f"{run}_kind"])
+
+
 def pooled(files: list[Any], skip_first: bool) -> dict[str, dict[str, np.ndarray]]:
     """Per server and kind admitted, the :func:`around_admissions` rows of every run of every
     file (``skip_first``: each server's first run in each file left out, ``serving.py
@@ -87,9 +92,7 @@ def pooled(files: list[Any], skip_first: bool) -> dict[str, dict[str, np.ndarray
             seen.add(server)
             if first and skip_first:
                 continue
-            gaps = around_admissions(npz[f"{run}_stamps_s"], npz[f"{run}_chunks"],
-                                     npz[f"{run}_kind"])
-            for kind, g in gaps.items():
+            for kind, g in run_gaps(npz, run).items():
                 out.setdefault(server, {}).setdefault(kind, []).append(g)
     return {server: {kind: np.concatenate(parts) for kind, parts in sorted(kinds.items())}
             for server, kinds in sorted(out.items())}
@@ -122,10 +125,9 @@ def main() -> None:
         out = {server: _summary(server, gaps)
                for server, gaps in pooled(files, args.skip_first).items()}
     else:
-        out = {f"{path}:{run}" if len(files) > 1 else run: _summary(
-                   run, around_admissions(npz[f"{run}_stamps_s"], npz[f"{run}_chunks"],
-                                          npz[f"{run}_kind"]))
-               for path, npz in zip(args.npz, files, strict=True) for run in runs_of(npz)}
+        named = [(f"{path}:{run}" if len(files) > 1 else run, npz, run)
+                 for path, npz in zip(args.npz, files, strict=True) for run in runs_of(npz)]
+        out = {name: _summary(name, run_gaps(npz, run)) for name, npz, run in named}
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2))
 
