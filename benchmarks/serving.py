@@ -28,8 +28,9 @@ there measures the start, not the plugin. The warm-up's latencies are reported o
 (``warmup``), beside plain vLLM's, so a start-up cost of the plugin's stays visible.
 
 Usage: python benchmarks/serving.py --out DIR --tokenizer DIR [--rate 16] [--requests 400]
-       [--runs vllm,dynsteer[,dynsteer-plain]] [--repeat N | --interleave SEGMENTS --mem 0.42
-       [--torch-profile STEPS] [--warmup REQUESTS]] [--py-spy BIN]
+       [--runs vllm,dynsteer[,dynsteer-plain][,vllm-b]]
+       [--repeat N | --interleave SEGMENTS --mem 0.42 [--torch-profile STEPS]
+       [--warmup REQUESTS]] [--py-spy BIN]
        [--pin-cpus CPUS [CPUS ...]]
 
 ``--pin-cpus`` runs each server (and the engine core it starts) on CPUs of its own, one
@@ -421,12 +422,18 @@ def host_time_delta(before: dict[str, dict[str, float]],
     return out
 
 
-RUNS = ("vllm", "dynsteer", "dynsteer-plain", "dynsteer-static", "dynsteer-gated")
-"""Plain vLLM; dynsteer serving the mixed stream; dynsteer serving plain vLLM's (unsteered)
-stream, which tells the enabled plugin's own cost from the steered traffic's; dynsteer
-serving half plain, half static (or gated) requests, which tells the kinds' costs apart.
-A dynsteer run named with the suffix ``-variant`` is that run on a server with the engine
-options of ``--variant``."""
+PLAIN = ("vllm", "vllm-b")
+"""Plain vLLM servers: ``vllm`` is every ratio's base; ``vllm-b`` is a second one, started where
+``--runs`` puts it. With ``--runs vllm,dynsteer,vllm-b`` the dynsteer server starts between two
+plain ones: ``vllm-b``'s ratio is the start order's own effect in that call, and ``bracketed``
+compares dynsteer with both plain servers' latencies pooled (sessions 39-40: on some machines
+the server started first read ~4-6% worse at ITL p99, whichever it was)."""
+RUNS = (*PLAIN, "dynsteer", "dynsteer-plain", "dynsteer-static", "dynsteer-gated")
+"""Plain vLLM (:data:`PLAIN`); dynsteer serving the mixed stream; dynsteer serving plain
+vLLM's (unsteered) stream, which tells the enabled plugin's own cost from the steered
+traffic's; dynsteer serving half plain, half static (or gated) requests, which tells the kinds'
+costs apart. A dynsteer run named with the suffix ``-variant`` is that run on a server with the
+engine options of ``--variant``."""
 VARIANT = "-variant"
 
 
@@ -497,7 +504,8 @@ def main() -> None:
     order = args.runs.split(",")
     if args.pin_cpus is not None:
         check_pins(ap, args.pin_cpus, len(dict.fromkeys(order)))
-    if "vllm" not in order or not {n.removesuffix(VARIANT) for n in order} <= set(RUNS):
+    named = {*PLAIN, *(n + s for n in RUNS if n not in PLAIN for s in ("", VARIANT))}
+    if "vllm" not in order or not set(order) <= named:
         ap.error(f"--runs: a comma list from {', '.join(RUNS)} (dynsteer ones optionally "
                  f"with {VARIANT}) with vllm in it")
     if args.torch_profile and not args.interleave:
@@ -519,16 +527,17 @@ def main() -> None:
         return Launch(args.mem, args.py_spy, args.torch_profile, pins.get(name), gc_log)
 
     servers = {
-        "vllm": functools.partial(plain_server, model, args.out, "vllm", launch("vllm")),
+        **{name: functools.partial(plain_server, model, args.out, name, launch(name))
+           for name in PLAIN},
         **{name + suffix: functools.partial(
             dynsteer_server, model, args.out, name + suffix, launch(name + suffix),
             args.variant if suffix else {})
-           for name in RUNS if name != "vllm" for suffix in ("", VARIANT)},
+           for name in RUNS if name not in PLAIN for suffix in ("", VARIANT)},
     }
 
     def stream_of(name: str, n: int = args.requests, seed: int = 0) -> list[dict[str, Any]]:
         """Server ``name``'s stream: plain vLLM's, or the mix its run name says."""
-        return requests(n, "plain" if name == "vllm" else
+        return requests(n, "plain" if name in PLAIN else
                         name.removesuffix(VARIANT).partition("-")[2] or "mixed", seed)
 
     stream = {name: stream_of(name) for name in servers}
@@ -669,12 +678,17 @@ def report(results: dict[str, Any], done: dict[str, list[dict[str, Any]]]) -> No
               {k: round(v, 4) for k, v in results["ratios"][name].items()})
         print(f"{name} / vllm, run by run:",
               {k: [round(v, 4) for v in vs] for k, vs in results["pair_ratios"][name].items()})
+        if "vllm-b" in done and name not in PLAIN:
+            both = latencies(done["vllm"] + done["vllm-b"])
+            results.setdefault("bracketed", {})[name] = {k: ours[k] / both[k] for k in both}
+            print(f"{name} / both plain servers, pooled:",
+                  {k: round(v, 4) for k, v in results["bracketed"][name].items()})
         for r in mine[name]:
-            for hook, h in r["worker_host"].items():
+            for hook, h in r.get("worker_host", {}).items():
                 print(f"{name}, worker hook {hook}: {h['calls']:.0f} calls, mean "
                       f"{h['mean_us']:.1f} µs (CPU {h['mean_cpu_us']:.1f}), 99% within "
                       f"{h['p99_le_us']} µs, all within {h['max_le_us']} µs")
-            for kind, k in r["by_kind"].items():
+            for kind, k in r.get("by_kind", {}).items():
                 print(f"{name}, {kind} requests: TTFT p50 {k['ttft_ms_p50']:.1f} ms, "
                       f"ITL p50 {k['itl_ms_p50']:.2f} / p99 {k['itl_ms_p99']:.2f} ms")
 

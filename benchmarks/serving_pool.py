@@ -5,7 +5,9 @@ pair ranged 0.90-1.36 for the same code. This pools every inter-token gap and TT
 server over the calls (each file one pair or more, either order), prints the ratios of the
 pooled percentiles (``--server`` over ``--base``), and bootstraps the ITL p99 ratio over
 calls (calls drawn with replacement, then pooled), which gives its spread between machines
-and orders rather than between tokens.
+and orders rather than between tokens. It also pools the calls of each start order apart (which
+server a call started first) and weighs the two orders equally, since on some machines the
+server started first read worse whichever it was.
 
 Usage: python benchmarks/serving_pool.py A/latencies.npz B/latencies.npz ... [--json FILE]
        [--base vllm] [--server dynsteer] [--draws 2000]
@@ -42,6 +44,29 @@ def pooled(calls: list[dict[str, np.ndarray]], what: str) -> dict[str, float]:
             for q in PERCENTILES}
 
 
+def started_first(path: Path) -> str:
+    """The server a call started first: the one whose run ``serving.py`` kept first (keys
+    ``0_<server>_...``; with ``--interleave`` the order's first server serves segment 0 first)."""
+    data = np.load(path, allow_pickle=False)
+    first = [k for k in data.files if k.startswith("0_") and k.endswith("_itl_s")]
+    if not first:
+        raise SystemExit(f"{path}: no run kept first")
+    return first[0][2:].removesuffix("_itl_s")
+
+
+def by_start_order(calls: list[dict[str, np.ndarray]], firsts: list[str]
+                   ) -> dict[str, Any]:
+    """ITL p99 ratio pooled over the calls of each start order, and (where both orders are
+    there) their geometric mean, which cancels an effect of starting first that is the same
+    for either server: sessions 39-40 saw the first-started server read ~4-6% worse."""
+    orders = {first: pooled([c for c, f in zip(calls, firsts, strict=True) if f == first],
+                            "itl_s")["p99"] for first in sorted(set(firsts))}
+    out: dict[str, Any] = {"itl_p99_by_first": orders}
+    if len(orders) > 1:
+        out["itl_p99_order_balanced"] = float(np.exp(np.mean(np.log(list(orders.values())))))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", type=Path)
@@ -56,7 +81,9 @@ def main() -> None:
     result: dict[str, Any] = {"files": [str(f) for f in args.files], "base": args.base,
                               "server": args.server,
                               "itl": pooled(calls, "itl_s"), "ttft": pooled(calls, "ttft_s"),
-                              "itl_p99_per_call": [pooled([c], "itl_s")["p99"] for c in calls]}
+                              "itl_p99_per_call": [pooled([c], "itl_s")["p99"] for c in calls],
+                              "started_first": [started_first(f) for f in args.files]}
+    result.update(by_start_order(calls, result["started_first"]))
     rng = np.random.default_rng(0)
     draws = [pooled([calls[i] for i in rng.integers(len(calls), size=len(calls))],
                     "itl_s")["p99"] for _ in range(args.draws)]
@@ -67,6 +94,12 @@ def main() -> None:
     print("  ITL p99 per call: " + " ".join(f"{v:.3f}" for v in result["itl_p99_per_call"]))
     low, mid, high = result["itl_p99_bootstrap_5_50_95"]
     print(f"  ITL p99 over calls, bootstrap 5/50/95%: {low:.3f} / {mid:.3f} / {high:.3f}")
+    for first, ratio in result["itl_p99_by_first"].items():
+        count = result["started_first"].count(first)
+        print(f"  ITL p99, the {count} calls that started {first} first: {ratio:.3f}")
+    if "itl_p99_order_balanced" in result:
+        print(f"  ITL p99, both start orders weighted equally (geometric mean): "
+              f"{result['itl_p99_order_balanced']:.3f}")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -79,7 +79,7 @@ def _server(name: str, log: list[tuple[Any, ...]], stopped: list[str] | None = N
     server-specific time to the first token and between tokens; a traced load is logged
     with ``"traced"``. ``stopped`` gets the name when the server stops; ``on_load(n)`` runs
     before the n-th load of this server (from 0)."""
-    scale = {"vllm": 1.0, "dynsteer": 1.5}[name]
+    scale = {"vllm": 1.0, "vllm-b": 1.25, "dynsteer": 1.5}[name]
 
     @contextlib.contextmanager
     def server() -> Iterator[serving.Load]:
@@ -132,6 +132,39 @@ def test_serving_servers_are_all_up_and_serve_each_segment_in_turn(tmp_path, mon
     assert result["ratios"]["dynsteer"]["itl_ms_p99"] == pytest.approx(1.5)
     assert result["pair_ratios"]["dynsteer"]["ttft_ms_p50"] == pytest.approx([1.5] * 4)
     assert "dynsteer / vllm, pooled" in capsys.readouterr().out
+
+
+def test_a_second_plain_server_brackets_dynsteer_and_shows_the_start_order(tmp_path, monkeypatch,
+                                                                           capsys):
+    """``--runs vllm,dynsteer,vllm-b``: a second plain vLLM, started after dynsteer, gets plain
+    vLLM's stream; its ratio to ``vllm`` is the start order's effect, and dynsteer is compared
+    with both plain servers pooled as well (``bracketed``)."""
+    log: list[tuple[Any, ...]] = []
+    argv = _serving_argv(tmp_path, monkeypatch, log, "--requests", "20", "--interleave", "2")
+    monkeypatch.setattr(serving, "plain_server", lambda model, out, name, launch:
+                        _server(name, log))
+    argv[argv.index("--runs") + 1] = "vllm,dynsteer,vllm-b"
+    monkeypatch.setattr(sys, "argv", argv)
+    serving.main()
+
+    assert log == [("vllm", -1), ("dynsteer", -1), ("vllm-b", -1),
+                   ("vllm", 10), ("dynsteer", 10), ("vllm-b", 10),
+                   ("vllm-b", 10), ("dynsteer", 10), ("vllm", 10)]
+    kinds = np.load(tmp_path / "latencies.npz")
+    assert set(np.concatenate([kinds[k] for k in kinds.files if k.endswith("vllm-b_kind")])) \
+        == {"plain"}
+    result = json.loads((tmp_path / "serving.json").read_text())
+    assert result["ratios"]["vllm-b"]["itl_ms_p99"] == pytest.approx(1.25)
+    assert result["ratios"]["dynsteer"]["itl_ms_p99"] == pytest.approx(1.5)
+    # pooled over both plain servers' tokens, half at 5 ms and half at 6.25 ms: the p99 is
+    # the slower one's
+    assert result["bracketed"]["dynsteer"]["itl_ms_p50"] == pytest.approx(1.5 / 1.125, rel=0.02)
+    assert result["bracketed"]["dynsteer"]["itl_ms_p99"] == pytest.approx(1.5 / 1.25)
+    assert "vllm-b" not in result.get("bracketed", {})
+    assert "dynsteer / both plain servers, pooled" in capsys.readouterr().out
+    argv[argv.index("--runs") + 1] = "vllm,dynsteer,vllm-b-variant"  # no such server
+    with pytest.raises(SystemExit):
+        serving.main()
 
 
 def test_serving_traces_each_server_once_before_the_measured_segments(tmp_path, monkeypatch):
@@ -379,3 +412,39 @@ def test_a_load_window_holds_the_cpu_and_garbage_collector_facts(tmp_path):
         sum(range(200_000))
     assert facts["gc"] == {}
     assert any(key.endswith(f"/{os.getpid()}") for key in facts["cpu"]["memory"]["processes"])
+
+
+def test_pooled_calls_are_also_split_by_the_server_started_first(tmp_path, monkeypatch, capsys):
+    """serving_pool: each call's first-started server is read from its file; the ITL p99 ratio
+    pooled per start order and, with both orders there, their geometric mean, which cancels
+    a penalty for starting first that is the same for either server."""
+    import serving_pool
+
+    def call(name: str, first: str, slow_first: float) -> Path:
+        # 100 gaps per server, the last 2 slow: a server's p99 is its slow gap, scaled by
+        # slow_first for the server started first
+        gaps = np.r_[np.full(98, 0.005), 0.012, 0.012]
+        order = (first, "dynsteer" if first == "vllm" else "vllm")
+        arrays = {}
+        for i, server in enumerate(order):
+            scale = (1.1 if server == "dynsteer" else 1.0) * (slow_first if i == 0 else 1.0)
+            arrays[f"{i}_{server}_itl_s"] = gaps * scale
+            arrays[f"{i}_{server}_ttft_s"] = np.full(10, 0.02)
+        path = tmp_path / f"{name}.npz"
+        np.savez(path, **arrays)
+        return path
+
+    files = [call("a", "vllm", 1.2), call("b", "dynsteer", 1.2)]
+    out = tmp_path / "pool.json"
+    monkeypatch.setattr(sys, "argv", ["serving_pool.py", *map(str, files), "--json", str(out)])
+    serving_pool.main()
+
+    result = json.loads(out.read_text())
+    assert result["started_first"] == ["vllm", "dynsteer"]
+    assert result["itl_p99_by_first"] == pytest.approx({"vllm": 1.1 / 1.2,
+                                                        "dynsteer": 1.1 * 1.2})
+    assert result["itl_p99_order_balanced"] == pytest.approx(1.1)
+    assert "both start orders weighted equally" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["serving_pool.py", str(files[0]), "--json", str(out)])
+    serving_pool.main()  # one order only: no balanced figure
+    assert "itl_p99_order_balanced" not in json.loads(out.read_text())
