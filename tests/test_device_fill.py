@@ -261,6 +261,61 @@ print(json.dumps(steady_steps("cpu")))
 """
 
 
+def slot_reuse_steps(device: str) -> dict[str, Any]:
+    """A static request beside a slot that holds in turn a gated request, a plain one (a
+    longer prompt), another plain one (a shorter prompt) and a by-phase one, each through its
+    prefill and two decode steps: per step, whether the device's index equals the host's,
+    and the slot-table uploads of the step."""
+    kinds = _kinds()
+    pair = _Pair(device)
+    rng = np.random.default_rng(0)
+    table = pair.dev.device_fill.table
+    uploads: list[int] = []
+    send = table._staged.send
+    table._staged.send = lambda: uploads.append(1) or send()
+    pair.add("static", 1, kinds["static"], 3)
+    out: dict[str, Any] = {"equal": [], "uploads": []}
+    computed = {1: 3}
+    for n, (kind, prompt) in enumerate((("gated", 3), ("plain", 6), ("plain", 2),
+                                        ("by_phase", 4))):
+        pair.add(f"{kind}-{n}", 2, kinds[kind], prompt)
+        computed[2] = 0
+        for _ in range(3):
+            slots = [1, 2]
+            comp = np.array([computed[1], computed[2]], np.int64)
+            sched = np.array([1, prompt if computed[2] == 0 else 1], np.int64)
+            before = len(uploads)
+            mismatch = pair.fill(slots, comp, sched)
+            out["uploads"].append(len(uploads) - before)
+            out["equal"].append(mismatch + pair.forward(int(sched.sum()), rng) == [])
+            computed[1] += 1
+            computed[2] += int(sched[1])
+        pair.remove(f"{kind}-{n}")
+    return out
+
+
+def test_an_unsteered_request_uploads_no_slot_table():
+    """The slot table follows steered requests only: a plain request admitted into a slot a
+    steered one left (its rows zeroed at that release) or leaving it changes nothing the
+    device fill reads, so its first step uploads nothing, and the device's index still
+    equals the host's every step (its prompt length in the table is stale and picks
+    between two zero rows)."""
+    pytest.importorskip("triton")
+    got = run_interpreted(INTERPRETED_REUSE)
+    assert got["equal"] == [True] * 12
+    # the first step's (the gated request admitted); the gated one's release; none between
+    # two plain requests; the by-phase one's admission
+    assert got["uploads"] == [1, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0]
+
+
+INTERPRETED_REUSE = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_device_fill import slot_reuse_steps
+print(json.dumps(slot_reuse_steps("cpu")))
+"""
+
+
 def _gated_spec(trace: bool = False, **extra: Any) -> dict[str, Any]:
     from dynsteer.controller.spec import parse_spec
     from dynsteer.controller.wire import WIRE_KEY, spec_to_wire

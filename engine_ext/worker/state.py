@@ -215,8 +215,11 @@ class SteeringState:
         self._next_pos = np.full(max_slots, -1, dtype=np.int64)
         """Where each slot's request's last step ended (-1: no step yet)."""
         self._slots_version = 0
-        """Counts the changes of the per-slot rows and prompt lengths (the device fill's slot
-        table follows)."""
+        """Counts the changes of the per-slot rows and prompt lengths that the device fill's
+        slot table must follow: a steered request's admission and release. An unsteered one
+        changes nothing there (its slot's rows are zero since the last occupant's release, and
+        with both rows zero its prompt length picks nothing), so half of the serving mix's
+        admissions and finishes upload no table."""
         self._num_steered = 0
         self.requests_steered = 0
         """Requests admitted with a nonzero row (counter)."""
@@ -342,9 +345,8 @@ class SteeringState:
                        global_key=self._global_of(req_id, extra_args), generation=generation)
         self._ensure_slot(slot)
         self._requests[req_id] = req
-        self._prompt_len[slot] = prompt_len
+        self._prompt_len[slot] = prompt_len  # the slot table follows only if it steers (_assign)
         self._next_pos[slot] = -1
-        self._slots_version += 1
         self._assign(req)
         self.capture.admit(req_id, slot, extra_args, prompt_len)
         if self._steers(slot):
@@ -668,12 +670,12 @@ class SteeringState:
             target[req.slot] = row
         if self._steers(req.slot):
             self._num_steered += 1
-        self._slots_version += 1
+            self._slots_version += 1
 
     def _release(self, req: _Request) -> None:
-        self._slots_version += 1
         if self._steers(req.slot):
             self._num_steered -= 1
+            self._slots_version += 1
         for target in (self._prefill_row, self._decode_row):
             self.rows.release(int(target[req.slot]))
             target[req.slot] = 0
