@@ -435,6 +435,9 @@ traffic's; dynsteer serving half plain, half static (or gated) requests, which t
 costs apart. A dynsteer run named with the suffix ``-variant`` is that run on a server with the
 engine options of ``--variant``."""
 VARIANT = "-variant"
+RUN_NAMES = (*PLAIN, *(name + suffix for name in RUNS if name not in PLAIN
+                       for suffix in ("", VARIANT)))
+"""Every name ``--runs`` takes: :data:`RUNS`, the dynsteer ones also with :data:`VARIANT`."""
 
 
 CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
@@ -504,8 +507,7 @@ def main() -> None:
     order = args.runs.split(",")
     if args.pin_cpus is not None:
         check_pins(ap, args.pin_cpus, len(dict.fromkeys(order)))
-    named = {*PLAIN, *(n + s for n in RUNS if n not in PLAIN for s in ("", VARIANT))}
-    if "vllm" not in order or not set(order) <= named:
+    if "vllm" not in order or not set(order) <= set(RUN_NAMES):
         ap.error(f"--runs: a comma list from {', '.join(RUNS)} (dynsteer ones optionally "
                  f"with {VARIANT}) with vllm in it")
     if args.torch_profile and not args.interleave:
@@ -527,13 +529,11 @@ def main() -> None:
         return Launch(args.mem, args.py_spy, args.torch_profile, pins.get(name), gc_log)
 
     servers = {
-        **{name: functools.partial(plain_server, model, args.out, name, launch(name))
-           for name in PLAIN},
-        **{name + suffix: functools.partial(
-            dynsteer_server, model, args.out, name + suffix, launch(name + suffix),
-            args.variant if suffix else {})
-           for name in RUNS if name not in PLAIN for suffix in ("", VARIANT)},
-    }
+        name: functools.partial(plain_server, model, args.out, name, launch(name))
+        if name in PLAIN else functools.partial(
+            dynsteer_server, model, args.out, name, launch(name),
+            args.variant if name.endswith(VARIANT) else {})
+        for name in RUN_NAMES}
 
     def stream_of(name: str, n: int = args.requests, seed: int = 0) -> list[dict[str, Any]]:
         """Server ``name``'s stream: plain vLLM's, or the mix its run name says."""
