@@ -29,18 +29,14 @@ class Held:
         return min(num_computed, 32)
 
 
-def guard(request):
-    return Held() if request.request_id.startswith("gated") else None
-
-
 def test_the_guard_runs_only_while_a_withheld_request_is_live():
     for cls, sign in ((Coordinator, 1), (Hybrid, -1)):
         coordinator = cls()
-        withholding = _Withholding(coordinator, guard)
+        withholding = _Withholding(coordinator)
         plain, gated = SimpleNamespace(request_id="plain"), SimpleNamespace(request_id="gated-1")
         assert "cache_blocks" not in vars(coordinator)  # nothing withheld: vLLM's method
-        withholding.add("gated-1")
-        withholding.add("gated-2")
+        withholding.add("gated-1", Held())
+        withholding.add("gated-2", Held())
         coordinator.cache_blocks(gated, 100)
         coordinator.cache_blocks(plain, 100)
         assert coordinator.cached == [("gated-1", sign * 32), ("plain", sign * 100)]

@@ -167,27 +167,25 @@ class _Withholding:
     called per scheduled request per step, is shadowed by an instance attribute); while there
     is none, vLLM's own method runs, unwrapped."""
 
-    def __init__(self, coordinator: Any, guard: Guard) -> None:
+    def __init__(self, coordinator: Any) -> None:
         self._coordinator = coordinator
-        self._guarded = _cache_blocks(guard, coordinator.cache_blocks)
-        self._ids: set[str] = set()
+        self._guards: dict[str, RequestGuard] = {}
+        self._guarded = _cache_blocks(self._guards, coordinator.cache_blocks)
 
-    def add(self, req_id: str) -> None:
-        if not self._ids:
+    def add(self, req_id: str, guard: RequestGuard) -> None:
+        if not self._guards:
             self._coordinator.cache_blocks = self._guarded
-        self._ids.add(req_id)
+        self._guards[req_id] = guard
 
     def discard(self, req_id: str) -> None:
-        if req_id in self._ids:
-            self._ids.remove(req_id)
-            if not self._ids:
-                del self._coordinator.cache_blocks
+        if self._guards.pop(req_id, None) is not None and not self._guards:
+            del self._coordinator.cache_blocks
 
 
-def _withholding(scheduler: Any, guard: Guard) -> _Withholding:
+def _withholding(scheduler: Any) -> _Withholding:
     found = getattr(scheduler, _WITHHOLDING_ATTR, None)
     if found is None:
-        found = _Withholding(scheduler.kv_cache_manager.coordinator, guard)
+        found = _Withholding(scheduler.kv_cache_manager.coordinator)
         setattr(scheduler, _WITHHOLDING_ATTR, found)
     return found
 
@@ -196,7 +194,7 @@ def _add_request(guard: Guard, original: Callable[..., Any]) -> Callable[..., An
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         found = guard(request)
         if found is not None and found.withhold:
-            _withholding(self, guard).add(request.request_id)
+            _withholding(self).add(request.request_id, found)
         return original(self, request, *args, **kwargs)
 
     return add_request
@@ -230,19 +228,21 @@ def _extra_keys(guard: Guard, original: Callable[..., Any]) -> Callable[..., Any
     return generate_block_hash_extra_keys
 
 
-def _cache_blocks(guard: Guard, original: Callable[..., Any]) -> Callable[..., Any]:
+def _cache_blocks(guards: dict[str, RequestGuard],
+                  original: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
     """A coordinator's bound ``cache_blocks`` that caches a withheld request's blocks only
-    up to its clean frontier."""
+    up to its clean frontier (``guards``: the withheld requests' guards by id).
 
-    def cache_blocks(request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        # Called per scheduled request per step: the guard kept on the request since its
-        # admission is read inline (False: none), ``guard`` only for one never seen.
-        found = getattr(request, _GUARD_ATTR, None)
-        if found is None:
-            found = guard(request)
-        if found and found.withhold:
+    vLLM calls it for every scheduled request in every step, so it is one dict look-up and
+    the call, with ``cache_blocks``' own two positional parameters (both supported versions):
+    forwarding ``*args, **kwargs`` cost ~4x that (~0.4 µs a call, measured on this project's
+    CPU machine; x ~100 running requests a step, more inside an engine)."""
+
+    def cache_blocks(request: Any, num_computed_tokens: int) -> Any:
+        found = guards.get(request.request_id)
+        if found is not None:
             num_computed_tokens = found.cacheable(num_computed_tokens)
-        return original(request, num_computed_tokens, *args, **kwargs)
+        return original(request, num_computed_tokens)
 
     return cache_blocks
 

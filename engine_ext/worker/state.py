@@ -636,7 +636,11 @@ class SteeringState:
     def _assign(self, req: _Request) -> None:
         """Take the request's rows. Row keys name what determines the contents (spec key,
         phase, registry and global versions), so a request whose rows exist already takes
-        them without building or hashing anything; all ranks derive the same keys."""
+        them without building or hashing anything; all ranks derive the same keys. An
+        unsteered request under no global steering keeps its slot's zero rows (half the
+        serving mix: its admission, on the host-bound admitting step, skips the keys)."""
+        if req.key == "-" and req.global_key == NO_GLOBAL:
+            return
         gated, projections = req.gated, req.projections
         key = f"{req.key}|r{req.generation}"
         if req.probe is not None:
