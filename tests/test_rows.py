@@ -458,3 +458,18 @@ def test_gated_projections_count_as_dynamic_steering():
             {"vector": [0, 1, 0, 0], "layers": [1], "op": "ablate", "phase": phase}]}})
         state.add_request(req_id, 1 if req_id == "all" else 2, spec, prompt_len=5)
         assert state.telemetry._live[req_id].dynamic_from == want
+
+
+def test_a_plain_request_in_a_steered_requests_old_slot_reads_no_rows():
+    """A plain admission under no global steering skips its row keys: the slot's rows are
+    zero again from the steered occupant's release, so its tokens read nothing."""
+    state = SteeringState(SITES, 4, max_rows=4, max_tokens=16, max_slots=4,
+                          device=torch.device("cpu"))
+    state.add_request("steered", 1, resolved({"steer": [{"vector": [1, 0, 0, 0],
+                                                        "layers": [1]}]}), prompt_len=2)
+    assert _post_block_1(state, 1) == [1, 0, 0, 0]
+    state.remove_request("steered")
+    state.add_request("plain", 1, None, prompt_len=2)
+    assert _post_block_1(state, 1) is None and not state.any_steered
+    state.fill(np.array([1]), np.array([0]), np.array([3]))
+    assert not state.token_rows.buffer.any()
