@@ -10,7 +10,7 @@ server a call started first) and weighs the two orders equally, since on some ma
 server started first read worse whichever it was.
 
 Usage: python benchmarks/serving_pool.py A/latencies.npz B/latencies.npz ... [--json FILE]
-       [--base vllm] [--server dynsteer] [--draws 2000]
+       [--base vllm[,vllm-b]] [--server dynsteer[,dynsteer-variant]] [--draws 2000]
 """
 
 from __future__ import annotations
@@ -25,14 +25,16 @@ import numpy as np
 PERCENTILES = (50, 90, 95, 99, 99.9)
 
 
-def load(path: Path, server: str, what: str) -> np.ndarray:
-    """Every ``what`` (``itl_s``, ``ttft_s``) sample of ``server``'s runs in one file (keys
+def load(path: Path, servers: str, what: str) -> np.ndarray:
+    """Every ``what`` (``itl_s``, ``ttft_s``) sample of the runs of ``servers`` (a name, or a
+    comma list whose runs are pooled: e.g. ``vllm,vllm-b`` against
+    ``dynsteer,dynsteer-variant`` for a call that started two of each) in one file (keys
     ``<position>_<server>_<what>``)."""
     data = np.load(path, allow_pickle=False)
-    parts = [data[k] for k in data.files
-             if k.endswith(f"_{what}") and k.split("_", 1)[1] == f"{server}_{what}"]
+    keys = {f"{name}_{what}" for name in servers.split(",")}
+    parts = [data[k] for k in data.files if k.split("_", 1)[1] in keys]
     if not parts:
-        raise SystemExit(f"{path}: no {server!r} run")
+        raise SystemExit(f"{path}: no {servers!r} run")
     return np.concatenate(parts)
 
 

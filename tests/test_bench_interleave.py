@@ -448,3 +448,29 @@ def test_pooled_calls_are_also_split_by_the_server_started_first(tmp_path, monke
     monkeypatch.setattr(sys, "argv", ["serving_pool.py", str(files[0]), "--json", str(out)])
     serving_pool.main()  # one order only: no balanced figure
     assert "itl_p99_order_balanced" not in json.loads(out.read_text())
+
+
+def test_pooled_calls_pool_the_servers_of_a_comma_list(tmp_path, monkeypatch):
+    """serving_pool ``--base vllm,vllm-b --server dynsteer,dynsteer-variant``: a call that
+    started two servers of each kind in the order A B B A pools each kind's runs, so a start
+    order effect that grows with position cancels; a name that is in no file stops it."""
+    import serving_pool
+
+    gaps = np.r_[np.full(96, 0.005), np.full(4, 0.012)]  # p99 of two pooled: the slower's
+    arrays = {}
+    for i, server in enumerate(("vllm", "dynsteer", "dynsteer-variant", "vllm-b")):
+        scale = (1.04 if server.startswith("dynsteer") else 1.0) * (1 + 0.1 * i)
+        arrays[f"{i}_{server}_itl_s"] = gaps * scale
+        arrays[f"{i}_{server}_ttft_s"] = np.full(10, 0.02)
+    path = tmp_path / "abba.npz"
+    np.savez(path, **arrays)
+    out = tmp_path / "pool.json"
+    argv = ["serving_pool.py", str(path), "--json", str(out), "--base", "vllm,vllm-b",
+            "--server", "dynsteer,dynsteer-variant"]
+    monkeypatch.setattr(sys, "argv", argv)
+    serving_pool.main()
+    # p99 of each pool: its slowest server's slow gaps (scaled 1.3 for vllm-b, 1.04 x 1.2)
+    assert json.loads(out.read_text())["itl"]["p99"] == pytest.approx(1.04 * 1.2 / 1.3)
+    monkeypatch.setattr(sys, "argv", [*argv[:-1], "dynsteer-b"])
+    with pytest.raises(SystemExit, match="dynsteer-b"):
+        serving_pool.main()

@@ -359,3 +359,71 @@ def test_steps_that_need_the_host_are_filled_there(case):
     assert states[1].index_fills == {"device": 0, "host": 1, "kept": 0}
     assert torch.equal(states[0].token_rows.buffer, states[1].token_rows.buffer)
     assert states[1].token_rows.buffer.any()
+
+
+def kept_path_steps(device: str) -> dict[str, Any]:
+    """A static and a gated request decoding as one batch, with in between an idle forward
+    (a data-parallel dummy batch clears the index), a plain request admitted outside the
+    step's batch and one removed: per decode step, which path :meth:`SteeringState.fill`
+    took (``fast``: kept by the byte comparisons alone; ``full``: the slot look-ups ran),
+    whether the kernel was launched, and whether the index and the prefix-guard report equal
+    the host fill's."""
+    kinds = _kinds()
+    pair = _Pair(device)
+    rng = np.random.default_rng(3)
+    launches: list[int] = []
+    full: list[int] = []
+    launch = pair.dev.device_fill._launch
+    pair.dev.device_fill._launch = lambda **kw: launches.append(1) or launch(**kw)
+    on_device = pair.dev._fill_on_device
+    pair.dev._fill_on_device = lambda *a: full.append(1) or on_device(*a)
+    pair.add("static", 1, kinds["static"], 3)
+    pair.add("gated", 4, kinds["gated"], 3)
+    slots, computed = [4, 1], np.array([0, 0], np.int64)
+    out: dict[str, Any] = {"path": [], "launched": [], "equal": []}
+    for step in range(10):
+        if step == 4:  # an idle forward: the index is cleared
+            for s in (pair.host, pair.dev):
+                s.skip_step()
+        if step == 6:
+            pair.add("plain", 6, kinds["plain"], 2)  # admitted; scheduled from the next step
+        if step == 8:
+            pair.remove("plain")
+        sched = np.array([3, 3] if step == 0 else [1, 1], np.int64)
+        before = len(launches), len(full)
+        mismatch = pair.fill(slots, computed, sched) + pair.forward(int(sched.sum()), rng)
+        out["launched"].append(len(launches) > before[0])
+        out["path"].append("full" if len(full) > before[1] else "fast")
+        out["equal"].append(mismatch == [])
+        computed += sched
+    out["index_fills"] = pair.dev.index_fills
+    out["reports"] = pair.reports(["gated"])
+    return out
+
+
+def test_a_kept_step_of_a_steady_batch_takes_the_byte_comparison_path():
+    """Once a decode batch is steady, its next steps are kept without the per-slot look-ups
+    (three byte comparisons), and the index still equals the host's every step. The full
+    path runs again after an idle forward cleared the index (which it refills) and after an
+    admission or a removal elsewhere (where the index is kept, but only after checking the
+    slots), never on an equal step's say-so alone."""
+    pytest.importorskip("triton")
+    got = run_interpreted(INTERPRETED_KEPT)
+    assert got["equal"] == [True] * 10
+    # prefill, first decode (steady from here), fast x2, refill after the idle forward, fast,
+    # checked after the admission, fast, checked after the removal, fast
+    assert got["path"] == ["full", "full", "fast", "fast", "full", "fast", "full", "fast",
+                           "full", "fast"]
+    assert got["launched"] == [True, True, False, False, True, False, False, False, False,
+                               False]
+    assert got["index_fills"] == {"device": 3, "host": 0, "kept": 7}
+    host, dev = got["reports"][0]
+    assert host == dev and host["tokens_monitored"] == 12
+
+
+INTERPRETED_KEPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_device_fill import kept_path_steps
+print(json.dumps(kept_path_steps("cpu")))
+"""

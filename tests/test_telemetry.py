@@ -138,6 +138,43 @@ def test_the_report_reads_the_slots_only_after_a_new_snapshot(monkeypatch):
     assert tele.cache_report() == {} and len(passes) == 3
 
 
+def test_settled_frontiers_stop_the_report_until_an_admission(monkeypatch):
+    """Once every live gated request was processed past its first dynamic position (its clean
+    prefix ends there for good) and that was reported, the report stops reading the slots;
+    an admission starts the passes again, and the reports are those of a telemetry that
+    passes over the slots after every step."""
+    rng = np.random.default_rng(4)
+    tele, values = make()
+    twin, twin_values = make()  # the same steps, its report passing over the slots always
+    passes = []
+    frontiers = tele._stats.frontiers
+    monkeypatch.setattr(tele._stats, "frontiers", lambda: passes.append(1) or frontiers())
+
+    def both(batch):
+        step(tele, values, rng, batch)
+        step(twin, twin_values, rng, batch)
+        twin_values.copy_(values)  # both fold the same gates
+        got = tele.cache_report()
+        twin._settled = False
+        assert got == twin.cache_report()
+        return got
+
+    for t in (tele, twin):
+        t.admit("a", 1, prompt_len=6, site=SITES[0], dynamic_from=0, trace=False)
+    assert both([(1, 0, 6)]) == {}  # gates ~U(0, 1): dynamic from position 0, no clean block
+    assert len(passes) == 1
+    for pos in range(6, 12):  # settled: no pass, and nothing to report
+        assert both([(1, pos, 1)]) == {}
+    assert len(passes) == 1
+    for t in (tele, twin):
+        t.admit("b", 2, prompt_len=5, site=SITES[1], dynamic_from=100, trace=False)
+    assert both([(1, 12, 1), (2, 0, 5)]) == {"b": (5, None)}
+    assert len(passes) == 2
+    assert both([(1, 13, 1), (2, 5, 1)]) == {}  # "b" never settles: a pass a step
+    assert both([(1, 14, 1), (2, 6, 2)]) == {"b": (8, None)}
+    assert len(passes) == 4
+
+
 def test_finishing_never_waits_and_a_reused_slot_starts_a_new_record():
     """A request that finishes while its last step is unfolded keeps its record until the fold
     (finish does not drain); the runner may hand its slot to a new request at once, and the two

@@ -151,6 +151,8 @@ class GateStats:
         """Tokens of the step begun last while its replay is due (-1: due, no gated token)."""
         self._written_at = np.zeros(slots, dtype=np.int64)
         """The replay that applies each slot's last write (older snapshots predate it)."""
+        self._last_write = 0
+        """The replay that applies the last write of any slot."""
         self._snapshot = np.zeros((2, slots), dtype=np.int64)
         self._snapshot_folds = 0
         """Replays the snapshot includes."""
@@ -225,6 +227,11 @@ class GateStats:
         snapshot's replay (a request admitted since has no fold landed yet)."""
         return self._written_at[slots] <= self._snapshot_folds
 
+    def all_current(self) -> bool:
+        """Whether :meth:`frontiers` describes every slot: no write pending, none applied
+        after the snapshot's replay."""
+        return not self._writes and self._last_write <= self._snapshot_folds
+
     def write(self, slot: int, column: np.ndarray) -> None:
         """Set the slot's column with the next step (after the read-outs asked for before)."""
         self._writes[slot] = column
@@ -280,6 +287,8 @@ class GateStats:
         writes, self._writes = self._writes, {}
         for slot in writes:
             self._written_at[slot] = self.folds + 1
+        if writes:
+            self._last_write = self.folds + 1
         if not self._cuda:
             stats = self.stats.numpy()
             self._landed += [(owner, stats[:, slot].copy()) for slot, owner in reads]

@@ -119,6 +119,20 @@ class _Request:
     keys)."""
 
 
+@dataclass
+class _Kept:
+    """The decode batch whose index the device fill holds (see :meth:`SteeringState._keeps`):
+    its key as :meth:`.TokenRows.fill_from_slots` holds it, and the bytes a next step of it
+    carries."""
+
+    steady: tuple[bytes, tuple[int, int]]
+    ones: bytes
+    """``num_scheduled`` of a step of one decode token per request."""
+    end: bytes
+    """``num_computed`` of a step continuing where this one ended."""
+    any_gated: bool
+
+
 @dataclass(frozen=True)
 class _Resolved:
     """What a resolved spec builds (the same for every request that carries it)."""
@@ -175,6 +189,9 @@ class SteeringState:
         """Steps whose index the device filled, those the host filled, and those whose index
         the device path kept from the step before (the same decode batch, each request
         continuing where its last step ended)."""
+        self._kept: _Kept | None = None
+        """The steady decode batch the index holds, while no request was admitted or removed
+        since (see :meth:`_keeps`)."""
         self.gate_score = torch.zeros(2, max_tokens, dtype=torch.float32, device=device)
         """Per-token gate (row ``GATE``, written at each token's monitor site) and probe score
         (row ``SCORE``) of the step: one buffer, so the read-back is one copy."""
@@ -319,6 +336,7 @@ class SteeringState:
         """Publish request and monitor events (see :mod:`.events`)."""
         self.events = events
         self.telemetry.events = events
+        self._kept = None  # steps now hand their gated tokens over (not a kept step's path)
 
     # ---- request lifecycle ---------------------------------------------------------------
     def add_request(self, req_id: str, slot: int, extra_args: Any, prompt_len: int) -> None:
@@ -330,6 +348,7 @@ class SteeringState:
         a step must never fail because of one request.
         """
         self.remove_request(req_id)
+        self._kept = None
         wire = extra_args.get(WIRE_KEY) if isinstance(extra_args, dict) else None
         generation = self._generation_of(req_id, extra_args)
         resolved, key = _UNSTEERED, "-"
@@ -369,6 +388,7 @@ class SteeringState:
     def remove_request(self, req_id: str) -> None:
         """Release a finished (or re-added) request's rows (capture rows wait for collect)."""
         self.capture.detach(req_id)
+        self._kept = None
         req = self._requests.pop(req_id, None)
         if req is not None:
             self._release(req)
@@ -434,6 +454,8 @@ class SteeringState:
         before the index is refilled) and last the index is filled."""
         self.telemetry.launch_copy()
         self.controllers.before_step(self.telemetry.steps)
+        if device_slots is not None and self._keeps(slots, num_computed, num_scheduled):
+            return
         probe_rows = self._probe_row[slots]
         gated = probe_rows != 0
         any_gated = np.count_nonzero(gated) > 0  # the cheap forms: see token_rows' docstring
@@ -445,8 +467,8 @@ class SteeringState:
         if (device_slots is not None and self.device_fill is not None
                 and capture_starts is None and not controlled and not self.telemetry.wants_tokens
                 and self.device_fill.table.fits(len(self._prefill_row))):
-            filled = self._fill_on_device(device_slots, slots, num_computed, counts, tokens,
-                                          any_gated)
+            filled = self._fill_on_device(device_slots, slots, num_computed, num_scheduled,
+                                          tokens, any_gated)
             self.index_fills["device" if filled else "kept"] += 1
             return
         self.index_fills["host"] += 1
@@ -482,7 +504,7 @@ class SteeringState:
             self.capture.record(slots, capture_starts, num_computed, num_scheduled)
 
     def _fill_on_device(self, device_slots: torch.Tensor, slots: np.ndarray,
-                        num_computed: np.ndarray, counts: np.ndarray, tokens: int,
+                        num_computed: np.ndarray, num_scheduled: np.ndarray, tokens: int,
                         any_gated: bool) -> bool:
         """:meth:`fill` by the device, from the slot table (uploaded if a slot changed).
         False: the index already held the step's (a decode step of the batch before: see
@@ -498,9 +520,38 @@ class SteeringState:
                 and not np.count_nonzero(num_computed < self._prompt_len[slots])
                 and not np.count_nonzero(num_computed != self._next_pos[slots])):
             steady = (slots.tobytes(), version)
-        self._next_pos[slots] = num_computed + counts  # where each request's step ends
-        return self.token_rows.fill_from_slots(self.device_fill, slots, device_slots, tokens,
-                                               steady)
+        self._next_pos[slots] = num_computed + num_scheduled  # where each request's step ends
+        filled = self.token_rows.fill_from_slots(self.device_fill, slots, device_slots, tokens,
+                                                 steady)
+        self._kept = None if steady is None else _Kept(
+            steady, np.ones_like(num_scheduled).tobytes(), (num_computed + 1).tobytes(),
+            any_gated)
+        return filled
+
+    def _keeps(self, slots: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray
+               ) -> bool:
+        """:meth:`fill`'s path for a decode step of the steady batch before (most steps of a
+        serving engine): the same slots in the same order, one token each, each continuing
+        where its last step ended, no request admitted or removed since (:attr:`_kept`), the
+        slot table's version unchanged and the index still the one the device filled for it.
+        Then nothing that :meth:`fill` reads can differ from that step's (capture, controller
+        rows and token hand-overs change only with admissions, removals and
+        :meth:`set_events`), so the index is kept after three byte comparisons, without
+        :meth:`_fill_on_device`'s per-slot look-ups. False: take the full path."""
+        kept = self._kept
+        if (kept is None or num_scheduled.tobytes() != kept.ones
+                or num_computed.tobytes() != kept.end
+                or not self.token_rows.holds(
+                    (slots.tobytes(), (self._slots_version, self.rows.entries_version)))):
+            return False
+        tokens = len(slots)
+        self.telemetry.before_step(tokens, kept.any_gated)
+        self.control.before_step(tokens)
+        end = num_computed + 1
+        self._next_pos[slots] = end
+        kept.end = end.tobytes()
+        self.index_fills["kept"] += 1
+        return True
 
     def _gate_positions(self, slots: np.ndarray, gated: np.ndarray, num_computed: np.ndarray,
                         counts: np.ndarray, tokens: int, controlled: bool

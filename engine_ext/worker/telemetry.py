@@ -146,6 +146,11 @@ class GateTelemetry:
         self._reported_snapshot = -1
         """The statistics snapshot (:attr:`.GateStats.snapshot_folds`) the last report was
         made of."""
+        self._live_slot = np.zeros(max_slots, dtype=bool)
+        """Slots holding a live gated request."""
+        self._settled = False
+        """Every live gated request's clean prefix stopped growing (its first dynamic
+        position known and reported): no report until the next admission."""
         self._record_of_slot = np.zeros(max_slots, dtype=np.int64)
         """The runner's request slot -> the record of the request holding it."""
         self._req_of_record: list[str | None] = []
@@ -195,6 +200,7 @@ class GateTelemetry:
         req.record, req.slot, req.req_id, req.session = record, slot, req_id, session
         req.column = None
         self._req_of_slot[slot], self._reported[slot] = req_id, 0
+        self._live_slot[slot], self._settled = True, False
         self._trace[record] = req.trace
         self._win_tokens[record], self._win_gated[record], self._win_max[record] = 0, 0, np.nan
         self._live[req_id] = req
@@ -212,6 +218,7 @@ class GateTelemetry:
         self._req_of_record[req.record] = None
         if self._req_of_slot[req.slot] == req_id:
             self._req_of_slot[req.slot] = None  # no more prefix-guard reports
+            self._live_slot[req.slot] = False
         self.launch_copy()  # its last step's fold comes before the read-out
         self._stats.read(req.slot, req)
         self._retiring.append((self._steps_started, req_id, req))
@@ -272,19 +279,25 @@ class GateTelemetry:
         This runs after every step, so it is also the step's one fold of what landed
         (finished requests' counters, per-token steps). The report is empty after a few
         whole-array operations when no gated request is live, when no replay landed since
-        the last report (no frontier can have grown) or when no frontier grew by a block
-        (most steps: a decode step adds one position per request)."""
+        the last report (no frontier can have grown), when every live gated request's
+        frontier has settled (its first dynamic position was reached and reported: the clean
+        prefix ends there for good; until the next admission) or when no frontier grew by a
+        block (most steps: a decode step adds one position per request)."""
         self.launch_copy()
         if self._in_flight:
             self._fold(wait=False)
         self._retire_landed()  # takes what landed, the newest snapshot included
         snapshot = self._stats.snapshot_folds
-        if not self._live or snapshot == self._reported_snapshot:
+        if not self._live or self._settled or snapshot == self._reported_snapshot:
             return {}
         self._reported_snapshot = snapshot
         upto, first_dynamic = self._stats.frontiers()
         grown, blocks = grown_frontiers(upto, first_dynamic, self._reported, self._block)
         if not grown.size:
+            # Settled: processed past the first dynamic position (which only ever lowers),
+            # every block below it reported, and the snapshot describes every slot.
+            self._settled = self._stats.all_current() and not np.count_nonzero(
+                self._live_slot & (first_dynamic > upto))
             return {}
         grown = grown[self._stats.current(grown)]  # not those admitted since the snapshot
         self._reported[grown] = blocks[grown]

@@ -282,6 +282,11 @@ class TokenRows:
         self._steady = steady
         return True
 
+    def holds(self, steady: object) -> bool:
+        """Whether the index is the one the device fill last wrote for key ``steady`` (see
+        :meth:`fill_from_slots`): nothing cleared or rewrote it since."""
+        return self._steady is not None and steady == self._steady
+
     def _publish(self, index: np.ndarray) -> None:
         """The buffer's first columns become ``index``, the rest zeros. On CUDA the whole
         buffer is copied from a pinned staging buffer that holds the same (one contiguous
