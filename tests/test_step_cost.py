@@ -78,6 +78,55 @@ def test_step_lines_do_not_depend_on_the_number_of_requests():
     assert large == small, f"{small} Python lines per step with 8 requests, {large} with 200"
 
 
+def lines_per_kept_step(requests: int) -> tuple[int, dict[str, int]]:
+    """Python lines executed by a decode step of the batch before, filled on the device as on
+    vLLM's V2 runner (the index kept), with ``requests`` gated and statically steered requests
+    (no controllers: their tokens go to the host); and the state's index-fill counts. The
+    kernel is not launched here (its index is checked in ``test_device_fill.py``): the steps
+    count the host's lines only."""
+    state = SteeringState(SITES, HIDDEN, max_rows=requests + 1, max_tokens=4096,
+                          max_slots=requests + 1, device=torch.device("cpu"), block_size=BLOCK)
+    for i in range(requests):
+        extra = {WIRE_KEY: spec_to_wire(parse_spec({"gate": spec(2 * i)["gate"]} if i % 2
+                                                   else spec(2 * i + 1)))}
+        state.add_request(f"r{i}", i + 1, extra, PROMPT)
+    state.enable_device_fill(torch.zeros(requests + 1, dtype=torch.int32),
+                             torch.zeros(4096, dtype=torch.int64))
+    state.device_fill._launch = lambda **kw: None
+    slots = np.arange(1, requests + 1)
+    device_slots = torch.from_numpy(slots.astype(np.int32))
+    state.fill(slots, np.zeros(requests, np.int64), np.full(requests, PROMPT), device_slots)
+    state.cache_report()
+    counted = 0
+
+    def tracer(frame, event, arg):
+        nonlocal counted
+        if event == "line":
+            counted += 1
+        return tracer
+
+    for position in (PROMPT, PROMPT + 1, PROMPT + 2):  # first decode, kept (checked), measured
+        state.gate[:requests] = torch.rand(requests)
+        if position == PROMPT + 2:
+            sys.settrace(tracer)
+        try:
+            state.fill(slots, np.full(requests, position), np.ones(requests, np.int64),
+                       device_slots)
+            assert state.cache_report() == {}
+        finally:
+            sys.settrace(None)
+    return counted, state.index_fills
+
+
+def test_kept_step_lines_do_not_depend_on_the_number_of_requests():
+    """The same guard for the steps most of a serving load is made of on vLLM's V2 runner:
+    decode steps of the batch before, whose index the device keeps."""
+    (small, fills), (large, _) = lines_per_kept_step(8), lines_per_kept_step(200)
+    assert fills == {"device": 2, "host": 0, "kept": 2}
+    assert small > 0
+    assert large == small, f"{small} Python lines per kept step with 8 requests, {large} with 200"
+
+
 def test_the_report_names_only_requests_that_crossed_a_block():
     """At a block boundary the report holds the gated requests whose clean prefix grew."""
     state = SteeringState(SITES, HIDDEN, max_rows=8, max_tokens=64, max_slots=8,
