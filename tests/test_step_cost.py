@@ -10,8 +10,10 @@ deterministically (a timing check would be flaky on shared CI machines).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import numpy as np
+import pytest
 import torch
 
 from dynsteer.controller.spec import parse_spec
@@ -41,17 +43,27 @@ def spec(i: int) -> dict:
     return gated if controller is None else {**gated, "controller": controller}
 
 
-def lines_per_step(requests: int) -> int:
-    """Python lines executed by one decode step with ``requests`` requests (no block crossing,
-    so the prefix-guard report has nothing to say)."""
+def make_state(requests: int, spec_of: Callable[[int], dict]) -> SteeringState:
+    """A worker state with ``requests`` requests, request ``i`` in slot ``i + 1`` with spec
+    ``spec_of(i)``."""
     state = SteeringState(SITES, HIDDEN, max_rows=requests + 1, max_tokens=4096,
                           max_slots=requests + 1, device=torch.device("cpu"), block_size=BLOCK)
     for i in range(requests):
-        extra = {WIRE_KEY: spec_to_wire(parse_spec(spec(i)))}
-        state.add_request(f"r{i}", i + 1, extra, PROMPT)
-    slots = np.arange(1, requests + 1)
-    state.fill(slots, np.zeros(requests, np.int64), np.full(requests, PROMPT))  # prefill
-    state.cache_report()
+        state.add_request(f"r{i}", i + 1, {WIRE_KEY: spec_to_wire(parse_spec(spec_of(i)))},
+                          PROMPT)
+    return state
+
+
+def decode_lines(state: SteeringState, slots: np.ndarray, steps: int, gate: float,
+                 *device_slots: torch.Tensor) -> int:
+    """Python lines executed by the last of ``steps`` decode steps of the batch ``slots``
+    (the steps before it, from the first decode position on, are not counted; no block
+    crossing, so the prefix-guard report has nothing to say), every token's gate ``gate``:
+    0 never steers, so no gated request's clean prefix settles and the report passes over
+    the slots every step; 1 steers from the first decode position on, so every one settles
+    after that step (random gates would make the two batch sizes differ in which of those
+    they see)."""
+    requests = len(slots)
     counted = 0
 
     def tracer(frame, event, arg):
@@ -60,20 +72,32 @@ def lines_per_step(requests: int) -> int:
             counted += 1
         return tracer
 
-    for position in (PROMPT, PROMPT + 1):  # the first decode step, then the measured one
-        state.gate[:requests] = torch.rand(requests)
-        if position == PROMPT + 1:
+    for k in range(steps):
+        state.gate[:requests] = gate
+        if k == steps - 1:
             sys.settrace(tracer)
         try:
-            state.fill(slots, np.full(requests, position), np.ones(requests, np.int64))
+            state.fill(slots, np.full(requests, PROMPT + k), np.ones(requests, np.int64),
+                       *device_slots)
             assert state.cache_report() == {}
         finally:
             sys.settrace(None)
     return counted
 
 
-def test_step_lines_do_not_depend_on_the_number_of_requests():
-    small, large = lines_per_step(8), lines_per_step(200)
+def lines_per_step(requests: int, gate: float) -> int:
+    """Python lines executed by one decode step with ``requests`` requests (the one after the
+    first decode step)."""
+    state = make_state(requests, spec)
+    slots = np.arange(1, requests + 1)
+    state.fill(slots, np.zeros(requests, np.int64), np.full(requests, PROMPT))  # prefill
+    state.cache_report()
+    return decode_lines(state, slots, 2, gate)
+
+
+@pytest.mark.parametrize("gate", [0.0, 1.0])
+def test_step_lines_do_not_depend_on_the_number_of_requests(gate):
+    small, large = lines_per_step(8, gate), lines_per_step(200, gate)
     assert small > 0
     assert large == small, f"{small} Python lines per step with 8 requests, {large} with 200"
 
@@ -83,13 +107,10 @@ def lines_per_kept_step(requests: int) -> tuple[int, dict[str, int]]:
     vLLM's V2 runner (the index kept), with ``requests`` gated and statically steered requests
     (no controllers: their tokens go to the host); and the state's index-fill counts. The
     kernel is not launched here (its index is checked in ``test_device_fill.py``): the steps
-    count the host's lines only."""
-    state = SteeringState(SITES, HIDDEN, max_rows=requests + 1, max_tokens=4096,
-                          max_slots=requests + 1, device=torch.device("cpu"), block_size=BLOCK)
-    for i in range(requests):
-        extra = {WIRE_KEY: spec_to_wire(parse_spec({"gate": spec(2 * i)["gate"]} if i % 2
-                                                   else spec(2 * i + 1)))}
-        state.add_request(f"r{i}", i + 1, extra, PROMPT)
+    count the host's lines only (and with the index left empty no token reaches the gate
+    statistics, so the report passes over the slots every step)."""
+    state = make_state(requests, lambda i: {"gate": spec(2 * i)["gate"]} if i % 2
+                       else spec(2 * i + 1))
     state.enable_device_fill(torch.zeros(requests + 1, dtype=torch.int32),
                              torch.zeros(4096, dtype=torch.int64))
     state.device_fill._launch = lambda **kw: None
@@ -97,25 +118,8 @@ def lines_per_kept_step(requests: int) -> tuple[int, dict[str, int]]:
     device_slots = torch.from_numpy(slots.astype(np.int32))
     state.fill(slots, np.zeros(requests, np.int64), np.full(requests, PROMPT), device_slots)
     state.cache_report()
-    counted = 0
-
-    def tracer(frame, event, arg):
-        nonlocal counted
-        if event == "line":
-            counted += 1
-        return tracer
-
-    for position in (PROMPT, PROMPT + 1, PROMPT + 2):  # first decode, kept (checked), measured
-        state.gate[:requests] = torch.rand(requests)
-        if position == PROMPT + 2:
-            sys.settrace(tracer)
-        try:
-            state.fill(slots, np.full(requests, position), np.ones(requests, np.int64),
-                       device_slots)
-            assert state.cache_report() == {}
-        finally:
-            sys.settrace(None)
-    return counted, state.index_fills
+    # the first decode step (filled), one kept (after the slot checks), the measured one
+    return decode_lines(state, slots, 3, 0.0, device_slots), state.index_fills
 
 
 def test_kept_step_lines_do_not_depend_on_the_number_of_requests():
