@@ -122,10 +122,9 @@ class _Request:
 @dataclass
 class _Kept:
     """The decode batch whose index the device fill holds (see :meth:`SteeringState._keeps`):
-    its key as :meth:`.TokenRows.fill_from_slots` holds it, and the bytes a next step of it
-    carries."""
+    the bytes a next step of it carries (its slots and the slot table's version are checked
+    against the key the index holds, :meth:`.TokenRows.holds`)."""
 
-    steady: tuple[bytes, tuple[int, int]]
     ones: bytes
     """``num_scheduled`` of a step of one decode token per request."""
     end: bytes
@@ -524,8 +523,7 @@ class SteeringState:
         filled = self.token_rows.fill_from_slots(self.device_fill, slots, device_slots, tokens,
                                                  steady)
         self._kept = None if steady is None else _Kept(
-            steady, np.ones_like(num_scheduled).tobytes(), (num_computed + 1).tobytes(),
-            any_gated)
+            np.ones_like(num_scheduled).tobytes(), (num_computed + 1).tobytes(), any_gated)
         return filled
 
     def _keeps(self, slots: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray

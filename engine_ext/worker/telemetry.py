@@ -147,7 +147,8 @@ class GateTelemetry:
         """The statistics snapshot (:attr:`.GateStats.snapshot_folds`) the last report was
         made of."""
         self._live_slot = np.zeros(max_slots, dtype=bool)
-        """Slots holding a live gated request."""
+        """Slots holding a live gated request: ``_req_of_slot``'s non-None entries as a mask,
+        which the object array cannot give without a Python comparison per slot."""
         self._settled = False
         """Every live gated request's clean prefix stopped growing (its first dynamic
         position known and reported): no report until the next admission."""
