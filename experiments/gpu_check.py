@@ -16,8 +16,9 @@
    gates and logprobs against the step-by-step reference of tests/test_controllers_engine.py
    and HF steered with those decisions.
    The gate statistics' fold (issue 12): compiled Triton vs numpy, and the CUDA GateStats
-   (graph replays, staging) vs the CPU one; the device index fill (V2 runner) vs the host
-   fill (tests/test_device_fill.py, compiled).
+   (graph replays, staging) vs the CPU one; the step's shared uploads
+   (tests/test_step_upload.py); the device index fill (V2 runner) vs the host fill
+   (tests/test_device_fill.py, compiled).
 4. Input safety (issue 10): the kernel never writes NaN/inf/overflowing steered values
    (poisoned rows of tests/test_ops.py), and overflowing rows written straight into the workers
    (bypassing validation) change neither those requests nor the ones after them, under graphs.
@@ -200,6 +201,12 @@ def stats_kernel_check() -> list[dict[str, Any]]:
     torch.cuda.current_stream().synchronize()
     results.append({"what": "cuda_events.record uses the current stream",
                     "equal": on_side and event.query()})
+    from test_step_upload import upload_steps
+
+    seen = upload_steps("cuda")
+    results.append({"what": "StepUpload: each region reads what was last written",
+                    "equal": len(seen) == 20 and all(
+                        device == want for step in seen for device, want in step.values())})
     results.append({"what": "TokenRows publish cuda vs cpu", "equal": all(
         np.array_equal(a, b) for a, b in zip(publish("cuda"), publish("cpu"), strict=True))})
     gpu, cpu = run("cuda"), run("cpu")

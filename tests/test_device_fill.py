@@ -269,10 +269,10 @@ def slot_reuse_steps(device: str) -> dict[str, Any]:
     kinds = _kinds()
     pair = _Pair(device)
     rng = np.random.default_rng(0)
-    table = pair.dev.device_fill.table
+    upload = pair.dev.uploads
     uploads: list[int] = []
-    send = table._staged.send
-    table._staged.send = lambda: uploads.append(1) or send()
+    changed = upload.changed
+    upload.changed = lambda name: (name == "slot_table" and uploads.append(1)) or changed(name)
     pair.add("static", 1, kinds["static"], 3)
     out: dict[str, Any] = {"equal": [], "uploads": []}
     computed = {1: 3}
@@ -339,7 +339,7 @@ def test_steps_that_need_the_host_are_filled_there(case):
     states = [SteeringState(SITES, 4, max_rows=8, max_tokens=WIDTH, max_slots=4,
                             device=torch.device("cpu"), capture_lanes=2, capture_tokens=8)
               for _ in range(2)]
-    states[1].enable_device_fill(torch.zeros(MAX_BATCH + 1, dtype=torch.int32),
+    states[1].enable_device_fill(torch.zeros(4 + 1, dtype=torch.int32),  # a batch of 4 at most
                                  torch.zeros(WIDTH, dtype=torch.int64))
     slot, extra = 1, _gated_spec()
     if case == "controller":

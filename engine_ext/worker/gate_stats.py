@@ -9,8 +9,9 @@ everything after the step's forward: it reads out the columns of requests that f
 writes the columns of requests admitted, folds the step's gates in, and copies back one
 ``[2, slots]`` array (each slot's first dynamically steered position and processed frontier:
 all the prefix guard's report needs) and the read-outs. Per step the host packs the step's
-admissions and finishes into one pinned buffer (one copy, only when there are any), replays
-the graph and records one event; it never waits for the GPU.
+admissions and finishes into an op buffer (sent with the step's other uploads, only when
+there are any: :mod:`.step_upload`), replays the graph and records one event; it never waits
+for the GPU.
 
 ``stats[STAT_COLS, slots]`` (int64; columns are slots, so the two read back each step are one
 contiguous block) and ``site_counts[sites, 2]`` (int64: tokens monitored and gated per monitor
@@ -54,6 +55,7 @@ import torch
 from ..prefix_guard.guard import DYNAMIC_EPSILON, NONE
 from . import cuda_events
 from .ops import GATE, INDEX_POS, INDEX_PROBE, INDEX_SLOT, POS_ABSOLUTE, SCORE
+from .step_upload import Layout, StepUpload
 
 GATE_ON = 0.5
 """A token counts as gated when its gate is above this."""
@@ -73,6 +75,9 @@ write slots, written columns (a write's ``STAT_COLS`` values in a row)]; each re
 the head to [0, 0, 1]."""
 RING = 4
 """Replays in flight; a fifth waits for the oldest."""
+OPS_IDLE = np.array([0, 0, 1], dtype=np.int64)
+"""The op buffer's head with nothing queued (each replay leaves it so): no read-outs, no
+writes, fold."""
 
 
 def score_key(scores: np.ndarray) -> np.ndarray:
@@ -131,11 +136,22 @@ def fold_numpy(index: np.ndarray, gate_score: np.ndarray, stats: np.ndarray,
     stats[NEXT] = 0
 
 
+def ops_layout(slots: int) -> Layout:
+    """The op buffer's region of a :class:`.StepUpload` (room for every slot's read-out and
+    write)."""
+    return {"gate_ops": ((OPS_HEAD + (2 + STAT_COLS) * slots,), np.int64)}
+
+
 class GateStats:
-    """Owns the device statistics; folds steps into them and reads them back."""
+    """Owns the device statistics; folds steps into them and reads them back.
+
+    ``upload``: the step's shared uploads, with :func:`ops_layout`'s region for ``slots``
+    (None: uploads of its own). The op buffer goes to the device with the step's other
+    uploads; its replay resets the buffer's head, and :meth:`flush` resets the host's mirror
+    the same way, so no later upload repeats the ops."""
 
     def __init__(self, index: torch.Tensor, gate_score: torch.Tensor, sites: int,
-                 slots: int) -> None:
+                 slots: int, upload: StepUpload | None = None) -> None:
         device = index.device
         self._index, self._gate_score = index, gate_score
         self.stats = torch.zeros(STAT_COLS, slots, dtype=torch.int64, device=device)
@@ -158,18 +174,19 @@ class GateStats:
         """Replays the snapshot includes."""
         self._cuda = device.type == "cuda"
         if self._cuda:
-            size = OPS_HEAD + (2 + STAT_COLS) * slots
-            self._ops = torch.zeros(size, dtype=torch.int64, device=device)
+            self._upload = upload or StepUpload(ops_layout(slots), device)
+            self._ops = self._upload.region("gate_ops")
+            self._ops_np = self._upload.host("gate_ops")
+            """The op buffer's host mirror (see :mod:`.step_upload`): its head is the device's
+            after a replay, ``[0, 0, 1]`` (no ops; fold)."""
+            self._ops_np[:OPS_HEAD] = OPS_IDLE
             self._ops[2] = 1
             self._readout = torch.zeros(STAT_COLS, slots, dtype=torch.int64, device=device)
-            self._ops_host = [torch.zeros(size, dtype=torch.int64).pin_memory()
-                              for _ in range(RING)]
             self._snap_host = [torch.zeros(2, slots, dtype=torch.int64).pin_memory()
                                for _ in range(RING)]
             self._read_host = [torch.zeros(STAT_COLS, slots, dtype=torch.int64).pin_memory()
                                for _ in range(RING)]
             # numpy views made once (a tensor method call costs host time)
-            self._ops_np = [t.numpy() for t in self._ops_host]
             self._snap_np = [t.numpy() for t in self._snap_host]
             self._read_np = [t.numpy() for t in self._read_host]
             self._events = [torch.cuda.Event() for _ in range(RING)]
@@ -206,6 +223,8 @@ class GateStats:
             self._land(wait=True, limit=1)
         ring = self.folds % RING
         owners, self._owners = self._owners, []
+        self._upload.send()  # this step's ops, if no upload carried them yet
+        self._ops_np[:OPS_HEAD] = OPS_IDLE  # as the replay leaves the device's
         self._graphs[ring, bool(owners)].replay()
         cuda_events.record(self._events[ring], self.stats.device.index)
         self._in_flight.append((self.folds, ring, owners))
@@ -295,10 +314,7 @@ class GateStats:
             for slot, column in writes.items():
                 stats[:, slot] = column
             return
-        if len(self._in_flight) == RING:  # the pinned buffer's last replay must have landed
-            self._land(wait=True, limit=1)
-        ring = (self.folds + 1) % RING
-        ops = self._ops_np[ring]
+        ops = self._ops_np
         r, w = len(reads), len(writes)
         ops[0], ops[1], ops[2] = r, w, gated
         for at, (slot, _) in enumerate(reads, OPS_HEAD):
@@ -307,7 +323,7 @@ class GateStats:
         for k, (slot, column) in enumerate(writes.items()):
             ops[OPS_HEAD + r + k] = slot
             ops[columns + STAT_COLS * k:columns + STAT_COLS * (k + 1)] = column
-        self._ops.copy_(self._ops_host[ring], non_blocking=True)  # whole: no slicing
+        self._upload.changed("gate_ops")
         self._owners = [owner for _, owner in reads]
 
     def _capture(self, ring: int, reads: bool) -> torch.cuda.CUDAGraph:

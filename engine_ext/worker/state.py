@@ -36,6 +36,7 @@ from dynsteer.controller.wire import (
     WireProbe,
 )
 
+from . import gate_stats
 from .capture_buffers import CaptureBuffers
 from .control import ControlTable
 from .controllers import ControllerRunner
@@ -53,8 +54,9 @@ from .rows import (
     add_projections,
 )
 from .sites import SiteBuffers
+from .step_upload import StepUpload
 from .telemetry import GateTelemetry
-from .token_rows import DeviceFill, TokenRows, per_token
+from .token_rows import DeviceFill, TokenRows, fill_layout, per_token
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -197,9 +199,13 @@ class SteeringState:
         self.gate, self.score = self.gate_score[GATE], self.gate_score[SCORE]
         self.control = ControlTable(max_slots, self.token_rows.buffer, self.gate_score)
         """Per-request controller state the monitor applies (see :mod:`.control`)."""
+        self.uploads = StepUpload({**fill_layout(max_slots, max_slots),
+                                   **gate_stats.ops_layout(max_slots)}, device)
+        """The device fill's and the gate statistics' host-written buffers, one copy a step
+        (see :mod:`.step_upload`)."""
         self.telemetry = GateTelemetry(self.gate_score, self.token_rows.buffer,
                                        [site_name(s) for s in sites], block_size, max_slots,
-                                       control=self.control.table)
+                                       control=self.control.table, upload=self.uploads)
         """Gate counters and the prefix-guard report; ``block_size`` is the KV block size."""
         self.controllers = ControllerRunner(self.control, self.telemetry, self._switch)
         """Controllers of gated requests (see :mod:`.controllers`)."""
@@ -434,7 +440,7 @@ class SteeringState:
         batch (see :class:`.token_rows.DeviceFill`); steps then pass their batch's slots as a
         device tensor to :meth:`fill`."""
         self.device_fill = DeviceFill(self.token_rows, len(self._prefill_row), query_start_loc,
-                                      positions)
+                                      positions, self.uploads)
 
     def fill(self, slots: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray,
              device_slots: torch.Tensor | None = None) -> None:
@@ -442,10 +448,12 @@ class SteeringState:
 
         Whole-array work only (no Python per request or per token): the step's host cost does
         not grow with the number of requests beyond numpy's vectorized passes.
-        ``device_slots``: ``slots`` on the device, where the runner has them and its
+        ``device_slots``: ``slots`` on the device, given where the runner has them and its
         persistent buffers hold the step's batch (see :meth:`enable_device_fill`); then,
         unless a token needs host work of its own (capture, a controller, gate traces), the
-        device fills the index.
+        device fills the index. It reads the host's ``slots``, sent with the step's other
+        uploads in one copy (:mod:`.step_upload`), not this tensor, which vLLM allocates
+        anew each step.
 
         Order matters: the previous step's copies are launched first (the controller table
         as it was during that step), then Python controllers act (they may switch rows), the
@@ -466,8 +474,8 @@ class SteeringState:
         if (device_slots is not None and self.device_fill is not None
                 and capture_starts is None and not controlled and not self.telemetry.wants_tokens
                 and self.device_fill.table.fits(len(self._prefill_row))):
-            filled = self._fill_on_device(device_slots, slots, num_computed, num_scheduled,
-                                          tokens, any_gated)
+            filled = self._fill_on_device(slots, num_computed, num_scheduled, tokens,
+                                          any_gated)
             self.index_fills["device" if filled else "kept"] += 1
             return
         self.index_fills["host"] += 1
@@ -502,9 +510,8 @@ class SteeringState:
         if capture_starts is not None:
             self.capture.record(slots, capture_starts, num_computed, num_scheduled)
 
-    def _fill_on_device(self, device_slots: torch.Tensor, slots: np.ndarray,
-                        num_computed: np.ndarray, num_scheduled: np.ndarray, tokens: int,
-                        any_gated: bool) -> bool:
+    def _fill_on_device(self, slots: np.ndarray, num_computed: np.ndarray,
+                        num_scheduled: np.ndarray, tokens: int, any_gated: bool) -> bool:
         """:meth:`fill` by the device, from the slot table (uploaded if a slot changed).
         False: the index already held the step's (a decode step of the batch before: see
         :meth:`.TokenRows.fill_from_slots`), nothing was launched."""
@@ -520,8 +527,7 @@ class SteeringState:
                 and not np.count_nonzero(num_computed != self._next_pos[slots])):
             steady = (slots.tobytes(), version)
         self._next_pos[slots] = num_computed + num_scheduled  # where each request's step ends
-        filled = self.token_rows.fill_from_slots(self.device_fill, slots, device_slots, tokens,
-                                                 steady)
+        filled = self.token_rows.fill_from_slots(self.device_fill, slots, tokens, steady)
         self._kept = None if steady is None else _Kept(
             np.ones_like(num_scheduled).tobytes(), (num_computed + 1).tobytes(), any_gated)
         return filled

@@ -54,6 +54,7 @@ from .gate_stats import (
     fresh_column,
     key_score,
 )
+from .step_upload import StepUpload
 
 __all__ = ["DYNAMIC_EPSILON", "GATE_ON", "GateTelemetry"]
 
@@ -107,13 +108,15 @@ class GateTelemetry:
 
     def __init__(self, values: torch.Tensor, index: torch.Tensor, sites: list[str],
                  block_size: int, max_slots: int, keep: int = 4096,
-                 control: torch.Tensor | None = None) -> None:
+                 control: torch.Tensor | None = None, upload: StepUpload | None = None
+                 ) -> None:
         self._values = values
         """The op's ``[2, max_tokens]`` gate/score buffer (row 0 gates, row 1 scores)."""
         self._control = control
         """The controller table (:mod:`.control`), copied with controlled steps."""
-        self._stats = GateStats(index, values, len(sites), max_slots)
-        """The counters, on the device (``index`` is the op's token index)."""
+        self._stats = GateStats(index, values, len(sites), max_slots, upload)
+        """The counters, on the device (``index`` is the op's token index; ``upload``: the
+        step's shared uploads, see :class:`.GateStats`)."""
         self.observer: Any = None
         """Called with every folded step that had controlled tokens (see :mod:`.controllers`):
         ``observer(number, records, positions, gates, scores, control_rows, control)``."""

@@ -47,6 +47,7 @@ from .ops import (
     INDEX_ROWS,
     INDEX_SLOT,
 )
+from .step_upload import Layout, StepUpload
 
 
 def expand_positions(num_computed: np.ndarray, num_scheduled: np.ndarray) -> np.ndarray:
@@ -105,15 +106,22 @@ class Staged:
             self.turn ^= 1
 
 
+def fill_layout(max_slots: int, batch: int) -> Layout:
+    """The device fill's regions of a :class:`.StepUpload`: the batch's slots (changed with
+    every admission or finish) and the slot table (with a steered one's)."""
+    return {"batch_slots": ((batch,), np.int32), "slot_table": ((SLOT_ROWS, max_slots), np.int32)}
+
+
 class SlotTable:
     """The per-slot values of the device fill, kept in step with the host's (uploaded only in
     steps where one changed: an admission, a finish, a controller's switch). Its device
     tensor never moves (a captured fill reads it)."""
 
-    def __init__(self, max_slots: int, device: torch.device) -> None:
-        self.device = torch.zeros(SLOT_ROWS, max_slots, dtype=torch.int32, device=device)
-        self._staged = Staged(self.device)
-        self._slots = max_slots
+    def __init__(self, upload: StepUpload) -> None:
+        self.device = upload.region("slot_table")
+        self._host = upload.host("slot_table")
+        self._upload = upload
+        self._slots = self._host.shape[1]
         self._version: object = None
 
     def fits(self, slots: int) -> bool:
@@ -122,55 +130,69 @@ class SlotTable:
     def sync(self, version: object, entries: np.ndarray, prefill_rows: np.ndarray,
              decode_rows: np.ndarray, probe_rows: np.ndarray, prompt_lens: np.ndarray) -> None:
         """Every slot's values (rows are mapped to their ``INDEX_ROW`` entries here; the
-        arrays are as long as the table: see :meth:`fits`), staged and uploaded whole.
-        ``version`` changes whenever any of them does: with the last one's, nothing is
-        read."""
+        arrays are as long as the table: see :meth:`fits`), written whole for the next
+        upload. ``version`` changes whenever any of them does: with the last one's, nothing
+        is read."""
         if version == self._version:
             return
         self._version = version
-        table, n = self._staged.stage(), len(prefill_rows)
+        table, n = self._host, len(prefill_rows)
         np.take(entries, prefill_rows, out=table[SLOT_PREFILL, :n])
         np.take(entries, decode_rows, out=table[SLOT_DECODE, :n])
         table[SLOT_PROBE, :n] = probe_rows
         table[SLOT_PROMPT_LEN, :n] = prompt_lens
-        self._staged.send()
+        self._upload.changed("slot_table")
 
 
 class DeviceFill:
     """The index filled on the device from the slot table and the model runner's persistent
     device buffers of the step's batch (``query_start_loc`` and ``positions``, rewritten by
     the runner each step at the same address): one kernel over the largest batch, captured
-    once in a CUDA graph. Per step the host replays the graph, after copying the batch's slots
-    (the runner's ``idx_mapping``, a fresh tensor each step) into a persistent buffer when
-    they changed: at most two launches, whatever the batch (a Triton launch from Python costs
-    ~45 µs of host time on the lent H100 host, a replay ~5). Two graphs: position entries
-    absolute, or relative to where each request's previous step ended (a step where every
-    request continues from there; then a decode step's index is the step before's)."""
+    once in a CUDA graph. Per step the host replays the graph, after the batch's slots (from
+    the host's array) and the slot table went to the device with the step's other uploads
+    when they changed (:class:`.StepUpload`: one copy): at most two launches, whatever the
+    batch (a Triton launch from Python costs ~45 µs of host time on the lent H100 host, a
+    replay ~5). Two graphs: position entries absolute, or relative to where each request's
+    previous step ended (a step where every request continues from there; then a decode
+    step's index is the step before's).
+
+    ``upload``: the step's shared uploads, with :func:`fill_layout`'s regions for at least
+    the largest batch (None: uploads of its own)."""
 
     def __init__(self, rows: TokenRows, max_slots: int, query_start_loc: torch.Tensor,
-                 positions: torch.Tensor) -> None:
+                 positions: torch.Tensor, upload: StepUpload | None = None) -> None:
         from .triton_kernels import captured, index_fill_triton
 
-        self.table = SlotTable(max_slots, query_start_loc.device)
-        self._slots = torch.zeros(query_start_loc.shape[0] - 1, dtype=torch.int32,
-                                  device=query_start_loc.device)
+        batch = query_start_loc.shape[0] - 1
+        if upload is None:
+            upload = StepUpload(fill_layout(max_slots, batch), query_start_loc.device)
+        if upload.host("batch_slots").shape[0] < batch:
+            raise ValueError(f"dynsteer device fill: the runner's batch holds {batch} requests, "
+                             f"more than the {upload.host('batch_slots').shape[0]} slots it "
+                             "was sized for")
+        self._upload = upload
+        self.table = SlotTable(upload)
+        self._batch = upload.host("batch_slots")
         self._launch = functools.partial(index_fill_triton, rows.buffer, self.table.device,
-                                         self._slots, query_start_loc, positions)
+                                         upload.region("batch_slots")[:batch],
+                                         query_start_loc, positions)
         self._graphs = ({relative: captured(functools.partial(self._launch, relative=relative))
-                         for relative in (False, True)} if self._slots.is_cuda else None)
+                         for relative in (False, True)}
+                        if query_start_loc.is_cuda else None)
         self._last = b""
-        """The slots last copied (bytes of the host array)."""
+        """The slots last written (bytes of the host array)."""
 
-    def run(self, slots: np.ndarray, device_slots: torch.Tensor, relative: bool) -> None:
+    def run(self, slots: np.ndarray, relative: bool) -> None:
         """Fill the index of the step whose batch is in ``slots`` (one slot per request, in
-        batch order; ``device_slots``: the same on the device), copied only when they
-        differ from the last step's (a decode step's batch usually does not change).
-        ``relative``: every request continues where its previous step ended (position
-        entries relative to there)."""
+        batch order), written for the upload only when they differ from the last step's (a
+        decode step's batch usually does not change). ``relative``: every request continues
+        where its previous step ended (position entries relative to there)."""
         key = slots.tobytes()
         if key != self._last:
-            self._slots[: len(slots)].copy_(device_slots, non_blocking=True)
+            self._batch[: len(slots)] = slots
+            self._upload.changed("batch_slots")
             self._last = key
+        self._upload.send()
         if self._graphs is not None:
             self._graphs[relative].replay()
         else:  # CPU tensors: Triton's interpreter (tests)
@@ -260,8 +282,8 @@ class TokenRows:
         elif self._last is None or not same(index, self._last):
             self._publish(index)
 
-    def fill_from_slots(self, fill: DeviceFill, slots: np.ndarray, device_slots: torch.Tensor,
-                        tokens: int, steady: object = None) -> bool:
+    def fill_from_slots(self, fill: DeviceFill, slots: np.ndarray, tokens: int,
+                        steady: object = None) -> bool:
         """Set this step's ``tokens`` on the device (see :class:`DeviceFill`): no per-token or
         per-request work on the host, and no upload. The index is the one :meth:`fill` makes
         with the same values and no capture or controller rows, except that positions are
@@ -276,7 +298,7 @@ class TokenRows:
         and False is returned (True: filled)."""
         if steady is not None and steady == self._steady:
             return False
-        fill.run(slots, device_slots, relative=steady is not None)
+        fill.run(slots, relative=steady is not None)
         self._dirty = tokens
         self._last = None
         self._steady = steady
