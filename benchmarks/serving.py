@@ -459,6 +459,7 @@ def check_pins(ap: argparse.ArgumentParser, pins: list[str], servers: int) -> No
 
 @exits_on_sigterm
 def main() -> None:
+    begun = time.monotonic()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--tokenizer", type=Path, required=True)
@@ -495,6 +496,11 @@ def main() -> None:
                          "this many requests of another stream (same mix and rate, other "
                          "prompts and vectors), reported apart as 'warmup' (the first ~20 s "
                          "of load after a start ran slower admitting steps, session 36)")
+    ap.add_argument("--deadline", type=float, default=0.0, metavar="SECONDS",
+                    help="with --interleave: begin no segment that, as long as the last one, "
+                         "would end past SECONDS after this script started; the segments "
+                         "measured are reported as usual (a fresh machine's first server "
+                         "start, with its compile, took up to 260 s in session 44)")
     ap.add_argument("--gc-log", action="store_true",
                     help="keep each server process's garbage-collector pauses per generation "
                          "(benchmarks/gc_timing: OUT/gc) and report them per load")
@@ -512,6 +518,8 @@ def main() -> None:
                  f"with {VARIANT}) with vllm in it")
     if args.torch_profile and not args.interleave:
         ap.error("--torch-profile needs --interleave (one trace per server)")
+    if args.deadline and not args.interleave:
+        ap.error("--deadline needs --interleave (it stops between segments)")
     if args.warmup and not args.interleave:
         ap.error("--warmup needs --interleave (one start for every server's segments)")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -560,6 +568,7 @@ def main() -> None:
         raw[f"{at}_chunks"] = np.array([len(r["stamps"]) for r in run_done])
         raw[f"{at}_stamps_s"] = np.concatenate([r["stamps"] for r in run_done])
         raw[f"{at}_kind"] = np.array([r["kind"] for r in run_done])
+        np.savez_compressed(args.out / "latencies.npz", **raw)  # to pool runs of several calls
         print(f"{name} segment {run.get('segment', '-')}: TTFT p50 {run['ttft_ms_p50']:.1f} ms, "
               f"ITL p50 {run['itl_ms_p50']:.2f} / p99 {run['itl_ms_p99']:.2f} ms, admitting "
               f"step p50 {admit_text(run)}, {run['errors']} errors", flush=True)
@@ -577,10 +586,17 @@ def main() -> None:
             if args.warmup:  # not pooled: its own table beside plain vLLM's
                 results["warmup"] = warm_up(loads, order, stream_of, args.warmup, args.rate)
                 (args.out / "serving.json").write_text(json.dumps(results, indent=2))
+            last = 0.0  # the last segment's seconds
             for seg in range(args.interleave):
+                if args.deadline and time.monotonic() - begun + last > args.deadline:
+                    print(f"--deadline {args.deadline:.0f} s: {seg} of {args.interleave} "
+                          "segments measured", flush=True)
+                    break
+                seg_start = time.monotonic()
                 for name in order if seg % 2 == 0 else order[::-1]:
                     part = stream[name][seg * size:(seg + 1) * size]
                     keep(name, {"segment": seg, **loads[name](part, args.rate)})
+                last = time.monotonic() - seg_start
     else:
         order = order * args.repeat
         results["order"] = order
@@ -589,7 +605,6 @@ def main() -> None:
                 keep(name, load(stream[name], args.rate))
     report(results, done)
     (args.out / "serving.json").write_text(json.dumps(results, indent=2))
-    np.savez_compressed(args.out / "latencies.npz", **raw)  # to pool runs of several calls
     if args.torch_profile:
         compare_traces(args.out, [n for n in dict.fromkeys(order) if n != "vllm"])
 

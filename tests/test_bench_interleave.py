@@ -250,7 +250,44 @@ def test_serving_stops_its_servers_on_sigterm_and_keeps_the_segments_before(tmp_
     assert sorted(stopped) == ["dynsteer", "vllm"]
     kept = json.loads((tmp_path / "serving.json").read_text())["runs"]
     assert [(r["name"], r["segment"]) for r in kept] == [("vllm", 0), ("dynsteer", 0)]
+    assert sorted(np.load(tmp_path / "latencies.npz").files) == sorted(  # kept with them
+        f"{k}_{name}_{what}" for k, name in enumerate(("vllm", "dynsteer"))
+        for what in ("ttft_s", "itl_s", "sent_s", "chunks", "stamps_s", "kind"))
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_serving_begins_no_segment_that_would_end_past_the_deadline(tmp_path, monkeypatch,
+                                                                    capsys):
+    """``--deadline``: a segment as long as the last one must end inside it, or the call
+    stops there and reports the segments measured (each load here takes 10 s of a clock
+    that moves only with the loads)."""
+    log: list[tuple[Any, ...]] = []
+    offset = [0.0]
+    real = time.monotonic
+    monkeypatch.setattr(serving.time, "monotonic", lambda: real() + offset[0])
+
+    def ten_seconds(n: int) -> None:
+        offset[0] += 10.0
+
+    monkeypatch.setattr(serving, "plain_server", lambda *a: _server("vllm", log, None,
+                                                                   ten_seconds))
+    monkeypatch.setattr(serving, "dynsteer_server", lambda *a: _server("dynsteer", log, None,
+                                                                      ten_seconds))
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    argv = ["serving.py", "--out", str(tmp_path), "--tokenizer", str(tokenizer), "--runs",
+            "vllm,dynsteer", "--requests", "40", "--interleave", "4", "--deadline", "50"]
+    monkeypatch.setattr(sys, "argv", argv)
+    serving.main()
+
+    # segments of 20 s: the second ends at 40 s; a third would end at 60 s, past 50
+    result = json.loads((tmp_path / "serving.json").read_text())
+    assert [r["segment"] for r in result["runs"]] == [0, 0, 1, 1]
+    assert result["ratios"]["dynsteer"]["itl_ms_p99"] == pytest.approx(1.5)
+    assert "2 of 4 segments measured" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", [a for a in argv if a not in ("--interleave", "4")])
+    with pytest.raises(SystemExit):  # one server at a time: refused
+        serving.main()
 
 
 def test_importing_the_benchmarks_leaves_the_environment_alone():
