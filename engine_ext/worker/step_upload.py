@@ -10,8 +10,8 @@ that reads any of them.
 
 The mirror holds every region's current contents, so a send may copy regions nobody changed
 along with those that changed: it copies the span from the first region to the end of the
-last changed one (regions are laid out most frequently changed first). Through two pinned
-staging buffers in turn, each reused only once the copy that read it last is done.
+last changed one (regions are laid out most frequently changed first), through two pinned
+staging buffers in turn (:class:`Staged`, which the token index's own upload uses too).
 
 A region the device rewrites after reading it (the op buffer: its replay resets the head)
 must have its mirror reset the same way by its owner once a send carried it, or a later send
@@ -21,7 +21,7 @@ device buffer and sending does nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -33,6 +33,47 @@ ALIGN = 256
 
 Layout = Mapping[str, tuple[tuple[int, ...], type[np.generic]]]
 """Region name -> (shape, numpy dtype), in the buffer's order."""
+
+
+class Staged:
+    """A device tensor rewritten from the host through two pinned staging buffers in turn:
+    each upload is one contiguous non-blocking copy, of the whole tensor or of a prefix along
+    its first dimension given in ``spans`` (views made once: slicing a tensor costs host
+    time), and a staging buffer is reused only once the copy that last read it is done (on
+    the host, the tensor is written directly)."""
+
+    def __init__(self, target: torch.Tensor, spans: Iterable[int] = ()) -> None:
+        self.target = target
+        self._on_host = target.device.type == "cpu"
+        if not self._on_host:
+            self._pinned = [torch.zeros_like(target, device="cpu").pin_memory()
+                            for _ in range(2)]
+            self._host = [p.numpy() for p in self._pinned]
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]
+            self._spans = {end: (target[:end], [p[:end] for p in self._pinned],
+                                 [h[:end] for h in self._host]) for end in spans}
+        self.turn = 0
+        """The staging buffer :meth:`stage` hands out next."""
+
+    def stage(self, end: int | None = None) -> np.ndarray:
+        """The buffer to write the tensor's new contents into (all of it, or its prefix
+        ``end`` of ``spans``, is copied)."""
+        if self._on_host:
+            return self.target.numpy()
+        self._events[self.turn].synchronize()
+        return self._host[self.turn] if end is None else self._spans[end][2][self.turn]
+
+    def send(self, end: int | None = None) -> None:
+        """Copy the staged contents (the prefix ``end`` of ``spans``: the same as
+        :meth:`stage` was given) to the device."""
+        if not self._on_host:
+            if end is None:
+                self.target.copy_(self._pinned[self.turn], non_blocking=True)
+            else:
+                target, pinned, _ = self._spans[end]
+                target.copy_(pinned[self.turn], non_blocking=True)
+            cuda_events.record(self._events[self.turn], self.target.device.index)
+            self.turn ^= 1
 
 
 class StepUpload:
@@ -59,14 +100,8 @@ class StepUpload:
         self._dirty = 0
         """Bytes [0, dirty) hold a change the device has not been sent."""
         if not self._on_host:
-            self._mirror = mirror
-            pinned = [torch.zeros(size, dtype=torch.uint8).pin_memory() for _ in range(2)]
-            self._staging = [p.numpy() for p in pinned]
-            # the views of each possible span, made once (slicing a tensor costs host time)
-            self._sends = {end: (self._device[:end], [p[:end] for p in pinned])
-                           for end in set(ends)}
-            self._events = [torch.cuda.Event(), torch.cuda.Event()]
-            self._turn = 0
+            self._staged = Staged(self._device, set(ends))
+            self._mirror_spans = {end: mirror[:end] for end in set(ends)}
 
     def region(self, name: str) -> torch.Tensor:
         """The region's device tensor (a fixed view: captured graphs may read it)."""
@@ -87,10 +122,5 @@ class StepUpload:
             self._dirty = 0
             return
         end, self._dirty = self._dirty, 0
-        turn = self._turn
-        self._events[turn].synchronize()  # the copy that last read this staging buffer
-        device, staging = self._sends[end]
-        np.copyto(self._staging[turn][:end], self._mirror[:end])
-        device.copy_(staging[turn], non_blocking=True)
-        cuda_events.record(self._events[turn], device.device.index)
-        self._turn = turn ^ 1
+        np.copyto(self._staged.stage(end), self._mirror_spans[end])
+        self._staged.send(end)

@@ -37,7 +37,6 @@ import functools
 import numpy as np
 import torch
 
-from . import cuda_events
 from .ops import (
     INDEX_CAPTURE,
     INDEX_CONTROL,
@@ -47,7 +46,7 @@ from .ops import (
     INDEX_ROWS,
     INDEX_SLOT,
 )
-from .step_upload import Layout, StepUpload
+from .step_upload import Layout, Staged, StepUpload
 
 
 def expand_positions(num_computed: np.ndarray, num_scheduled: np.ndarray) -> np.ndarray:
@@ -73,37 +72,6 @@ SLOT_PREFILL, SLOT_DECODE, SLOT_PROBE, SLOT_PROMPT_LEN = range(4)
 request slot's ``INDEX_ROW`` entry for prompt positions and for generated positions, its
 probe row and its prompt length."""
 SLOT_ROWS = 4
-
-
-class Staged:
-    """A device tensor rewritten from the host through two pinned staging buffers in turn:
-    each upload is one contiguous non-blocking copy, and a staging buffer is reused only once
-    the copy that last read it is done (on the host, the tensor is written directly)."""
-
-    def __init__(self, target: torch.Tensor) -> None:
-        self.target = target
-        self._on_host = target.device.type == "cpu"
-        if not self._on_host:
-            self._pinned = [torch.zeros_like(target, device="cpu").pin_memory()
-                            for _ in range(2)]
-            self._host = [p.numpy() for p in self._pinned]
-            self._events = [torch.cuda.Event(), torch.cuda.Event()]
-        self.turn = 0
-        """The staging buffer :meth:`stage` hands out next."""
-
-    def stage(self) -> np.ndarray:
-        """The buffer to write the tensor's new contents into (all of it is copied)."""
-        if self._on_host:
-            return self.target.numpy()
-        self._events[self.turn].synchronize()
-        return self._host[self.turn]
-
-    def send(self) -> None:
-        """Copy the staged contents to the device (after :meth:`stage`)."""
-        if not self._on_host:
-            self.target.copy_(self._pinned[self.turn], non_blocking=True)
-            cuda_events.record(self._events[self.turn], self.target.device.index)
-            self.turn ^= 1
 
 
 def fill_layout(max_slots: int, batch: int) -> Layout:
