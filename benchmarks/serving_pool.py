@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 
 PERCENTILES = (50, 90, 95, 99, 99.9)
+ENGINE_MAIN = "engine-core/main/"
+"""How :mod:`proc_cpu` names the engine core's main thread (the step loop and the hooks)."""
 
 
 def load(path: Path, servers: str, what: str) -> np.ndarray:
@@ -44,6 +46,30 @@ def pooled(calls: list[dict[str, np.ndarray]], what: str) -> dict[str, float]:
     other = np.concatenate([c[f"server_{what}"] for c in calls])
     return {f"p{q:g}": float(np.percentile(other, q) / np.percentile(base, q))
             for q in PERCENTILES}
+
+
+def engine_cpu(path: Path, servers: str) -> float | None:
+    """Mean engine-core main-thread CPU seconds per load of the runs of ``servers`` (a comma
+    list) in the call's ``serving.json`` (see the module docstring); None where the call
+    has no such file or its runs recorded no CPU window."""
+    report = next((p for p in (path.with_suffix(".json"), path.parent / "serving.json")
+                   if p.is_file()), None)
+    if report is None:
+        return None
+    names = set(servers.split(","))
+    seconds = [cpu for run in json.loads(report.read_text())["runs"] if run["name"] in names
+               for thread, cpu in run.get("cpu", {}).get("threads_cpu_s", {}).items()
+               if thread.startswith(ENGINE_MAIN)]
+    return float(np.mean(seconds)) if seconds else None
+
+
+def engine_cpu_ratios(files: list[Path], base: str, server: str) -> list[float | None]:
+    """Per call: ``server``'s engine CPU per load over ``base``'s (None: not recorded)."""
+    ratios = []
+    for path in files:
+        num, den = engine_cpu(path, server), engine_cpu(path, base)
+        ratios.append(None if num is None or den is None else num / den)
+    return ratios
 
 
 def started_first(path: Path) -> str:
@@ -84,7 +110,14 @@ def main() -> None:
                               "server": args.server,
                               "itl": pooled(calls, "itl_s"), "ttft": pooled(calls, "ttft_s"),
                               "itl_p99_per_call": [pooled([c], "itl_s")["p99"] for c in calls],
-                              "started_first": [started_first(f) for f in args.files]}
+                              "started_first": [started_first(f) for f in args.files],
+                              "engine_cpu_per_call": engine_cpu_ratios(args.files, args.base,
+                                                                       args.server)}
+    known = [(p99, cpu) for p99, cpu in zip(result["itl_p99_per_call"],
+                                             result["engine_cpu_per_call"], strict=True)
+             if cpu is not None]
+    if len(known) >= 3:
+        result["itl_p99_engine_cpu_correlation"] = float(np.corrcoef(np.array(known).T)[0, 1])
     result.update(by_start_order(calls, result["started_first"]))
     rng = np.random.default_rng(0)
     draws = [pooled([calls[i] for i in rng.integers(len(calls), size=len(calls))],
@@ -94,6 +127,11 @@ def main() -> None:
     for what in ("itl", "ttft"):
         print(f"  {what}: " + "  ".join(f"{k} {v:.3f}" for k, v in result[what].items()))
     print("  ITL p99 per call: " + " ".join(f"{v:.3f}" for v in result["itl_p99_per_call"]))
+    print("  engine-core main-thread CPU per call: " + " ".join(
+        "-" if v is None else f"{v:.3f}" for v in result["engine_cpu_per_call"]))
+    if "itl_p99_engine_cpu_correlation" in result:
+        print(f"  correlation of the two over calls: "
+              f"{result['itl_p99_engine_cpu_correlation']:.2f}")
     low, mid, high = result["itl_p99_bootstrap_5_50_95"]
     print(f"  ITL p99 over calls, bootstrap 5/50/95%: {low:.3f} / {mid:.3f} / {high:.3f}")
     for first, ratio in result["itl_p99_by_first"].items():

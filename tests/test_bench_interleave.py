@@ -511,3 +511,50 @@ def test_pooled_calls_pool_the_servers_of_a_comma_list(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [*argv[:-1], "dynsteer-b"])
     with pytest.raises(SystemExit, match="dynsteer-b"):
         serving_pool.main()
+
+
+def test_pooled_calls_show_each_calls_engine_cpu_ratio_beside_its_itl_p99(tmp_path, monkeypatch,
+                                                                          capsys):
+    """serving_pool reads each call's engine-core main-thread CPU per load from the call's
+    ``serving.json`` (the ``.npz``'s stem, else ``serving.json`` beside it), prints its ratio
+    beside the call's ITL p99 ratio and their correlation over calls; a call without the file
+    shows ``-`` and is left out of the correlation."""
+    import serving_pool
+
+    gaps = np.r_[np.full(98, 0.005), 0.012, 0.012]
+
+    def call(folder: str, stem: str, slow: float, json_name: str | None) -> Path:
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / f"{stem}.npz"
+        np.savez(path, **{"0_vllm_itl_s": gaps, "0_vllm_ttft_s": np.full(10, 0.02),
+                          "1_dynsteer_itl_s": gaps * slow,
+                          "1_dynsteer_ttft_s": np.full(10, 0.02)})
+        if json_name is not None:
+            def run(name: str, seconds: float) -> dict[str, Any]:
+                return {"name": name, "cpu": {"threads_cpu_s": {
+                    "engine-core/main/11": seconds, "api-server/main/10": 9.0,
+                    "engine-core/ZMQbg/IO/0/12": 5.0}}}
+            runs = [run("vllm", 3.0), run("dynsteer", 3.0 * slow), run("vllm", 3.0),
+                    run("dynsteer", 3.0 * slow)]
+            (tmp_path / folder / json_name).write_text(json.dumps({"runs": runs}))
+        return path
+
+    files = [call("a", "latencies", 1.02, "serving.json"),
+             call("b", "serving_s_b", 1.10, "serving_s_b.json"),
+             call("c", "latencies", 1.05, "serving.json"),
+             call("d", "latencies", 1.08, None)]
+    out = tmp_path / "pool.json"
+    monkeypatch.setattr(sys, "argv", ["serving_pool.py", *map(str, files), "--json", str(out)])
+    serving_pool.main()
+
+    result = json.loads(out.read_text())
+    assert result["engine_cpu_per_call"][:3] == pytest.approx([1.02, 1.10, 1.05])
+    assert result["engine_cpu_per_call"][3] is None
+    assert result["itl_p99_per_call"] == pytest.approx([1.02, 1.10, 1.05, 1.08])
+    assert result["itl_p99_engine_cpu_correlation"] == pytest.approx(1.0)
+    printed = capsys.readouterr().out
+    assert "engine-core main-thread CPU per call: 1.020 1.100 1.050 -" in printed
+    monkeypatch.setattr(sys, "argv", ["serving_pool.py", *map(str, files[2:]), "--json",
+                                      str(out)])
+    serving_pool.main()  # one call with CPU: no correlation
+    assert "itl_p99_engine_cpu_correlation" not in json.loads(out.read_text())
