@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ import numpy as np
 PERCENTILES = (50, 90, 95, 99, 99.9)
 ENGINE_MAIN = "engine-core/main/"
 """How :mod:`proc_cpu` names the engine core's main thread (the step loop and the hooks)."""
+HOOKS = ("admit", "finish", "step", "output")
+"""The worker hooks whose time ``serving.py`` records per load (``worker_host``; the others
+there are counters)."""
 
 
 def load(path: Path, servers: str, what: str) -> np.ndarray:
@@ -48,28 +52,57 @@ def pooled(calls: list[dict[str, np.ndarray]], what: str) -> dict[str, float]:
             for q in PERCENTILES}
 
 
-def engine_cpu(path: Path, servers: str) -> float | None:
-    """Mean engine-core main-thread CPU seconds per load of the runs of ``servers`` (a comma
-    list) in the call's ``serving.json`` (see the module docstring); None where the call
-    has no such file or its runs recorded no CPU window."""
+@dataclass(frozen=True)
+class EngineCpu:
+    """One kind's engine cores in one call, means per load."""
+
+    seconds: float
+    """The engine core's main-thread CPU seconds."""
+    hooks: float
+    """Of it, the dynsteer worker hooks' CPU seconds (0 for plain vLLM)."""
+    steps: float
+    """Steps (the ``step`` hook's calls; 0 where no hook ran)."""
+
+
+def engine_cpu(path: Path, servers: str) -> EngineCpu | None:
+    """The engine cores of the runs of ``servers`` (a comma list) in the call's
+    ``serving.json`` (see the module docstring); None where the call has no such file or its
+    runs recorded no CPU window."""
     report = next((p for p in (path.with_suffix(".json"), path.parent / "serving.json")
                    if p.is_file()), None)
     if report is None:
         return None
     names = set(servers.split(","))
-    seconds = [cpu for run in json.loads(report.read_text())["runs"] if run["name"] in names
+    runs = [run for run in json.loads(report.read_text())["runs"] if run["name"] in names]
+    seconds = [cpu for run in runs
                for thread, cpu in run.get("cpu", {}).get("threads_cpu_s", {}).items()
                if thread.startswith(ENGINE_MAIN)]
-    return float(np.mean(seconds)) if seconds else None
+    if not seconds:
+        return None
+    hooks = [run.get("worker_host") or {} for run in runs]
+    return EngineCpu(
+        seconds=float(np.mean(seconds)),
+        hooks=float(np.mean([sum(w[h]["calls"] * w[h]["mean_cpu_us"] for h in HOOKS if h in w)
+                             / 1e6 for w in hooks])),
+        steps=float(np.mean([w.get("step", {}).get("calls", 0.0) for w in hooks])))
 
 
-def engine_cpu_ratios(files: list[Path], base: str, server: str) -> list[float | None]:
-    """Per call: ``server``'s engine CPU per load over ``base``'s (None: not recorded)."""
-    ratios = []
+def engine_cpu_per_call(files: list[Path], base: str, server: str
+                        ) -> list[dict[str, float] | None]:
+    """Per call (None: not recorded): ``server``'s engine CPU per load over ``base``'s
+    (``ratio``), and the extra seconds per load that its hooks do not account for, per step
+    (``rest_us_per_step``): sessions 43-45 found it near 0 in some calls and ~130 µs in
+    others, where vLLM's own work in the plugin's engine ran slower."""
+    out: list[dict[str, float] | None] = []
     for path in files:
-        num, den = engine_cpu(path, server), engine_cpu(path, base)
-        ratios.append(None if num is None or den is None else num / den)
-    return ratios
+        mine, theirs = engine_cpu(path, server), engine_cpu(path, base)
+        if mine is None or theirs is None:
+            out.append(None)
+            continue
+        rest = mine.seconds - theirs.seconds - (mine.hooks - theirs.hooks)
+        out.append({"ratio": mine.seconds / theirs.seconds, "hooks_s": mine.hooks,
+                    "rest_us_per_step": rest / mine.steps * 1e6 if mine.steps else float("nan")})
+    return out
 
 
 def started_first(path: Path) -> str:
@@ -111,10 +144,10 @@ def main() -> None:
                               "itl": pooled(calls, "itl_s"), "ttft": pooled(calls, "ttft_s"),
                               "itl_p99_per_call": [pooled([c], "itl_s")["p99"] for c in calls],
                               "started_first": [started_first(f) for f in args.files],
-                              "engine_cpu_per_call": engine_cpu_ratios(args.files, args.base,
-                                                                       args.server)}
-    known = [(p99, cpu) for p99, cpu in zip(result["itl_p99_per_call"],
-                                             result["engine_cpu_per_call"], strict=True)
+                              "engine_cpu_per_call": engine_cpu_per_call(args.files, args.base,
+                                                                         args.server)}
+    known = [(p99, cpu["ratio"]) for p99, cpu in zip(result["itl_p99_per_call"],
+                                                      result["engine_cpu_per_call"], strict=True)
              if cpu is not None]
     if len(known) >= 3:
         result["itl_p99_engine_cpu_correlation"] = float(np.corrcoef(np.array(known).T)[0, 1])
@@ -128,7 +161,10 @@ def main() -> None:
         print(f"  {what}: " + "  ".join(f"{k} {v:.3f}" for k, v in result[what].items()))
     print("  ITL p99 per call: " + " ".join(f"{v:.3f}" for v in result["itl_p99_per_call"]))
     print("  engine-core main-thread CPU per call: " + " ".join(
-        "-" if v is None else f"{v:.3f}" for v in result["engine_cpu_per_call"]))
+        "-" if v is None else f"{v['ratio']:.3f}" for v in result["engine_cpu_per_call"]))
+    print("  of its extra, not the hooks', µs a step: " + " ".join(
+        "-" if v is None else f"{v['rest_us_per_step']:+.0f}"
+        for v in result["engine_cpu_per_call"]))
     if "itl_p99_engine_cpu_correlation" in result:
         print(f"  correlation of the two over calls: "
               f"{result['itl_p99_engine_cpu_correlation']:.2f}")

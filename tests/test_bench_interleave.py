@@ -517,8 +517,9 @@ def test_pooled_calls_show_each_calls_engine_cpu_ratio_beside_its_itl_p99(tmp_pa
                                                                           capsys):
     """serving_pool reads each call's engine-core main-thread CPU per load from the call's
     ``serving.json`` (the ``.npz``'s stem, else ``serving.json`` beside it), prints its ratio
-    beside the call's ITL p99 ratio and their correlation over calls; a call without the file
-    shows ``-`` and is left out of the correlation."""
+    beside the call's ITL p99 ratio, the part of the plugin's extra CPU its hooks (not the
+    counters beside them) do not account for, per step, and the correlation over calls; a
+    call without the file shows ``-`` and is left out of the correlation."""
     import serving_pool
 
     gaps = np.r_[np.full(98, 0.005), 0.012, 0.012]
@@ -531,9 +532,13 @@ def test_pooled_calls_show_each_calls_engine_cpu_ratio_beside_its_itl_p99(tmp_pa
                           "1_dynsteer_ttft_s": np.full(10, 0.02)})
         if json_name is not None:
             def run(name: str, seconds: float) -> dict[str, Any]:
+                hooks = {"step": {"calls": 1000.0, "mean_cpu_us": 20.0},
+                         "output": {"calls": 1000.0, "mean_cpu_us": 30.0},
+                         "fill_kept": {"calls": 900.0, "mean_cpu_us": 99.0}}  # a counter
                 return {"name": name, "cpu": {"threads_cpu_s": {
                     "engine-core/main/11": seconds, "api-server/main/10": 9.0,
-                    "engine-core/ZMQbg/IO/0/12": 5.0}}}
+                    "engine-core/ZMQbg/IO/0/12": 5.0}},
+                    **({"worker_host": hooks} if name == "dynsteer" else {})}
             runs = [run("vllm", 3.0), run("dynsteer", 3.0 * slow), run("vllm", 3.0),
                     run("dynsteer", 3.0 * slow)]
             (tmp_path / folder / json_name).write_text(json.dumps({"runs": runs}))
@@ -548,12 +553,17 @@ def test_pooled_calls_show_each_calls_engine_cpu_ratio_beside_its_itl_p99(tmp_pa
     serving_pool.main()
 
     result = json.loads(out.read_text())
-    assert result["engine_cpu_per_call"][:3] == pytest.approx([1.02, 1.10, 1.05])
-    assert result["engine_cpu_per_call"][3] is None
+    per_call = result["engine_cpu_per_call"]
+    assert [c["ratio"] for c in per_call[:3]] == pytest.approx([1.02, 1.10, 1.05])
+    assert per_call[3] is None
+    # extra engine CPU 3.0 * (slow - 1) s a load, of which the hooks' 0.05 s, over 1000 steps
+    assert [c["rest_us_per_step"] for c in per_call[:3]] == pytest.approx(
+        [(3.0 * (slow - 1) - 0.05) * 1e3 for slow in (1.02, 1.10, 1.05)])
     assert result["itl_p99_per_call"] == pytest.approx([1.02, 1.10, 1.05, 1.08])
     assert result["itl_p99_engine_cpu_correlation"] == pytest.approx(1.0)
     printed = capsys.readouterr().out
     assert "engine-core main-thread CPU per call: 1.020 1.100 1.050 -" in printed
+    assert "not the hooks', µs a step: +10 +250 +100 -" in printed
     monkeypatch.setattr(sys, "argv", ["serving_pool.py", *map(str, files[2:]), "--json",
                                       str(out)])
     serving_pool.main()  # one call with CPU: no correlation
