@@ -9,6 +9,14 @@ and orders rather than between tokens. It also pools the calls of each start ord
 server a call started first) and weighs the two orders equally, since on some machines the
 server started first read worse whichever it was.
 
+Beside each call's ITL p99 ratio it prints the ratio of the engine core's main-thread CPU
+seconds per load (the same servers, from the call's ``serving.json``: the file with the
+``.npz``'s stem and ``.json``, else ``serving.json`` in its folder), their correlation over the
+calls, and the part of the plugin's extra engine CPU that its worker hooks do not account for,
+per step. Sessions 43-45 found a call's ITL p99 ratio follows its engine CPU ratio (the
+admitting steps that set the tail are host-bound), so a call whose p99 is off can be told
+apart as one whose host ran the plugin's engine slower.
+
 Usage: python benchmarks/serving_pool.py A/latencies.npz B/latencies.npz ... [--json FILE]
        [--base vllm[,vllm-b]] [--server dynsteer[,dynsteer-variant]] [--draws 2000]
 """
@@ -88,12 +96,13 @@ def engine_cpu(path: Path, servers: str) -> EngineCpu | None:
 
 
 def engine_cpu_per_call(files: list[Path], base: str, server: str
-                        ) -> list[dict[str, float] | None]:
+                        ) -> list[dict[str, float | None] | None]:
     """Per call (None: not recorded): ``server``'s engine CPU per load over ``base``'s
-    (``ratio``), and the extra seconds per load that its hooks do not account for, per step
-    (``rest_us_per_step``): sessions 43-45 found it near 0 in some calls and ~130 µs in
+    (``ratio``), its hooks' seconds per load (``hooks_s``) and the extra seconds per load that
+    its hooks do not account for, per step (``rest_us_per_step``; None: no hook recorded a
+    step): sessions 43-45 found it near 0 in some calls and ~130 µs in
     others, where vLLM's own work in the plugin's engine ran slower."""
-    out: list[dict[str, float] | None] = []
+    out: list[dict[str, float | None] | None] = []
     for path in files:
         mine, theirs = engine_cpu(path, server), engine_cpu(path, base)
         if mine is None or theirs is None:
@@ -101,7 +110,7 @@ def engine_cpu_per_call(files: list[Path], base: str, server: str
             continue
         rest = mine.seconds - theirs.seconds - (mine.hooks - theirs.hooks)
         out.append({"ratio": mine.seconds / theirs.seconds, "hooks_s": mine.hooks,
-                    "rest_us_per_step": rest / mine.steps * 1e6 if mine.steps else float("nan")})
+                    "rest_us_per_step": rest / mine.steps * 1e6 if mine.steps else None})
     return out
 
 
@@ -162,12 +171,12 @@ def main() -> None:
     print("  ITL p99 per call: " + " ".join(f"{v:.3f}" for v in result["itl_p99_per_call"]))
     print("  engine-core main-thread CPU per call: " + " ".join(
         "-" if v is None else f"{v['ratio']:.3f}" for v in result["engine_cpu_per_call"]))
-    print("  of its extra, not the hooks', µs a step: " + " ".join(
-        "-" if v is None else f"{v['rest_us_per_step']:+.0f}"
-        for v in result["engine_cpu_per_call"]))
     if "itl_p99_engine_cpu_correlation" in result:
-        print(f"  correlation of the two over calls: "
+        print(f"  correlation of ITL p99 and engine CPU over calls: "
               f"{result['itl_p99_engine_cpu_correlation']:.2f}")
+    print("  of the engine's extra CPU, not the hooks', µs a step: " + " ".join(
+        "-" if v is None or v["rest_us_per_step"] is None else f"{v['rest_us_per_step']:+.0f}"
+        for v in result["engine_cpu_per_call"]))
     low, mid, high = result["itl_p99_bootstrap_5_50_95"]
     print(f"  ITL p99 over calls, bootstrap 5/50/95%: {low:.3f} / {mid:.3f} / {high:.3f}")
     for first, ratio in result["itl_p99_by_first"].items():

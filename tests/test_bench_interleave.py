@@ -564,6 +564,7 @@ def test_pooled_calls_show_each_calls_engine_cpu_ratio_beside_its_itl_p99(tmp_pa
     printed = capsys.readouterr().out
     assert "engine-core main-thread CPU per call: 1.020 1.100 1.050 -" in printed
     assert "not the hooks', µs a step: +10 +250 +100 -" in printed
+    assert "correlation of ITL p99 and engine CPU over calls: 1.00" in printed
     monkeypatch.setattr(sys, "argv", ["serving_pool.py", *map(str, files[2:]), "--json",
                                       str(out)])
     serving_pool.main()  # one call with CPU: no correlation
