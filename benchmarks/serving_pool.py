@@ -72,22 +72,25 @@ class EngineCpu:
     """Steps (the ``step`` hook's calls; 0 where no hook ran)."""
 
 
-def engine_cpu(path: Path, servers: str) -> EngineCpu | None:
-    """The engine cores of the runs of ``servers`` (a comma list) in the call's
-    ``serving.json`` (see the module docstring); None where the call has no such file or its
-    runs recorded no CPU window."""
+def call_runs(path: Path) -> list[dict[str, Any]] | None:
+    """The runs of the call whose ``.npz`` is ``path``, from its ``serving.json`` (see the
+    module docstring); None where there is no such file."""
     report = next((p for p in (path.with_suffix(".json"), path.parent / "serving.json")
                    if p.is_file()), None)
-    if report is None:
-        return None
+    return None if report is None else json.loads(report.read_text())["runs"]
+
+
+def engine_cpu(runs: list[dict[str, Any]], servers: str) -> EngineCpu | None:
+    """The engine cores of the ``runs`` of ``servers`` (a comma list); None where they
+    recorded no CPU window."""
     names = set(servers.split(","))
-    runs = [run for run in json.loads(report.read_text())["runs"] if run["name"] in names]
-    seconds = [cpu for run in runs
+    mine = [run for run in runs if run["name"] in names]
+    seconds = [cpu for run in mine
                for thread, cpu in run.get("cpu", {}).get("threads_cpu_s", {}).items()
                if thread.startswith(ENGINE_MAIN)]
     if not seconds:
         return None
-    hooks = [run.get("worker_host") or {} for run in runs]
+    hooks = [run.get("worker_host") or {} for run in mine]
     return EngineCpu(
         seconds=float(np.mean(seconds)),
         hooks=float(np.mean([sum(w[h]["calls"] * w[h]["mean_cpu_us"] for h in HOOKS if h in w)
@@ -104,7 +107,9 @@ def engine_cpu_per_call(files: list[Path], base: str, server: str
     others, where vLLM's own work in the plugin's engine ran slower."""
     out: list[dict[str, float | None] | None] = []
     for path in files:
-        mine, theirs = engine_cpu(path, server), engine_cpu(path, base)
+        runs = call_runs(path)
+        mine, theirs = ((engine_cpu(runs, server), engine_cpu(runs, base)) if runs is not None
+                        else (None, None))
         if mine is None or theirs is None:
             out.append(None)
             continue
