@@ -46,12 +46,14 @@ class Staged:
         self.target = target
         self._on_host = target.device.type == "cpu"
         if not self._on_host:
-            self._pinned = [torch.zeros_like(target, device="cpu").pin_memory()
-                            for _ in range(2)]
-            self._host = [p.numpy() for p in self._pinned]
+            pinned = [torch.zeros_like(target, device="cpu").pin_memory() for _ in range(2)]
+            host = [p.numpy() for p in pinned]
             self._events = [torch.cuda.Event(), torch.cuda.Event()]
-            self._spans = {end: (target[:end], [p[:end] for p in self._pinned],
-                                 [h[:end] for h in self._host]) for end in spans}
+            self._spans = {None: (target, pinned, host)} | {
+                end: (target[:end], [p[:end] for p in pinned], [h[:end] for h in host])
+                for end in spans}
+            """Per prefix end (``None``: the whole tensor), its device view and the two
+            staging buffers' pinned and numpy views."""
         self.turn = 0
         """The staging buffer :meth:`stage` hands out next."""
 
@@ -61,17 +63,14 @@ class Staged:
         if self._on_host:
             return self.target.numpy()
         self._events[self.turn].synchronize()
-        return self._host[self.turn] if end is None else self._spans[end][2][self.turn]
+        return self._spans[end][2][self.turn]
 
     def send(self, end: int | None = None) -> None:
         """Copy the staged contents (the prefix ``end`` of ``spans``: the same as
         :meth:`stage` was given) to the device."""
         if not self._on_host:
-            if end is None:
-                self.target.copy_(self._pinned[self.turn], non_blocking=True)
-            else:
-                target, pinned, _ = self._spans[end]
-                target.copy_(pinned[self.turn], non_blocking=True)
+            target, pinned, _ = self._spans[end]
+            target.copy_(pinned[self.turn], non_blocking=True)
             cuda_events.record(self._events[self.turn], self.target.device.index)
             self.turn ^= 1
 
