@@ -294,22 +294,25 @@ at a rate and returns the run; with ``trace``, under vLLM's profiler (:func:`pro
 class Launch:
     """How this benchmark starts a server: its share of GPU memory, py-spy (a binary), the
     engine steps vLLM's profiler may trace (0: profiler off), the CPUs it runs on (a
-    ``taskset -c`` list; None: wherever this process may run) and the folder its processes'
-    garbage-collector counts are kept in (``--gc-log``; None: not kept)."""
+    ``taskset -c`` list; None: wherever this process may run), the folder its processes'
+    garbage-collector counts are kept in (``--gc-log``; None: not kept) and the folder its
+    trace goes under (``--trace-dir``; None: the output folder)."""
 
     mem: float
     py_spy: Path | None = None
     trace_steps: int = 0
     cpus: str | None = None
     gc_log: Path | None = None
+    traces: Path | None = None
 
     def process(self, out: Path, name: str) -> dict[str, Any]:
         """:func:`server_process`'s keywords for server ``name`` writing under ``out``."""
         return {"py_spy": self.py_spy, "stacks": out / f"{name}.pyspy.txt", "cpus": self.cpus}
 
     def serve_args(self, model: Path, out: Path, name: str) -> list[str]:
-        """The server's arguments (:func:`serve_args`), its trace under ``OUT/trace_NAME``."""
-        trace_dir = out / f"trace_{name}" if self.trace_steps else None
+        """The server's arguments (:func:`serve_args`), its trace under ``trace_NAME`` of
+        ``traces`` (else of ``out``)."""
+        trace_dir = (self.traces or out) / f"trace_{name}" if self.trace_steps else None
         return serve_args(model, self.mem, trace_dir, self.trace_steps)
 
 
@@ -490,7 +493,12 @@ def main() -> None:
                          "the first segment once more with STEPS engine steps traced by vLLM's "
                          "torch profiler (OUT/trace_<run>; not measured: the trace is written "
                          "inside a step); each server's steps are then compared with plain "
-                         "vLLM's: OUT/step_trace.json (benchmarks/step_trace.py)")
+                         "vLLM's: OUT/step_trace.json (benchmarks/step_trace.py). The servers "
+                         "stay slower after their trace (session 46: admitting steps +4 ms), "
+                         "so serving_pool.py leaves such a call out")
+    ap.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
+                    help="with --torch-profile: the traces go under DIR, not OUT (a device "
+                         "call brings back at most 8 files of its output)")
     ap.add_argument("--warmup", type=int, default=0, metavar="REQUESTS",
                     help="with --interleave: before the measured segments, each server serves "
                          "this many requests of another stream (same mix and rate, other "
@@ -534,7 +542,8 @@ def main() -> None:
             filter(None, [str(Path(__file__).parent / "gc_timing"), os.environ.get("PYTHONPATH")]))
 
     def launch(name: str) -> Launch:
-        return Launch(args.mem, args.py_spy, args.torch_profile, pins.get(name), gc_log)
+        return Launch(args.mem, args.py_spy, args.torch_profile, pins.get(name), gc_log,
+                      args.trace_dir)
 
     servers = {
         name: functools.partial(plain_server, model, args.out, name, launch(name))
@@ -549,7 +558,8 @@ def main() -> None:
                         name.removesuffix(VARIANT).partition("-")[2] or "mixed", seed)
 
     stream = {name: stream_of(name) for name in servers}
-    results: dict[str, Any] = {"runs": [], "interleave": args.interleave, "pin_cpus": pins}
+    results: dict[str, Any] = {"runs": [], "interleave": args.interleave, "pin_cpus": pins,
+                               "torch_profile": args.torch_profile}
     done: dict[str, list[dict[str, Any]]] = {}
     raw: dict[str, np.ndarray] = {}
 
@@ -606,7 +616,8 @@ def main() -> None:
     report(results, done)
     (args.out / "serving.json").write_text(json.dumps(results, indent=2))
     if args.torch_profile:
-        compare_traces(args.out, [n for n in dict.fromkeys(order) if n != "vllm"])
+        compare_traces(args.trace_dir or args.out, args.out,
+                       [n for n in dict.fromkeys(order) if n != "vllm"])
 
 
 def admit_text(run: dict[str, Any]) -> str:
@@ -639,15 +650,15 @@ def warm_up(loads: dict[str, Load], order: list[str], stream_of: Callable[..., l
     return {"requests": n, "runs": runs, "ratios": ratios}
 
 
-def compare_traces(out: Path, names: list[str]) -> None:
-    """``--torch-profile``: each server's traced steps against plain vLLM's, printed and
-    written to OUT/step_trace.json."""
+def compare_traces(traces: Path, out: Path, names: list[str]) -> None:
+    """``--torch-profile``: each server's traced steps (under ``traces``) against plain
+    vLLM's, printed and written to OUT/step_trace.json."""
     import step_trace
 
-    base = step_trace.summarize(out / "trace_vllm")
+    base = step_trace.summarize(traces / "trace_vllm")
     table = {"vllm": base}
     for name in names:
-        mine = step_trace.summarize(out / f"trace_{name}")
+        mine = step_trace.summarize(traces / f"trace_{name}")
         table[name] = mine
         table[f"{name}_vs_vllm"] = step_trace.compare(base, mine)
         step_trace.print_comparison(("vllm", name), table[f"{name}_vs_vllm"])

@@ -170,9 +170,10 @@ def test_a_second_plain_server_brackets_dynsteer_and_shows_the_start_order(tmp_p
 def test_serving_traces_each_server_once_before_the_measured_segments(tmp_path, monkeypatch):
     log: list[tuple[Any, ...]] = []
     compared: list[list[str]] = []
-    monkeypatch.setattr(serving, "compare_traces", lambda out, names: compared.append(names))
+    monkeypatch.setattr(serving, "compare_traces",
+                        lambda traces, out, names: compared.append((traces, names)))
     argv = _serving_argv(tmp_path, monkeypatch, log, "--requests", "20", "--torch-profile",
-                         "300")
+                         "300", "--trace-dir", str(tmp_path / "traces"))
     monkeypatch.setattr(sys, "argv", [*argv, "--interleave", "2"])
     serving.main()
 
@@ -181,7 +182,11 @@ def test_serving_traces_each_server_once_before_the_measured_segments(tmp_path, 
                    ("dynsteer", 10), ("vllm", 10)]
     result = json.loads((tmp_path / "serving.json").read_text())
     assert [r["segment"] for r in result["runs"]] == [0, 0, 1, 1]  # the traced loads not kept
-    assert compared == [["dynsteer"]]
+    assert compared == [(tmp_path / "traces", ["dynsteer"])]  # traces apart from OUT
+    assert result["torch_profile"] == 300  # serving_pool leaves such a call out
+    trace_arg = serving.Launch(0.5, trace_steps=300, traces=tmp_path / "traces").serve_args(
+        tmp_path / "model", tmp_path, "vllm")[-1]
+    assert str(tmp_path / "traces" / "trace_vllm") in trace_arg
     monkeypatch.setattr(sys, "argv", argv)  # one server at a time: refused
     with pytest.raises(SystemExit):
         serving.main()
@@ -569,3 +574,37 @@ def test_pooled_calls_show_each_calls_engine_cpu_ratio_beside_its_itl_p99(tmp_pa
                                       str(out)])
     serving_pool.main()  # one call with CPU: no correlation
     assert "itl_p99_engine_cpu_correlation" not in json.loads(out.read_text())
+
+
+def test_pooling_leaves_out_a_call_whose_servers_were_traced(tmp_path, monkeypatch, capsys):
+    """serving_pool: a call made with ``serving.py --torch-profile`` (its ``serving.json``
+    says so) is left out and named, since its servers ran slower after the trace; with only
+    such calls there is nothing to pool."""
+    import serving_pool
+
+    gaps = np.r_[np.full(98, 0.005), 0.012, 0.012]
+
+    def call(folder: str, slow: float, torch_profile: int) -> Path:
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "latencies.npz"
+        np.savez(path, **{"0_vllm_itl_s": gaps, "0_vllm_ttft_s": np.full(10, 0.02),
+                          "1_dynsteer_itl_s": gaps * slow,
+                          "1_dynsteer_ttft_s": np.full(10, 0.02)})
+        (tmp_path / folder / "serving.json").write_text(
+            json.dumps({"runs": [], "torch_profile": torch_profile}))
+        return path
+
+    plain, traced = call("plain", 1.02, 0), call("traced", 1.5, 40)
+    out = tmp_path / "pool.json"
+    monkeypatch.setattr(sys, "argv", ["serving_pool.py", str(plain), str(traced),
+                                      "--json", str(out)])
+    serving_pool.main()
+
+    result = json.loads(out.read_text())
+    assert result["files"] == [str(plain)]
+    assert result["left_out"] == [str(traced)]
+    assert result["itl_p99_per_call"] == pytest.approx([1.02])
+    assert f"left out {traced}: its servers were traced" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["serving_pool.py", str(traced)])
+    with pytest.raises(SystemExit):
+        serving_pool.main()
