@@ -493,9 +493,10 @@ def main() -> None:
                          "the first segment once more with STEPS engine steps traced by vLLM's "
                          "torch profiler (OUT/trace_<run>; not measured: the trace is written "
                          "inside a step); each server's steps are then compared with plain "
-                         "vLLM's: OUT/step_trace.json (benchmarks/step_trace.py). The servers "
-                         "stay slower after their trace (session 46: admitting steps +4 ms), "
-                         "so serving_pool.py leaves such a call out")
+                         "vLLM's: OUT/step_trace.json (benchmarks/step_trace.py). In session "
+                         "46's traced call every server's admitting steps ran ~4 ms slower "
+                         "than in the untraced call before it, so serving_pool.py leaves a "
+                         "traced call out")
     ap.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
                     help="with --torch-profile: the traces go under DIR, not OUT (a device "
                          "call brings back at most 8 files of its output)")

@@ -15,7 +15,10 @@ seconds per load (the same servers, from the call's ``serving.json``: the file w
 calls, and the part of the plugin's extra engine CPU that its worker hooks do not account for,
 per step. Sessions 43-45 found a call's ITL p99 ratio follows its engine CPU ratio (the
 admitting steps that set the tail are host-bound), so a call whose p99 is off can be told
-apart as one whose host ran the plugin's engine slower.
+apart as one whose host ran the plugin's engine slower. Last, it splits every load (both
+kinds) by whether its engine core's main thread stayed on one CPU (``proc_cpu``'s placement
+samples) and prints each group's engine CPU and ITL p99 over the plain loads of the same
+segment: session 46 found the loads that stayed on one CPU slower, for either kind.
 
 Usage: python benchmarks/serving_pool.py A/latencies.npz B/latencies.npz ... [--json FILE]
        [--base vllm[,vllm-b]] [--server dynsteer[,dynsteer-variant]] [--draws 2000]
@@ -81,11 +84,24 @@ def call_report(path: Path) -> dict[str, Any] | None:
 
 
 def traced(path: Path) -> bool:
-    """Whether the call traced its servers (``serving.py --torch-profile``): they ran slower
-    after the trace (session 46: vLLM's admitting steps +4 ms, its ITL p99 18-23 ms against
-    13-16 ms untraced minutes before), so its tail is another machine's."""
+    """Whether the call traced its servers (``serving.py --torch-profile``). Session 46's
+    traced call ran every server slower after the trace than the untraced call minutes
+    before on the same machine (vLLM's admitting steps +4 ms, its ITL p99 18-23 ms against
+    13-16 ms), so its tail is not comparable with an untraced call's."""
     report = call_report(path)
     return bool(report and report.get("torch_profile"))
+
+
+def engine_seconds(run: dict[str, Any]) -> list[float]:
+    """The load's engine-core main-thread CPU seconds (empty: no CPU window recorded)."""
+    return [cpu for thread, cpu in run.get("cpu", {}).get("threads_cpu_s", {}).items()
+            if thread.startswith(ENGINE_MAIN)]
+
+
+def hook_seconds(run: dict[str, Any]) -> float:
+    """The load's dynsteer worker hooks' CPU seconds (0 for plain vLLM)."""
+    w = run.get("worker_host") or {}
+    return sum(w[h]["calls"] * w[h]["mean_cpu_us"] for h in HOOKS if h in w) / 1e6
 
 
 def engine_cpu(runs: list[dict[str, Any]], servers: str) -> EngineCpu | None:
@@ -93,17 +109,61 @@ def engine_cpu(runs: list[dict[str, Any]], servers: str) -> EngineCpu | None:
     recorded no CPU window."""
     names = set(servers.split(","))
     mine = [run for run in runs if run["name"] in names]
-    seconds = [cpu for run in mine
-               for thread, cpu in run.get("cpu", {}).get("threads_cpu_s", {}).items()
-               if thread.startswith(ENGINE_MAIN)]
+    seconds = [cpu for run in mine for cpu in engine_seconds(run)]
     if not seconds:
         return None
-    hooks = [run.get("worker_host") or {} for run in mine]
     return EngineCpu(
         seconds=float(np.mean(seconds)),
-        hooks=float(np.mean([sum(w[h]["calls"] * w[h]["mean_cpu_us"] for h in HOOKS if h in w)
-                             / 1e6 for w in hooks])),
-        steps=float(np.mean([w.get("step", {}).get("calls", 0.0) for w in hooks])))
+        hooks=float(np.mean([hook_seconds(run) for run in mine])),
+        steps=float(np.mean([(run.get("worker_host") or {}).get("step", {}).get("calls", 0.0)
+                             for run in mine])))
+
+
+ONE_CPU = 0.55
+"""A load whose engine-core main thread was seen on one CPU in at least this share of its
+placement samples ran there (not spread over the CPUs it may use)."""
+
+
+def by_placement(files: list[Path], base: str, server: str) -> dict[str, Any]:
+    """Every load, by kind (``base``, ``server``) and by whether its engine core's main thread
+    stayed on one CPU (:data:`ONE_CPU`): the loads, the mean of their engine CPU less their
+    hooks' and of their ITL p99, each over the mean of ``base``'s loads of the same call and
+    segment; and the correlation of those two ratios over all loads. Session 46 found the
+    loads that stayed on one CPU slower, for both kinds (from the placement samples that
+    ``proc_cpu`` takes)."""
+    kinds = {name: kind for kind, names in (("base", base), ("server", server))
+             for name in names.split(",")}
+    loads: list[tuple[str, bool, float, float]] = []
+    for path in files:
+        report = call_report(path)
+        for run in [] if report is None else report["runs"]:
+            place = next((v for k, v in run.get("cpu", {}).get("placement", {}).items()
+                          if k.startswith(ENGINE_MAIN)), None)
+            if run["name"] not in kinds or not place or not place["cpus"]:
+                continue
+            plain = [r for r in report["runs"] if r.get("segment") == run.get("segment")
+                     and kinds.get(r["name"]) == "base" and engine_seconds(r)]
+            if not plain or not engine_seconds(run):
+                continue
+            one_cpu = max(place["cpus"].values()) / sum(place["cpus"].values()) >= ONE_CPU
+            cpu = (sum(engine_seconds(run)) - hook_seconds(run)) / np.mean(
+                [sum(engine_seconds(r)) for r in plain])
+            p99 = run["itl_ms_p99"] / np.mean([r["itl_ms_p99"] for r in plain])
+            loads.append((kinds[run["name"]], one_cpu, float(cpu), float(p99)))
+    groups = {}
+    for kind in ("base", "server"):
+        for one_cpu in (False, True):
+            mine = [(c, p) for k, o, c, p in loads if k == kind and o == one_cpu]
+            if mine:
+                groups[f"{kind}, {'one CPU' if one_cpu else 'spread'}"] = {
+                    "loads": len(mine),
+                    "engine_cpu_less_hooks": float(np.mean([c for c, _ in mine])),
+                    "itl_p99": float(np.mean([p for _, p in mine]))}
+    out: dict[str, Any] = {"groups": groups}
+    if len(loads) >= 3:
+        out["correlation"] = float(np.corrcoef([c for *_, c, _ in loads],
+                                               [p for *_, p in loads])[0, 1])
+    return out
 
 
 def engine_cpu_per_call(files: list[Path], base: str, server: str
@@ -159,18 +219,18 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=2000)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    left_out = [str(f) for f in args.files if traced(f)]
+    kept = [f for f in args.files if not traced(f)]
+    left_out = [str(f) for f in args.files if f not in kept]
     for name in left_out:
         print(f"left out {name}: its servers were traced (serving.py --torch-profile)")
-    args.files = [f for f in args.files if str(f) not in left_out]
+    args.files = kept
     if not args.files:
         ap.error("every call was traced: nothing to pool")
     calls = [{f"{role}_{what}": load(f, name, what)
               for role, name in (("base", args.base), ("server", args.server))
               for what in ("itl_s", "ttft_s")} for f in args.files]
     result: dict[str, Any] = {"files": [str(f) for f in args.files], "left_out": left_out,
-                              "base": args.base,
-                              "server": args.server,
+                              "base": args.base, "server": args.server,
                               "itl": pooled(calls, "itl_s"), "ttft": pooled(calls, "ttft_s"),
                               "itl_p99_per_call": [pooled([c], "itl_s")["p99"] for c in calls],
                               "started_first": [started_first(f) for f in args.files],
@@ -182,6 +242,7 @@ def main() -> None:
     if len(known) >= 3:
         result["itl_p99_engine_cpu_correlation"] = float(np.corrcoef(np.array(known).T)[0, 1])
     result.update(by_start_order(calls, result["started_first"]))
+    result["by_placement"] = by_placement(args.files, args.base, args.server)
     rng = np.random.default_rng(0)
     draws = [pooled([calls[i] for i in rng.integers(len(calls), size=len(calls))],
                     "itl_s")["p99"] for _ in range(args.draws)]
@@ -206,6 +267,13 @@ def main() -> None:
     if "itl_p99_order_balanced" in result:
         print(f"  ITL p99, both start orders weighted equally (geometric mean): "
               f"{result['itl_p99_order_balanced']:.3f}")
+    print("  each load against plain vLLM's of its segment, by its engine core's placement:")
+    for group, g in result["by_placement"]["groups"].items():
+        print(f"    {group:<18} {g['loads']:>4} loads: engine CPU less hooks "
+              f"{g['engine_cpu_less_hooks']:.3f}, ITL p99 {g['itl_p99']:.3f}")
+    if "correlation" in result["by_placement"]:
+        print(f"    correlation of the two over loads: "
+              f"{result['by_placement']['correlation']:.2f}")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
 

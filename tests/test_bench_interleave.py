@@ -608,3 +608,40 @@ def test_pooling_leaves_out_a_call_whose_servers_were_traced(tmp_path, monkeypat
     monkeypatch.setattr(sys, "argv", ["serving_pool.py", str(traced)])
     with pytest.raises(SystemExit):
         serving_pool.main()
+
+
+def test_loads_are_split_by_whether_their_engine_core_stayed_on_one_cpu(tmp_path):
+    """serving_pool.by_placement: each load's engine CPU less its hooks' and its ITL p99, over
+    the mean of the plain loads of its segment, grouped by kind and by whether the engine
+    core's main thread was sampled on one CPU in most of the load."""
+    import serving_pool
+
+    def run(name: str, segment: int, seconds: float, p99: float, cpus: dict[str, int],
+            hooks_us: float = 0.0) -> dict[str, Any]:
+        main = f"{serving_pool.ENGINE_MAIN}{segment}"
+        return {"name": name, "segment": segment, "itl_ms_p99": p99,
+                "cpu": {"threads_cpu_s": {main: seconds, "api-server/main/1": 9.0},
+                        "placement": {main: {"cpus": cpus}}},
+                "worker_host": {"step": {"calls": 1000.0, "mean_cpu_us": hooks_us}}}
+
+    spread, one = {"2": 3, "3": 3, "4": 4}, {"8": 9, "2": 1}
+    runs = [run("vllm", 0, 3.0, 10.0, spread), run("vllm-b", 0, 3.2, 12.0, one),
+            run("dynsteer", 0, 3.4, 12.1, spread, hooks_us=100.0),  # 3.3 s less hooks
+            run("vllm", 1, 4.0, 10.0, spread),
+            run("dynsteer", 1, 4.8, 15.0, one, hooks_us=400.0),  # 4.4 s less hooks
+            run("dynsteer", 2, 4.8, 15.0, one)]  # no plain load in its segment: left out
+    (tmp_path / "serving.json").write_text(json.dumps({"runs": runs}))
+    np.savez(tmp_path / "latencies.npz", x=np.zeros(1))
+
+    result = serving_pool.by_placement([tmp_path / "latencies.npz"], "vllm,vllm-b", "dynsteer")
+
+    groups = result["groups"]
+    assert groups["base, spread"] == {"loads": 2, "engine_cpu_less_hooks": pytest.approx(
+        (3.0 / 3.1 + 1.0) / 2), "itl_p99": pytest.approx((10 / 11 + 1.0) / 2)}
+    assert groups["base, one CPU"]["loads"] == 1
+    assert groups["base, one CPU"]["engine_cpu_less_hooks"] == pytest.approx(3.2 / 3.1)
+    assert groups["server, spread"] == {"loads": 1, "engine_cpu_less_hooks": pytest.approx(
+        3.3 / 3.1), "itl_p99": pytest.approx(1.1)}
+    assert groups["server, one CPU"] == {"loads": 1, "engine_cpu_less_hooks": pytest.approx(
+        1.1), "itl_p99": pytest.approx(1.5)}
+    assert result["correlation"] > 0.9
