@@ -83,12 +83,12 @@ def call_report(path: Path) -> dict[str, Any] | None:
     return None if report is None else json.loads(report.read_text())
 
 
-def traced(path: Path) -> bool:
-    """Whether the call traced its servers (``serving.py --torch-profile``). Session 46's
-    traced call ran every server slower after the trace than the untraced call minutes
-    before on the same machine (vLLM's admitting steps +4 ms, its ITL p99 18-23 ms against
-    13-16 ms), so its tail is not comparable with an untraced call's."""
-    report = call_report(path)
+def traced(report: dict[str, Any] | None) -> bool:
+    """Whether the call (its :func:`call_report`) traced its servers (``serving.py
+    --torch-profile``). Session 46's traced call ran every server slower after the trace
+    than the untraced call minutes before on the same machine (vLLM's admitting steps +4 ms,
+    its ITL p99 18-23 ms against 13-16 ms), so its tail is not comparable with an untraced
+    call's."""
     return bool(report and report.get("torch_profile"))
 
 
@@ -124,9 +124,11 @@ ONE_CPU = 0.55
 placement samples ran there (not spread over the CPUs it may use)."""
 
 
-def by_placement(files: list[Path], base: str, server: str) -> dict[str, Any]:
-    """Every load, by kind (``base``, ``server``) and by whether its engine core's main thread
-    stayed on one CPU (:data:`ONE_CPU`): the loads, the mean of their engine CPU less their
+def by_placement(reports: list[dict[str, Any] | None], base: str, server: str
+                 ) -> dict[str, Any]:
+    """Every load of the calls (their :func:`call_report`; None: none), by kind (``base``,
+    ``server``) and by whether its engine core's main thread stayed on one CPU
+    (:data:`ONE_CPU`): the loads, the mean of their engine CPU less their
     hooks' and of their ITL p99, each over the mean of ``base``'s loads of the same call and
     segment; and the correlation of those two ratios over all loads. Session 46 found the
     loads that stayed on one CPU slower, for both kinds (from the placement samples that
@@ -134,21 +136,23 @@ def by_placement(files: list[Path], base: str, server: str) -> dict[str, Any]:
     kinds = {name: kind for kind, names in (("base", base), ("server", server))
              for name in names.split(",")}
     loads: list[tuple[str, bool, float, float]] = []
-    for path in files:
-        report = call_report(path)
-        for run in [] if report is None else report["runs"]:
+    for report in reports:
+        runs = [] if report is None else report["runs"]
+        plain: dict[Any, list[dict[str, Any]]] = {}  # segment -> its base loads with CPU
+        for run in runs:
+            if kinds.get(run["name"]) == "base" and engine_seconds(run):
+                plain.setdefault(run.get("segment"), []).append(run)
+        for run in runs:
             place = next((v for k, v in run.get("cpu", {}).get("placement", {}).items()
                           if k.startswith(ENGINE_MAIN)), None)
-            if run["name"] not in kinds or not place or not place["cpus"]:
-                continue
-            plain = [r for r in report["runs"] if r.get("segment") == run.get("segment")
-                     and kinds.get(r["name"]) == "base" and engine_seconds(r)]
-            if not plain or not engine_seconds(run):
+            mine = plain.get(run.get("segment"))
+            if run["name"] not in kinds or not place or not place["cpus"] or not mine \
+                    or not engine_seconds(run):
                 continue
             one_cpu = max(place["cpus"].values()) / sum(place["cpus"].values()) >= ONE_CPU
             cpu = (sum(engine_seconds(run)) - hook_seconds(run)) / np.mean(
-                [sum(engine_seconds(r)) for r in plain])
-            p99 = run["itl_ms_p99"] / np.mean([r["itl_ms_p99"] for r in plain])
+                [sum(engine_seconds(r)) for r in mine])
+            p99 = run["itl_ms_p99"] / np.mean([r["itl_ms_p99"] for r in mine])
             loads.append((kinds[run["name"]], one_cpu, float(cpu), float(p99)))
     groups = {}
     for kind in ("base", "server"):
@@ -166,16 +170,15 @@ def by_placement(files: list[Path], base: str, server: str) -> dict[str, Any]:
     return out
 
 
-def engine_cpu_per_call(files: list[Path], base: str, server: str
+def engine_cpu_per_call(reports: list[dict[str, Any] | None], base: str, server: str
                         ) -> list[dict[str, float | None] | None]:
-    """Per call (None: not recorded): ``server``'s engine CPU per load over ``base``'s
-    (``ratio``), its hooks' seconds per load (``hooks_s``) and the extra seconds per load that
-    its hooks do not account for, per step (``rest_us_per_step``; None: no hook recorded a
-    step): sessions 43-45 found it near 0 in some calls and ~130 µs in
+    """Per call (its :func:`call_report`; None: not recorded): ``server``'s engine CPU per
+    load over ``base``'s (``ratio``), its hooks' seconds per load (``hooks_s``) and the extra
+    seconds per load that its hooks do not account for, per step (``rest_us_per_step``; None:
+    no hook recorded a step): sessions 43-45 found it near 0 in some calls and ~130 µs in
     others, where vLLM's own work in the plugin's engine ran slower."""
     out: list[dict[str, float | None] | None] = []
-    for path in files:
-        report = call_report(path)
+    for report in reports:
         runs = None if report is None else report["runs"]
         mine, theirs = ((engine_cpu(runs, server), engine_cpu(runs, base)) if runs is not None
                         else (None, None))
@@ -219,11 +222,12 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=2000)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    kept = [f for f in args.files if not traced(f)]
+    reports = {f: call_report(f) for f in args.files}  # each call's serving.json, read once
+    kept = [f for f in args.files if not traced(reports[f])]
     left_out = [str(f) for f in args.files if f not in kept]
     for name in left_out:
         print(f"left out {name}: its servers were traced (serving.py --torch-profile)")
-    args.files = kept
+    args.files, kept_reports = kept, [reports[f] for f in kept]
     if not args.files:
         ap.error("every call was traced: nothing to pool")
     calls = [{f"{role}_{what}": load(f, name, what)
@@ -234,7 +238,7 @@ def main() -> None:
                               "itl": pooled(calls, "itl_s"), "ttft": pooled(calls, "ttft_s"),
                               "itl_p99_per_call": [pooled([c], "itl_s")["p99"] for c in calls],
                               "started_first": [started_first(f) for f in args.files],
-                              "engine_cpu_per_call": engine_cpu_per_call(args.files, args.base,
+                              "engine_cpu_per_call": engine_cpu_per_call(kept_reports, args.base,
                                                                          args.server)}
     known = [(p99, cpu["ratio"]) for p99, cpu in zip(result["itl_p99_per_call"],
                                                       result["engine_cpu_per_call"], strict=True)
@@ -242,7 +246,7 @@ def main() -> None:
     if len(known) >= 3:
         result["itl_p99_engine_cpu_correlation"] = float(np.corrcoef(np.array(known).T)[0, 1])
     result.update(by_start_order(calls, result["started_first"]))
-    result["by_placement"] = by_placement(args.files, args.base, args.server)
+    result["by_placement"] = by_placement(kept_reports, args.base, args.server)
     rng = np.random.default_rng(0)
     draws = [pooled([calls[i] for i in rng.integers(len(calls), size=len(calls))],
                     "itl_s")["p99"] for _ in range(args.draws)]

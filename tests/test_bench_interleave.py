@@ -633,7 +633,8 @@ def test_loads_are_split_by_whether_their_engine_core_stayed_on_one_cpu(tmp_path
     (tmp_path / "serving.json").write_text(json.dumps({"runs": runs}))
     np.savez(tmp_path / "latencies.npz", x=np.zeros(1))
 
-    result = serving_pool.by_placement([tmp_path / "latencies.npz"], "vllm,vllm-b", "dynsteer")
+    result = serving_pool.by_placement([serving_pool.call_report(tmp_path / "latencies.npz")],
+                                       "vllm,vllm-b", "dynsteer")
 
     groups = result["groups"]
     assert groups["base, spread"] == {"loads": 2, "engine_cpu_less_hooks": pytest.approx(
