@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -61,13 +64,20 @@ def _start(tmp_path: Path, method: str, env_value: str | None):
         env[parent_watch.ENV] = env_value
     proc = subprocess.Popen([sys.executable, str(script), method], stdout=subprocess.PIPE,
                             text=True, env=env, start_new_session=True)
-    pids = {}
+    pids, other = {}, []
     assert proc.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()  # read apart, so a lost line fails, not hangs
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
     while len(pids) < 2:
-        line = proc.stdout.readline()
-        assert line, "the test script exited early"
-        name, pid = line.split()
-        pids[name] = int(pid)
+        try:
+            line = lines.get(timeout=120)
+        except queue.Empty:
+            raise AssertionError(f"no pid line in 120 s; the script printed {other!r}") from None
+        match = re.fullmatch(r"(child|grandchild) (\d+)", line.strip())
+        if match is None:  # not the script's own line (CI once read one): kept to show
+            other.append(line)
+            continue
+        pids[match[1]] = int(match[2])
     return proc, pids
 
 
