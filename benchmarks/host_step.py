@@ -19,11 +19,20 @@ this repository, e.g. from ``git archive``) alternates processes of that version
 of the installed one, ``--rounds`` of each, and reports the paired ratios (baseline / current
 per round: > 1 means the current version is faster).
 
+A lent machine's vCPUs also flip between two speeds within a tenth of a second (session 47:
+~200 and ~410 ns a round of the same Python, ``vcpu_speed.py``), and in one comparison the
+unchanged index fill ran 5-29% slower in every process of one version: a bias as large as the
+effects measured. ``--control`` times a fixed piece of interpreter work
+(:func:`vcpu_speed.work`) before every :data:`CONTROL_EVERY` steps, outside the timed part, and
+adds each scenario's time at a fixed control speed (``"<name> at control speed"``: each step's
+time scaled by :data:`CONTROL_NS` over the probe before it) and the probes' median (``"<name>
+control ns"``); compare versions by the first.
+
 Scenario ``NAME-device`` is ``NAME`` with the device filling the index from the runner's
 device tensors (vLLM's V2 runner on CUDA; on CPU the kernel runs in Triton's interpreter only).
 
 Usage: python benchmarks/host_step.py --out DIR [--device cuda] [--steps 400]
-       [--rounds K] [--baseline SRC] [--scenarios gated gated-device ...]
+       [--rounds K] [--baseline SRC] [--control] [--scenarios gated gated-device ...]
 """
 
 from __future__ import annotations
@@ -61,6 +70,35 @@ MIXED = ("plain", "static", "plain", "gated")
 a quarter gated)."""
 MIXED_CHURN = 12
 """``mixed``: steps per admission (serving.py's 16 requests/s at ~200 steps/s on an H200)."""
+CONTROL_EVERY = 10
+"""``--control``: steps per speed probe (a probe takes ~1 ms; ten steps take 0.5-3 ms)."""
+CONTROL_WORK = 2000
+"""``--control``: rounds of :func:`vcpu_speed.work` per probe."""
+CONTROL_NS = 400.0
+"""``--control``: the speed the scaled figures are given at, ns a round of the probe's work (a
+lent H200 machine's vCPU at its usual speed, session 47)."""
+
+
+class SpeedControl:
+    """The host's speed now, from a fixed piece of interpreter work, and a time scaled to what
+    it would have been at :data:`CONTROL_NS` (the same work, the same code, a CPU of a fixed
+    speed)."""
+
+    def __init__(self) -> None:
+        from vcpu_speed import work
+
+        self._work = work
+        self._work(CONTROL_WORK)  # warm
+        self.probes: list[float] = []
+
+    def probe(self) -> None:
+        start = time.perf_counter_ns()
+        self._work(CONTROL_WORK)
+        self.probes.append((time.perf_counter_ns() - start) / CONTROL_WORK)
+
+    def scaled(self, seconds: float) -> float:
+        """``seconds`` spent since the last probe, at the control speed."""
+        return seconds * CONTROL_NS / self.probes[-1]
 
 
 def make_state(requests: int, controller: dict[str, Any] | None, device: Any,
@@ -119,14 +157,16 @@ def batch_buffers(state: Any, requests: int, device: Any) -> Any:
 
 
 def run_steps(state: Any, requests: int, steps: int, device: Any, churn_every: int = 0,
-              on_device: bool = False) -> tuple[float, float]:
+              on_device: bool = False, control: SpeedControl | None = None
+              ) -> tuple[float, float, float]:
     """µs per decode step (after a prefill step and a warm-up), and the µs of CPU time of
     the index fill alone (the ``step`` hook; the thread's clock, which another process's
     load on the machine does not inflate). ``churn_every``: every that many steps (1: every
     step; 0: never) one request finishes and a new one with its spec takes its slot, its
     prompt in the step (an admission step, where serving latency is host-bound).
     ``on_device``: the runner hands over its device tensors, so the device fills the index
-    (vLLM's V2 runner on CUDA)."""
+    (vLLM's V2 runner on CUDA). Third: µs per step at ``control``'s speed (probed before every
+    :data:`CONTROL_EVERY` steps; 0 without it)."""
     import numpy as np
     import torch
 
@@ -138,7 +178,7 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn_every: i
     gates = torch.rand(steps + 8, requests * PROMPT, device=device)
     computed = np.full(requests, PROMPT, np.int64)
     ids = [f"r{i}" for i in range(requests)]
-    elapsed = fill_cpu = 0.0
+    elapsed = fill_cpu = scaled = 0.0
     for k in range(steps + 8):
         scheduled = np.ones(requests, np.int64)
         churn = churn_every > 0 and k % churn_every == 0
@@ -148,6 +188,8 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn_every: i
         extra = (write(slots, computed, scheduled),) if on_device else ()
         state.gate[: requests * PROMPT] = gates[k]  # what the forward would have written
         sync()
+        if control is not None and k >= 8 and (k - 8) % CONTROL_EVERY == 0:
+            control.probe()
         start = time.perf_counter()
         if churn:
             state.remove_request(ids[i])
@@ -159,17 +201,20 @@ def run_steps(state: Any, requests: int, steps: int, device: Any, churn_every: i
         state.cache_report()
         computed += scheduled
         if k >= 8:
-            elapsed += time.perf_counter() - start
+            took = time.perf_counter() - start
+            elapsed += took
             fill_cpu += fill_end - fill_start
-    return elapsed / steps * 1e6, fill_cpu / steps * 1e6
+            scaled += control.scaled(took) if control is not None else 0.0
+    return elapsed / steps * 1e6, fill_cpu / steps * 1e6, scaled / steps * 1e6
 
 
 def run_scenario(name: str, requests: int, steps: int, device: Any,
-                 profiler: cProfile.Profile | None = None) -> tuple[float, float]:
+                 profiler: cProfile.Profile | None = None, control: SpeedControl | None = None
+                 ) -> tuple[float, float, float]:
     """:func:`run_steps` of scenario ``name`` (``gated-churn``: an admission and a finish in
     every step; ``mixed``: the kinds of :data:`MIXED` in turn, an admission and a finish every
     :data:`MIXED_CHURN` steps; a ``-device`` suffix: the device fills the index), with
-    ``profiler`` (if given) on for the steps alone."""
+    ``profiler`` (if given) on for the steps alone and ``control`` (if given) probing."""
     base = name.removesuffix("-device")
     state = make_state(requests, SCENARIOS.get(base), device, static=base == "static",
                        mixed=base == "mixed")
@@ -177,7 +222,7 @@ def run_scenario(name: str, requests: int, steps: int, device: Any,
     if profiler is not None:
         profiler.enable()
     try:
-        return run_steps(state, requests, steps, device, churn_every, base != name)
+        return run_steps(state, requests, steps, device, churn_every, base != name, control)
     finally:
         if profiler is not None:
             profiler.disable()
@@ -185,7 +230,8 @@ def run_scenario(name: str, requests: int, steps: int, device: Any,
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One process's figures: µs per step per scenario and request count (and of the fill's
-    CPU time, as scenario ``"<name> fill CPU"``), and a profile."""
+    CPU time, as scenario ``"<name> fill CPU"``; with ``--control``, at the control speed and
+    the probes' median: :class:`SpeedControl`), and a profile."""
     import bench_controllers
     import torch
 
@@ -196,9 +242,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     table: dict[str, dict[int, float]] = {}
     for name in args.scenarios:
         for n in args.requests:
-            step, fill = run_scenario(name, n, args.steps, device)
+            control = SpeedControl() if args.control else None
+            step, fill, scaled = run_scenario(name, n, args.steps, device, control=control)
             table.setdefault(name, {})[n] = step
             table.setdefault(f"{name} fill CPU", {})[n] = fill
+            if control is not None:
+                table.setdefault(f"{name} at control speed", {})[n] = scaled
+                table.setdefault(f"{name} control ns", {})[n] = statistics.median(
+                    control.probes)
     profiler = cProfile.Profile()
     run_scenario(args.profile, args.profile_requests, args.steps, device, profiler)
     text = io.StringIO()
@@ -222,7 +273,8 @@ def in_processes(args: argparse.Namespace) -> dict[str, Any]:
         rounds: dict[str, list[dict[str, Any]]] = {v: [] for v in versions}
         flags = ["--device", args.device, "--steps", str(args.steps), "--profile", args.profile,
                  "--profile-requests", str(args.profile_requests),
-                 "--requests", *map(str, args.requests), "--scenarios", *args.scenarios]
+                 "--requests", *map(str, args.requests), "--scenarios", *args.scenarios,
+                 *(["--control"] if args.control else [])]
         for k in range(args.rounds):
             for version, path in versions.items():
                 env = dict(os.environ)
@@ -256,7 +308,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], args: argparse.Namespace
                    for n in args.requests} for name in names}
     for name in names:
         for n in args.requests:
-            line = f"{name:<24}{n:>5}"
+            line = f"{name:<34}{n:>5}"
             for version in rounds:
                 c = result["versions"][version][name][n]
                 line += f"  {version} {c['median']:7.0f} [{c['range'][0]:.0f}-{c['range'][1]:.0f}]"
@@ -288,6 +340,9 @@ def main() -> None:
                     help="fresh processes per version, run in turn (medians and ranges)")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="an older checkout of this repository to alternate with")
+    ap.add_argument("--control", action="store_true",
+                    help="probe the host's speed every few steps; add each scenario at a fixed "
+                         "control speed (compare versions by it)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a round's process
     args = ap.parse_args()
     if args.baseline is not None and not (args.baseline / "engine_ext").is_dir():
@@ -296,9 +351,9 @@ def main() -> None:
         result = measure(args)
         if not args.one:
             print(f"host µs per decode step ({args.device}):")
-            print(f"{'scenario':<24}" + "".join(f"{n:>10}" for n in args.requests))
+            print(f"{'scenario':<34}" + "".join(f"{n:>10}" for n in args.requests))
             for name, row in result["us_per_step"].items():
-                print(f"{name:<24}" + "".join(f"{row[n]:>10.0f}" for n in args.requests))
+                print(f"{name:<34}" + "".join(f"{row[n]:>10.0f}" for n in args.requests))
             print(result["profile"])
     else:
         result = in_processes(args)
