@@ -170,6 +170,56 @@ def by_placement(reports: list[dict[str, Any] | None], base: str, server: str
     return out
 
 
+SLOW = 1.10
+""":func:`by_segment`: a load whose ITL p99 is this much over its segment's yardstick counts as
+slow."""
+
+
+def by_segment(reports: list[dict[str, Any] | None], base: str, server: str,
+               rng: np.random.Generator, draws: int) -> dict[str, Any]:
+    """Each load's ITL p99 over its segment's plain loads (their geometric mean), for every
+    ``server`` load, and, as the control, every plain load but the first of its segment over
+    that first one (``vllm-b`` over ``vllm``): the median over loads, bootstrapped over
+    segments (5/50/95%), and the share of loads over :data:`SLOW`.
+
+    Why: the pooled p99 of a few calls follows the stretches in which one engine's CPUs ran at
+    half speed (session 47, ``vcpu_speed.py``), and such a stretch falls on either kind. A load
+    against the plain loads of its own segment (the same minute, the same requests) with the
+    median over loads reads what is systematic; the share over :data:`SLOW` against the
+    control's tells whether the plugin's engines draw slow stretches more often."""
+    plain_names = base.split(",")
+    kinds = {name: "server" for name in server.split(",")} | {n: "base" for n in plain_names}
+    segments: list[dict[str, list[float]]] = []
+    for report in reports:
+        by_segment_runs: dict[Any, list[dict[str, Any]]] = {}
+        for run in [] if report is None else report["runs"]:
+            if run["name"] in kinds and run.get("itl_ms_p99"):
+                by_segment_runs.setdefault(run.get("segment"), []).append(run)
+        for runs in by_segment_runs.values():
+            plain = [r["itl_ms_p99"] for r in runs if kinds[r["name"]] == "base"]
+            if not plain:
+                continue
+            yardstick = float(np.exp(np.mean(np.log(plain))))
+            segments.append({
+                "server": [r["itl_ms_p99"] / yardstick for r in runs
+                           if kinds[r["name"]] == "server"],
+                "control": [p / plain[0] for p in plain[1:]]})
+
+    def summary(kind: str) -> dict[str, Any] | None:
+        ratios = [r for seg in segments for r in seg[kind]]
+        if not ratios:
+            return None
+        picks = [rng.integers(len(segments), size=len(segments)) for _ in range(draws)]
+        medians = [np.median([r for i in pick for r in segments[i][kind]] or [np.nan])
+                   for pick in picks]
+        return {"loads": len(ratios), "median": float(np.median(ratios)),
+                "bootstrap_5_50_95": [float(np.nanpercentile(medians, q)) for q in (5, 50, 95)],
+                "share_slow": float(np.mean(np.array(ratios) > SLOW))}
+
+    return {"segments": len(segments), "server": summary("server"),
+            "control": summary("control")}
+
+
 def engine_cpu_per_call(reports: list[dict[str, Any] | None], base: str, server: str
                         ) -> list[dict[str, float | None] | None]:
     """Per call (its :func:`call_report`; None: not recorded): ``server``'s engine CPU per
@@ -251,6 +301,7 @@ def main() -> None:
     draws = [pooled([calls[i] for i in rng.integers(len(calls), size=len(calls))],
                     "itl_s")["p99"] for _ in range(args.draws)]
     result["itl_p99_bootstrap_5_50_95"] = [float(np.percentile(draws, q)) for q in (5, 50, 95)]
+    result["by_segment"] = by_segment(kept_reports, args.base, args.server, rng, args.draws)
     print(f"{args.server} / {args.base}, {len(calls)} calls pooled")
     for what in ("itl", "ttft"):
         print(f"  {what}: " + "  ".join(f"{k} {v:.3f}" for k, v in result[what].items()))
@@ -278,6 +329,16 @@ def main() -> None:
     if "correlation" in result["by_placement"]:
         print(f"    correlation of the two over loads: "
               f"{result['by_placement']['correlation']:.2f}")
+    segments = result["by_segment"]
+    print(f"  each load's ITL p99 over its segment's plain loads ({segments['segments']} "
+          f"segments; bootstrap over segments):")
+    for kind, label in (("server", args.server), ("control", "plain over plain")):
+        g = segments[kind]
+        if g is not None:
+            low, mid, high = g["bootstrap_5_50_95"]
+            print(f"    {label:<26} {g['loads']:>4} loads: median {g['median']:.3f} "
+                  f"({low:.3f} / {mid:.3f} / {high:.3f}), over {SLOW:.2f}: "
+                  f"{g['share_slow']:.0%}")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
 

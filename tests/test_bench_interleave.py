@@ -646,3 +646,36 @@ def test_loads_are_split_by_whether_their_engine_core_stayed_on_one_cpu(tmp_path
     assert groups["server, one CPU"] == {"loads": 1, "engine_cpu_less_hooks": pytest.approx(
         1.1), "itl_p99": pytest.approx(1.5)}
     assert result["correlation"] > 0.9
+
+
+def test_each_load_is_read_against_the_plain_loads_of_its_own_segment(tmp_path):
+    """serving_pool.by_segment: every plugin load's ITL p99 over the geometric mean of its
+    segment's plain loads, and the second plain load over the first as the control; medians
+    over loads, bootstrapped over segments, and the share of loads over SLOW. A segment in
+    which every server ran slow (the host) moves no ratio."""
+    import serving_pool
+
+    def run(name: str, segment: int, p99: float) -> dict[str, Any]:
+        return {"name": name, "segment": segment, "itl_ms_p99": p99}
+
+    runs = [run("vllm", 0, 10.0), run("vllm-b", 0, 10.0), run("dynsteer", 0, 10.3),
+            run("vllm", 1, 20.0), run("vllm-b", 1, 22.0), run("dynsteer", 1, 20.0 * 1.1 ** 0.5
+                                                              * 1.03),  # the host slow: x2
+            run("vllm", 2, 10.0), run("vllm-b", 2, 9.0), run("dynsteer", 2, 13.0),
+            run("dynsteer-variant", 3, 30.0)]  # no plain load in its segment: left out
+    (tmp_path / "serving.json").write_text(json.dumps({"runs": runs}))
+    np.savez(tmp_path / "latencies.npz", x=np.zeros(1))
+    report = serving_pool.call_report(tmp_path / "latencies.npz")
+
+    result = serving_pool.by_segment([report, None], "vllm,vllm-b", "dynsteer,dynsteer-variant",
+                                     np.random.default_rng(0), draws=200)
+
+    assert result["segments"] == 3
+    server, control = result["server"], result["control"]
+    ratios = [1.03, 1.03, 13.0 / 90 ** 0.5]
+    assert server["loads"] == 3 and server["median"] == pytest.approx(1.03)
+    assert server["share_slow"] == pytest.approx(1 / 3)  # 13 over sqrt(10 * 9): 1.37
+    low, mid, high = server["bootstrap_5_50_95"]
+    assert min(ratios) - 1e-9 <= low <= mid <= high <= max(ratios) + 1e-9
+    assert control["loads"] == 3 and control["median"] == pytest.approx(1.0)
+    assert control["share_slow"] == 0.0  # 1.0, 1.1 (not over), 0.9
