@@ -18,7 +18,11 @@ admitting steps that set the tail are host-bound), so a call whose p99 is off ca
 apart as one whose host ran the plugin's engine slower. Last, it splits every load (both
 kinds) by whether its engine core's main thread stayed on one CPU (``proc_cpu``'s placement
 samples) and prints each group's engine CPU and ITL p99 over the plain loads of the same
-segment: session 46 found the loads that stayed on one CPU slower, for either kind.
+segment: session 46 found the loads that stayed on one CPU slower, for either kind. And it
+reads every plugin load's ITL p99 against the plain loads of its own segment (median over
+loads, bootstrapped over segments, with the second plain server over the first as the
+control: :func:`by_segment`), which a half-speed stretch on one engine's CPUs (session 47)
+moves far less than it moves the pooled p99.
 
 Usage: python benchmarks/serving_pool.py A/latencies.npz B/latencies.npz ... [--json FILE]
        [--base vllm[,vllm-b]] [--server dynsteer[,dynsteer-variant]] [--draws 2000]
