@@ -200,7 +200,9 @@ def by_segment(reports: list[dict[str, Any] | None], base: str, server: str,
             if run["name"] in kinds and run.get("itl_ms_p99"):
                 by_segment_runs.setdefault(run.get("segment"), []).append(run)
         for runs in by_segment_runs.values():
-            plain = [r["itl_ms_p99"] for r in runs if kinds[r["name"]] == "base"]
+            plain = [r["itl_ms_p99"] for r in sorted(  # in ``base``'s order, not the run's
+                (r for r in runs if kinds[r["name"]] == "base"),
+                key=lambda r: plain_names.index(r["name"]))]
             if not plain:
                 continue
             yardstick = float(np.exp(np.mean(np.log(plain))))

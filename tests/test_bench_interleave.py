@@ -661,7 +661,7 @@ def test_each_load_is_read_against_the_plain_loads_of_its_own_segment(tmp_path):
     runs = [run("vllm", 0, 10.0), run("vllm-b", 0, 10.0), run("dynsteer", 0, 10.3),
             run("vllm", 1, 20.0), run("vllm-b", 1, 22.0), run("dynsteer", 1, 20.0 * 1.1 ** 0.5
                                                               * 1.03),  # the host slow: x2
-            run("vllm", 2, 10.0), run("vllm-b", 2, 9.0), run("dynsteer", 2, 13.0),
+            run("vllm-b", 2, 9.0), run("vllm", 2, 10.0), run("dynsteer", 2, 13.0),
             run("dynsteer-variant", 3, 30.0)]  # no plain load in its segment: left out
     (tmp_path / "serving.json").write_text(json.dumps({"runs": runs}))
     np.savez(tmp_path / "latencies.npz", x=np.zeros(1))
@@ -678,4 +678,4 @@ def test_each_load_is_read_against_the_plain_loads_of_its_own_segment(tmp_path):
     low, mid, high = server["bootstrap_5_50_95"]
     assert min(ratios) - 1e-9 <= low <= mid <= high <= max(ratios) + 1e-9
     assert control["loads"] == 3 and control["median"] == pytest.approx(1.0)
-    assert control["share_slow"] == 0.0  # 1.0, 1.1 (not over), 0.9
+    assert control["share_slow"] == 0.0  # vllm-b over vllm: 1.0, 1.1 (not over), 0.9
