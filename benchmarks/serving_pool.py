@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,17 @@ ONE_CPU = 0.55
 placement samples ran there (not spread over the CPUs it may use)."""
 
 
+def segment_groups(report: dict[str, Any] | None, keep: Callable[[dict[str, Any]], bool]
+                   ) -> dict[Any, list[dict[str, Any]]]:
+    """The loads of a call (its :func:`call_report`; None: none) that ``keep`` accepts, by
+    segment: what :func:`by_placement` and :func:`by_segment` read each load against."""
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for run in [] if report is None else report["runs"]:
+        if keep(run):
+            groups.setdefault(run.get("segment"), []).append(run)
+    return groups
+
+
 def by_placement(reports: list[dict[str, Any] | None], base: str, server: str
                  ) -> dict[str, Any]:
     """Every load of the calls (their :func:`call_report`; None: none), by kind (``base``,
@@ -141,12 +153,9 @@ def by_placement(reports: list[dict[str, Any] | None], base: str, server: str
              for name in names.split(",")}
     loads: list[tuple[str, bool, float, float]] = []
     for report in reports:
-        runs = [] if report is None else report["runs"]
-        plain: dict[Any, list[dict[str, Any]]] = {}  # segment -> its base loads with CPU
-        for run in runs:
-            if kinds.get(run["name"]) == "base" and engine_seconds(run):
-                plain.setdefault(run.get("segment"), []).append(run)
-        for run in runs:
+        plain = segment_groups(  # the base loads with CPU
+            report, lambda run: kinds.get(run["name"]) == "base" and bool(engine_seconds(run)))
+        for run in [] if report is None else report["runs"]:
             place = next((v for k, v in run.get("cpu", {}).get("placement", {}).items()
                           if k.startswith(ENGINE_MAIN)), None)
             mine = plain.get(run.get("segment"))
@@ -195,11 +204,9 @@ def by_segment(reports: list[dict[str, Any] | None], base: str, server: str,
     kinds = {name: "server" for name in server.split(",")} | {n: "base" for n in plain_names}
     segments: list[dict[str, list[float]]] = []
     for report in reports:
-        by_segment_runs: dict[Any, list[dict[str, Any]]] = {}
-        for run in [] if report is None else report["runs"]:
-            if run["name"] in kinds and run.get("itl_ms_p99"):
-                by_segment_runs.setdefault(run.get("segment"), []).append(run)
-        for runs in by_segment_runs.values():
+        for runs in segment_groups(
+                report, lambda run: run["name"] in kinds and bool(run.get("itl_ms_p99"))
+        ).values():
             plain = [r["itl_ms_p99"] for r in sorted(  # in ``base``'s order, not the run's
                 (r for r in runs if kinds[r["name"]] == "base"),
                 key=lambda r: plain_names.index(r["name"]))]
