@@ -11,7 +11,9 @@ writes the columns of requests admitted, folds the step's gates in, and copies b
 all the prefix guard's report needs) and the read-outs. Per step the host packs the step's
 admissions and finishes into an op buffer (sent with the step's other uploads, only when
 there are any: :mod:`.step_upload`), replays the graph and records one event; it never waits
-for the GPU.
+for the GPU. Once the prefix guard's report has settled (no live request's clean prefix can
+grow until the next admission), a step that reads out and writes nothing replays a graph
+that copies nothing back, with no event: the replay is its only CUDA call.
 
 ``stats[STAT_COLS, slots]`` (int64; columns are slots, so the two read back each step are one
 contiguous block) and ``site_counts[sites, 2]`` (int64: tokens monitored and gated per monitor
@@ -192,6 +194,13 @@ class GateStats:
             self._events = [torch.cuda.Event() for _ in range(RING)]
             self._graphs = {(ring, reads): self._capture(ring, reads)
                             for ring in range(RING) for reads in (False, True)}
+            self._quiet = self._capture(None, False)
+            """A replay that copies nothing back (:meth:`flush`'s ``quiet``)."""
+            self._recorded = 0
+            """Replays recorded so far (with their copies and an event): the next one's ring
+            buffer is this modulo ``RING``."""
+            self._unrecorded = False
+            """The newest replay was quiet: no snapshot of it will land."""
             self._in_flight: deque[tuple[int, int, list[Any]]] = deque()
             """(replay, ring buffer, owners of its read-outs)."""
             self._owners: list[Any] = []
@@ -207,9 +216,12 @@ class GateStats:
             self._apply(gated)
         self._due = tokens if gated else (-1 if queued else 0)
 
-    def flush(self) -> None:
+    def flush(self, quiet: bool = False) -> None:
         """Queue the due replay (after the forward of the step begun last, before its index
-        is refilled)."""
+        is refilled). ``quiet``: nobody needs this step's snapshot (the prefix guard's report
+        has settled), so unless the replay reads out or writes a column it copies nothing
+        back and records no event: the replay alone, with no event record and no event
+        query per step (on CUDA; each such call costs ~10 µs of the engine's host time)."""
         if not self._due:
             return
         tokens, self._due = max(self._due, 0), 0
@@ -219,12 +231,17 @@ class GateStats:
                        self.stats.numpy(), self.site_counts.numpy())
             self._snapshot, self._snapshot_folds = self.stats[:2].numpy().copy(), self.folds
             return
-        if len(self._in_flight) == RING:  # the ring buffers' last replay must have landed
+        quiet = quiet and not (self._ops_np[0] or self._ops_np[1])  # no read-out, no write
+        if not quiet and len(self._in_flight) == RING:  # the ring's last replay must land
             self._land(wait=True, limit=1)
-        ring = self.folds % RING
         owners, self._owners = self._owners, []
         self._upload.send()  # this step's ops, if no upload carried them yet
         self._ops_np[:OPS_HEAD] = OPS_IDLE  # as the replay leaves the device's
+        self._unrecorded = quiet
+        if quiet:
+            self._quiet.replay()
+            return
+        ring, self._recorded = self._recorded % RING, self._recorded + 1
         self._graphs[ring, bool(owners)].replay()
         cuda_events.record(self._events[ring], self.stats.device.index)
         self._in_flight.append((self.folds, ring, owners))
@@ -281,12 +298,18 @@ class GateStats:
 
     # ---- queries (may wait) -----------------------------------------------------------
     def drain(self) -> None:
-        """Apply what is pending and wait for every replay."""
+        """Apply what is pending and wait for every replay (the snapshot then includes
+        them all)."""
         if self._reads or self._writes:
             self.flush()
             self.begin_step(0, False)  # a replay that applies them and folds nothing
         self.flush()
         if self._cuda:
+            if self._unrecorded:  # a replay that folds nothing copies the snapshot back
+                self._ops_np[2] = 0
+                self._upload.changed("gate_ops")
+                self._due = -1
+                self.flush()
             self._land(wait=True)
 
     def column(self, slot: int) -> np.ndarray:
@@ -326,16 +349,17 @@ class GateStats:
         self._upload.changed("gate_ops")
         self._owners = [owner for _, owner in reads]
 
-    def _capture(self, ring: int, reads: bool) -> torch.cuda.CUDAGraph:
-        """A step's replay into ring buffer ``ring`` (``reads``: with the read-outs' copy),
-        compiled first, outside the capture (the op buffer and index are all zeros here, so
-        running it changes nothing)."""
+    def _capture(self, ring: int | None, reads: bool) -> torch.cuda.CUDAGraph:
+        """A step's replay into ring buffer ``ring`` (``reads``: with the read-outs' copy;
+        ``None``: no copy at all), compiled first, outside the capture (the op buffer and
+        index are all zeros here, so running it changes nothing)."""
         from .triton_kernels import captured, stats_step_triton
 
         def step() -> None:
             stats_step_triton(self._ops, self._index, self._gate_score, self.stats,
                               self.site_counts, self._readout)
-            self._snap_host[ring].copy_(self.stats[:2], non_blocking=True)
+            if ring is not None:
+                self._snap_host[ring].copy_(self.stats[:2], non_blocking=True)
             if reads:
                 self._read_host[ring].copy_(self._readout, non_blocking=True)
 

@@ -363,7 +363,7 @@ class GateTelemetry:
     def launch_copy(self) -> None:
         """Fold the step begun last into the counters (queued on the device) and queue its
         per-token read-back (no-op when done already)."""
-        self._stats.flush()
+        self._stats.flush(quiet=self._settled)  # a settled report reads no snapshot
         self._launch_copy()
 
     def _launch_copy(self) -> None:
