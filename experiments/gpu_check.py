@@ -155,6 +155,7 @@ def stats_kernel_check() -> list[dict[str, Any]]:
         taken = []
         for i, (ix, gsc) in enumerate(steps):
             stats.flush(quiet=quiet and i % 3 != 0)
+            taken += [(o, c.tolist()) for o, c in stats.take()]  # as the report hook does
             if i in (5, 9):  # slot 2 finishes and is given to a new request at once
                 stats.read(2, f"old {i}")
                 stats.write(2, gs.fresh_column(1, 0, 0))

@@ -201,6 +201,8 @@ class GateStats:
             buffer is this modulo ``RING``."""
             self._unrecorded = False
             """The newest replay was quiet: no snapshot of it will land."""
+            self._fresh = False
+            """The newest replay in flight was flushed since the step began (not queried)."""
             self._in_flight: deque[tuple[int, int, list[Any]]] = deque()
             """(replay, ring buffer, owners of its read-outs)."""
             self._owners: list[Any] = []
@@ -215,6 +217,7 @@ class GateStats:
         if queued:
             self._apply(gated)
         self._due = tokens if gated else (-1 if queued else 0)
+        self._fresh = False
 
     def flush(self, quiet: bool = False) -> None:
         """Queue the due replay (after the forward of the step begun last, before its index
@@ -245,6 +248,7 @@ class GateStats:
         self._graphs[ring, bool(owners)].replay()
         cuda_events.record(self._events[ring], self.stats.device.index)
         self._in_flight.append((self.folds, ring, owners))
+        self._fresh = True
 
     @property
     def snapshot_folds(self) -> int:
@@ -367,17 +371,21 @@ class GateStats:
 
     def _land(self, wait: bool, limit: int | None = None) -> None:
         """Take what landed: every replay's read-outs, the newest snapshot (``wait``: wait
-        for ``limit`` replays, default all)."""
-        done = 0
-        while self._in_flight and (limit is None or done < limit):
-            folds, ring, owners = self._in_flight[0]
-            event = self._events[ring]
-            if wait:
-                event.synchronize()
-            elif not event.query():  # True: landed (no synchronize call needed)
-                break
-            self._in_flight.popleft()
-            done += 1
+        for ``limit`` replays, default all). Replays land in stream order, so one event
+        tells about every replay before it: ``wait`` waits on the last replay it takes, and
+        otherwise the queries go from the newest back to the first that landed (one query on
+        most steps), skipping the replay flushed since the step began (it runs behind the
+        step's forward; the next step takes it)."""
+        if wait:
+            count = len(self._in_flight) if limit is None else min(limit, len(self._in_flight))
+            if count:
+                self._events[self._in_flight[count - 1][1]].synchronize()
+        else:
+            count = max(len(self._in_flight) - self._fresh, 0)  # (a wait took them all)
+            while count and not self._events[self._in_flight[count - 1][1]].query():
+                count -= 1
+        for _ in range(count):
+            folds, ring, owners = self._in_flight.popleft()
             if owners:
                 columns = self._read_np[ring]
                 self._landed += [(owner, columns[:, i].copy()) for i, owner in enumerate(owners)]
