@@ -140,6 +140,12 @@ def segment_groups(report: dict[str, Any] | None, keep: Callable[[dict[str, Any]
     return groups
 
 
+def run_kinds(base: str, server: str) -> dict[str, str]:
+    """Each run name of ``base`` and ``server`` (comma lists) -> ``"base"`` or ``"server"``."""
+    return {name: kind for kind, names in (("base", base), ("server", server))
+            for name in names.split(",")}
+
+
 def by_placement(reports: list[dict[str, Any] | None], base: str, server: str
                  ) -> dict[str, Any]:
     """Every load of the calls (their :func:`call_report`; None: none), by kind (``base``,
@@ -149,8 +155,7 @@ def by_placement(reports: list[dict[str, Any] | None], base: str, server: str
     segment; and the correlation of those two ratios over all loads. Session 46 found the
     loads that stayed on one CPU slower, for both kinds (from the placement samples that
     ``proc_cpu`` takes)."""
-    kinds = {name: kind for kind, names in (("base", base), ("server", server))
-             for name in names.split(",")}
+    kinds = run_kinds(base, server)
     loads: list[tuple[str, bool, float, float]] = []
     for report in reports:
         plain = segment_groups(  # the base loads with CPU
@@ -201,7 +206,7 @@ def by_segment(reports: list[dict[str, Any] | None], base: str, server: str,
     median over loads reads what is systematic; the share over :data:`SLOW` against the
     control's tells whether the plugin's engines draw slow stretches more often."""
     plain_names = base.split(",")
-    kinds = {name: "server" for name in server.split(",")} | {n: "base" for n in plain_names}
+    kinds = run_kinds(base, server)
     segments: list[dict[str, list[float]]] = []
     for report in reports:
         for runs in segment_groups(

@@ -304,16 +304,14 @@ class GateStats:
     def drain(self) -> None:
         """Apply what is pending and wait for every replay (the snapshot then includes
         them all)."""
-        if self._reads or self._writes:
-            self.flush()
-            self.begin_step(0, False)  # a replay that applies them and folds nothing
         self.flush()
+        # A replay that applies what is queued and folds nothing; after a quiet one (on
+        # CUDA: no snapshot of it will land) it also copies the snapshot back.
+        if self._reads or self._writes or (self._cuda and self._unrecorded):
+            self._apply(False)
+            self._due = -1
+            self.flush()
         if self._cuda:
-            if self._unrecorded:  # a replay that folds nothing copies the snapshot back
-                self._ops_np[2] = 0
-                self._upload.changed("gate_ops")
-                self._due = -1
-                self.flush()
             self._land(wait=True)
 
     def column(self, slot: int) -> np.ndarray:
