@@ -13,8 +13,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dynsteer.probes import NAME_PATTERN, ModelFingerprint, Probe, ProbeSite
+from dynsteer.probes.probe import Metadata
 
-from .contract import decode_f32
+from .contract import decode_f32, site_name
 from .spec import FiniteFloat, SteerEntry
 
 Name = Annotated[str, Field(strict=True, pattern=f"^{NAME_PATTERN.pattern}$")]
@@ -140,7 +141,9 @@ class ProbeUpload(_Body):
     sharpness: Annotated[FiniteFloat, Field(gt=0)] = 1.0
     site: ProbeSite
     fingerprint: ModelFingerprint | None = None
-    metadata: dict[str, str | bool | int | FiniteFloat] = Field(default_factory=dict)
+    metadata: Metadata = Field(default_factory=dict)
+    """At most 64 KiB as the probe file stores it (see :data:`dynsteer.probes.probe.Metadata`),
+    so that an accepted probe also loads from the probe store after a restart."""
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ProbeUpload:
@@ -158,12 +161,29 @@ class ProbeUpload(_Body):
             raise ValueError(f"{field}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
+LISTED_METADATA_BYTES = 2048
+"""Largest probe metadata (bytes as stored, :attr:`Probe.metadata_bytes`) a
+:class:`ProbeSummary` carries: the probe listing is public and lists every probe, so it stays
+small; ``GET /v1/dynsteer/probes/{name}`` returns any metadata whole."""
+
+
 class ProbeSummary(_Body):
     name: str
     site: str
     threshold: float
     sharpness: float
     metadata: dict[str, Any] = Field(default_factory=dict)
+    """The probe's metadata; empty when it is larger than :data:`LISTED_METADATA_BYTES`."""
+    metadata_omitted: bool = False
+    """Whether ``metadata`` was left out for its size (read the probe itself for it)."""
+
+    @classmethod
+    def of(cls, probe: Probe) -> ProbeSummary:
+        """The summary of ``probe``, its metadata left out when large."""
+        omitted = probe.metadata_bytes > LISTED_METADATA_BYTES
+        return cls(name=probe.name, site=site_name((probe.site.hook, probe.site.layer)),
+                   threshold=probe.threshold, sharpness=probe.sharpness,
+                   metadata={} if omitted else dict(probe.metadata), metadata_omitted=omitted)
 
 
 class ProbeList(_Body):

@@ -45,10 +45,15 @@ class ServerProcess:
                                      env={**os.environ, **(env or {})}, start_new_session=True)
 
     def wait_ready(self, timeout: float = 600.0,
-                   on_wait: Callable[[str], None] | None = None) -> None:
+                   on_wait: Callable[[str], None] | None = None,
+                   api_key: str | None = None) -> None:
         """Block until ``/v1/dynsteer/health`` answers 200; raise with the log tail if the
         server exits or does not come up in ``timeout`` seconds. ``on_wait`` is called about
-        every 2 s with the log's last line (what the server is doing, for a progress bar)."""
+        every 2 s with the log's last line (what the server is doing, for a progress bar).
+        ``api_key``: one of vLLM's ``--api-key`` keys, which guard ``/v1`` routes."""
+        request = urllib.request.Request(self.url + "/v1/dynsteer/health")
+        if api_key:
+            request.add_header("Authorization", f"Bearer {api_key}")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if on_wait is not None:
@@ -57,7 +62,7 @@ class ServerProcess:
                 raise RuntimeError(f"dynsteer serve exited ({self.proc.returncode}):\n"
                                    f"{self.log_tail()}")
             try:
-                with urllib.request.urlopen(self.url + "/v1/dynsteer/health", timeout=5) as r:
+                with urllib.request.urlopen(request, timeout=5) as r:
                     if r.status == 200:
                         return
             except OSError:

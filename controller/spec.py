@@ -237,13 +237,27 @@ def _field_path(loc: Iterable[Any], prefix: str) -> str:
 def validation_message(errors: Sequence[Any], prefix: str = "") -> str:
     """``field.path[i]: what is wrong`` for the first of pydantic's ``errors()`` (also used for
     the HTTP bodies of the dynsteer routes, so every way in words an error the same)."""
-    first = errors[0]
+    first = next((e for e in errors if not _wrong_branch(e, errors)), errors[0])
     # Drop pydantic's union branch labels ("list[...]", "str") and FastAPI's "body".
-    loc = [p for p in first["loc"]
-           if not (isinstance(p, str) and ("[" in p or p in ("str", "float", "body")))]
+    loc = [p for p in first["loc"] if not (isinstance(p, str) and _is_label(p))]
     message = float_error_message(first).removeprefix("Value error, ")
     # An error of the whole body (not an object, a model-level check) names the body.
     return f"{_field_path(loc, prefix).lstrip('.') or 'body'}: {message}"
+
+
+def _is_label(part: str) -> bool:
+    return "[" in part or part in ("str", "float", "body")
+
+
+def _wrong_branch(error: Any, errors: Sequence[Any]) -> bool:
+    """An error that only says the input is not of one union branch's type (``probe`` given as
+    an object is not a string) while another branch reports what is wrong inside it."""
+    loc = error["loc"]
+    if not (loc and isinstance(loc[-1], str) and _is_label(loc[-1])
+            and str(error["type"]).endswith("_type")):
+        return False
+    return any(other is not error and other["loc"][:len(loc) - 1] == loc[:-1]
+               and len(other["loc"]) >= len(loc) for other in errors)
 
 
 def _from_validation_error(err: ValidationError, prefix: str) -> SpecError:
@@ -353,9 +367,16 @@ def check_session(session: Any, prefix: str = "session") -> str:
     return session
 
 
+LISTED_NAMES = 8
+"""How many registered names an unknown-name error lists (the list route has them all)."""
+
+
 def _check_name(where: str, kind: str, name: str, known: Collection[str], fix: str) -> None:
     if name not in known:
-        listed = ", ".join(sorted(known)) or "none registered"
+        names = sorted(known)
+        listed = ", ".join(names[:LISTED_NAMES]) or "none registered"
+        if len(names) > LISTED_NAMES:
+            listed += f", and {len(names) - LISTED_NAMES} more: GET /v1/dynsteer/{kind}s"
         raise SpecError(
             f"{where}: unknown {kind} name {name!r} (known: {listed}); register it first or {fix}"
         )

@@ -181,8 +181,9 @@ def decode_command(frame: bytes) -> Any:
         raise ProtocolError("malformed", "not msgpack: nested too deeply") from None
     if not isinstance(raw, dict):
         raise ProtocolError("malformed", "a command is a msgpack map")
-    if raw.get("v") != SCHEMA_VERSION:
-        raise ProtocolError("version", f"v: schema version {raw.get('v')!r} is not supported "
+    version = raw.get("v")
+    if type(version) is not int or version != SCHEMA_VERSION:  # not True, not 1.0
+        raise ProtocolError("version", f"v: schema version {version!r} is not supported "
                                        f"(this engine speaks {SCHEMA_VERSION})")
     try:
         return _COMMAND.validate_python(raw)

@@ -51,7 +51,8 @@ def register() -> None:
 
     compile_cache.install(_compile_key_config)
     frontend.install(frontend.FrontendHooks(
-        configure=_configure, engine_state=_engine_state, admit=_admit, admitted=_admitted))
+        configure=_configure, engine_state=_engine_state, admit=_admit, admitted=_admitted,
+        spec_key=SPEC_KEY))
     scheduler.install(scheduler.SchedulerHooks(guard_of=_guard_of, stats=_engine_core_stats,
                                                claims_of=_claims_of, budget_for=_budget_for))
     worker.install(_on_model_loaded)

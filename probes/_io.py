@@ -11,7 +11,9 @@ metadata ``{"format": "dynsteer.probe", "format_version": "1", "probe": <JSON he
 "weights_sha256": <hex>}``; registered steering vectors use the same layout with
 ``"format": "dynsteer.vector"`` and a ``"vector"`` header. The checksum exists because
 safetensors itself does not detect a flipped byte in the tensor data, and a silently corrupted
-probe would steer the wrong tokens.
+probe would steer the wrong tokens. Whoever stores a file may add string entries of its own
+beside these (``extra``, e.g. the server's registration order), which are not part of the
+probe.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -33,7 +36,15 @@ from dynsteer.controller.contract import F32, f32_bytes
 FORMAT_VERSION = 1
 TENSOR_KEY = "weights"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
-"""Refuse absurd header lengths before allocating (a probe header is a few hundred bytes)."""
+"""Largest safetensors header the loader reads (a longer one is refused before allocating).
+A probe's header is a few hundred bytes plus its metadata, which :data:`MAX_METADATA_BYTES`
+bounds so that every probe that can be saved stays far below this."""
+MAX_METADATA_BYTES = 64 * 1024
+"""Largest metadata of a probe, in bytes of its JSON as the file stores it (:func:`json_size`):
+bytes, not characters, since the file escapes a non-ASCII character as ``\\uXXXX`` (6 bytes,
+12 beyond the BMP). The safetensors header escapes that JSON once more, at most doubling it, so
+a probe of this much metadata has a header of well under 1 MiB: anything :meth:`Probe.save
+<dynsteer.probes.Probe.save>` accepts loads again."""
 
 
 class ProbeFileError(ValueError):
@@ -102,19 +113,50 @@ def _weights_sha256(weights: NDArray[np.float32]) -> str:
     return hashlib.sha256(f32_bytes(weights)).hexdigest()
 
 
+def _stored_json(value: Any) -> str:
+    """``value`` as JSON the way files store it: ASCII only, sorted keys, no spaces."""
+    return json.dumps(value, sort_keys=True, allow_nan=False, separators=(",", ":"))
+
+
+def json_size(value: Any) -> int:
+    """Bytes ``value`` takes in a file's JSON header (what :data:`MAX_METADATA_BYTES` limits)."""
+    return len(_stored_json(value))
+
+
+class ProbeFile(NamedTuple):
+    """What :func:`read_probe_file` reads."""
+
+    weights: NDArray[np.float32]
+    """Read-only float32 weights."""
+    header: dict[str, Any]
+    """The JSON header: a probe's fields or a vector's name."""
+    extra: dict[str, str]
+    """The ``extra`` string entries stored beside it (see :func:`write_probe_file`)."""
+
+
+def _format_keys(kind: str) -> frozenset[str]:
+    return frozenset({"format", "format_version", kind, "weights_sha256"})
+
+
 def write_probe_file(
     path: str | PathLike[str], weights: NDArray[np.float32], header: dict[str, Any],
-    kind: str = "probe",
+    kind: str = "probe", extra: Mapping[str, str] | None = None,
 ) -> Path:
     """Serialise ``weights`` and the JSON ``header`` as a safetensors file, atomically.
 
     ``kind`` (``probe`` or ``vector``) names the format (``dynsteer.<kind>``) and the metadata
-    key of the header."""
+    key of the header. ``extra``: string entries of the caller's own, stored beside the format's
+    (whose keys they must not reuse) and read back as :attr:`ProbeFile.extra`."""
+    extra = dict(extra or {})
+    taken = _format_keys(kind) & set(extra)
+    if taken:
+        raise ValueError(f"extra: {sorted(taken)} are keys of the file format; use other keys")
     st = _safetensors_numpy()
     metadata = {
+        **extra,
         "format": f"dynsteer.{kind}",
         "format_version": str(FORMAT_VERSION),
-        kind: json.dumps(header, sort_keys=True, allow_nan=False, separators=(",", ":")),
+        kind: _stored_json(header),
         "weights_sha256": _weights_sha256(weights),
     }
     data = st.save({TENSOR_KEY: np.ascontiguousarray(weights, dtype=F32)}, metadata=metadata)
@@ -128,7 +170,14 @@ def _read_metadata(data: bytes, where: str, kind: str) -> dict[str, Any]:
             f"{where}: not a safetensors probe file ({len(data)} bytes, too short for a header)"
         )
     n = int.from_bytes(data[:8], "little")
-    if n > MAX_HEADER_BYTES or 8 + n > len(data):
+    if n > MAX_HEADER_BYTES:
+        raise ProbeFileError(
+            f"{where}: not a safetensors probe file this loader reads: its declared header "
+            f"length, {n} bytes, is larger than the {MAX_HEADER_BYTES >> 20} MiB limit; the "
+            "file is corrupt, of another format, or holds far more metadata than Probe.save() "
+            "accepts"
+        )
+    if 8 + n > len(data):
         raise ProbeFileError(
             f"{where}: not a safetensors probe file (declared header length {n} does not fit "
             f"the {len(data)}-byte file); the file is corrupt, truncated or of another format"
@@ -158,9 +207,8 @@ def _read_metadata(data: bytes, where: str, kind: str) -> dict[str, Any]:
     return meta
 
 
-def read_probe_file(path: str | PathLike[str],
-                    kind: str = "probe") -> tuple[NDArray[np.float32], dict[str, Any]]:
-    """Read a file written by :func:`write_probe_file`: (read-only weights, JSON header).
+def read_probe_file(path: str | PathLike[str], kind: str = "probe") -> ProbeFile:
+    """Read a file written by :func:`write_probe_file`.
 
     The whole file is read once and both parts come from the same bytes, so a concurrent
     :func:`atomic_write_bytes` cannot mix old weights with a new header.
@@ -194,5 +242,6 @@ def read_probe_file(path: str | PathLike[str],
         raise ProbeFileError(f"{where}: {kind} metadata must be a JSON object")
     weights = weights.astype(np.float32)  # native byte order, owned copy
     weights.setflags(write=False)
-    return weights, header
+    extra = {k: v for k, v in meta.items() if k not in _format_keys(kind)}
+    return ProbeFile(weights, header, extra)
 

@@ -21,7 +21,14 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from dynsteer.controller.contract import (
     NAME_PATTERN,
@@ -36,6 +43,22 @@ from . import _io
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 MetadataValue = str | bool | int | FiniteFloat
 """Metadata values are JSON scalars (no NaN/inf, which JSON cannot carry)."""
+
+
+def _check_metadata_size(metadata: dict[str, MetadataValue]) -> dict[str, MetadataValue]:
+    """Metadata fits the probe file's header (so a probe that was accepted loads again)."""
+    size = _io.json_size(metadata)
+    if size > _io.MAX_METADATA_BYTES:
+        raise ValueError(
+            f"{size} bytes as stored (JSON, non-ASCII characters escaped), more than the "
+            f"{_io.MAX_METADATA_BYTES}-byte limit; keep metadata to short provenance and store "
+            "bulky data elsewhere"
+        )
+    return metadata
+
+
+Metadata = Annotated[dict[str, MetadataValue], AfterValidator(_check_metadata_size)]
+"""A probe's metadata: JSON scalars by key, at most :data:`~._io.MAX_METADATA_BYTES` stored."""
 
 
 class ProbeSite(BaseModel):
@@ -110,8 +133,9 @@ class Probe(BaseModel):
     """The layer and hook whose residual stream the probe reads."""
     fingerprint: ModelFingerprint | None = None
     """The model the probe was trained on, if known; checked by :meth:`check_compatible`."""
-    metadata: dict[str, MetadataValue] = Field(default_factory=dict)
-    """Free-form provenance (training data, source estimator, calibration); JSON scalars only."""
+    metadata: Metadata = Field(default_factory=dict)
+    """Free-form provenance (training data, source estimator, calibration); JSON scalars only,
+    at most 64 KiB as stored (:data:`~._io.MAX_METADATA_BYTES`)."""
 
     # --- validation -------------------------------------------------------------------------
 
@@ -164,6 +188,11 @@ class Probe(BaseModel):
     def hidden_size(self) -> int:
         """Number of weights (the residual-stream width the probe expects)."""
         return int(self.weights.shape[0])
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Size of :attr:`metadata` as the file stores it (what its limit counts)."""
+        return _io.json_size(self.metadata)
 
     def replace(self, **changes: Any) -> Probe:
         """A validated copy with ``changes`` applied (``model_copy`` would skip validation)."""
@@ -244,21 +273,30 @@ class Probe(BaseModel):
             raise ValueError("probe header must not contain 'weights'")
         return cls.model_validate({**fields, "weights": weights})
 
-    def save(self, path: str | PathLike[str]) -> Path:
+    def save(self, path: str | PathLike[str], *, extra: Mapping[str, str] | None = None) -> Path:
         """Write the probe as one safetensors file, atomically; returns the path.
 
         The file holds one float32 tensor ``weights`` and, in the string metadata, the other fields
         as JSON plus a SHA-256 of the weights. No pickle is involved. Readers never see a partial
         file: it is written to a temporary file in the same directory, fsynced and renamed.
+        What is saved loads again: metadata beyond the loader's header limit cannot be in a
+        probe (see :data:`Metadata`). ``extra``: string entries of the caller's own stored
+        beside the probe (not part of it; e.g. a server's registration order), which
+        :meth:`read` returns.
         """
-        return _io.write_probe_file(path, self.weights, self._header())
+        return _io.write_probe_file(path, self.weights, self._header(), extra=extra)
 
     @classmethod
     def load(cls, path: str | PathLike[str]) -> Probe:
         """Read a file written by :meth:`save`; ``ValueError`` if it is not a valid probe file."""
-        weights, header = _io.read_probe_file(path)
+        return cls.read(path)[0]
+
+    @classmethod
+    def read(cls, path: str | PathLike[str]) -> tuple[Probe, dict[str, str]]:
+        """:meth:`load`, plus the ``extra`` entries :meth:`save` stored beside the probe."""
+        file = _io.read_probe_file(path)
         try:
-            return cls._from_header(header, weights)
+            return cls._from_header(file.header, file.weights), file.extra
         except ValueError as e:
             raise _io.ProbeFileError(f"{path}: not a valid dynsteer probe: {e}") from e
 

@@ -45,8 +45,8 @@ class Server(ServerProcess):
             args += ["--gpu-memory-utilization", os.environ["DYNSTEER_TEST_GPU_MEMORY"]]
         super().__init__(args, log, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
 
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        super().wait_ready(timeout)
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S, api_key: str | None = None) -> None:
+        super().wait_ready(timeout, api_key=api_key)
 
 
 def http(method: str, url: str, body: Any = None, *, raw: bytes | None = None,

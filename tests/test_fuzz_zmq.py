@@ -375,6 +375,13 @@ def test_other_schema_versions_are_refused(live):
     assert_alive(live)
 
 
+@pytest.mark.parametrize("version", [True, 1.0])
+def test_values_equal_to_the_version_but_not_it_are_refused(live, version):
+    """``True == 1.0 == 1`` in Python; the version is the integer 1 only."""
+    reply = live.send(msgspec.msgpack.encode({"v": version, "type": "ping", "id": "x"}))
+    assert not reply.ok and reply.error.startswith("v: schema version"), reply
+
+
 def test_oversized_frames_are_refused_before_decoding(live):
     """Over :data:`MAX_COMMAND_BYTES` is refused by its size, even as valid msgpack; at the
     limit a frame is decoded."""

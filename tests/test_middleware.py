@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,14 +14,13 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from dynsteer.controller.spec import MAX_JSON_DEPTH
+from dynsteer.engine_ext.frontend import admission, caller
 from dynsteer.engine_ext.frontend.admission import FrontendState
+from dynsteer.engine_ext.frontend.caller import acting_as
 from dynsteer.engine_ext.options import EngineOptions
-from dynsteer.engine_ext.server.middleware import (
-    DynsteerMiddleware,
-    check_completion,
-    move_spec_to_xargs,
-)
-from dynsteer.engine_ext.server.sessions import anonymous, namespaced
+from dynsteer.engine_ext.server import sessions
+from dynsteer.engine_ext.server.middleware import DynsteerMiddleware, check_body
+from dynsteer.engine_ext.server.sessions import ANONYMOUS, key_namespace
 
 DYNSTEER_CAP = 4096
 REQUEST_CAP = 64 * 1024
@@ -125,11 +124,14 @@ def test_top_level_spec_moves_into_vllm_xargs(client, path):
 def test_spec_as_a_string_is_moved_as_is_and_other_bodies_are_not_rewritten():
     """The rewrite itself: a spec given as its JSON string is not encoded again; a body with no
     top-level spec (or that is not JSON) comes back as the same bytes."""
+    def move(body: bytes) -> bytes:
+        return check_body("/v1/completions", body, None)
+
     as_string = json.dumps({"dynsteer": json.dumps(SPEC)}).encode()
-    assert json.loads(move_spec_to_xargs(as_string))["vllm_xargs"]["dynsteer"] == json.dumps(SPEC)
+    assert json.loads(move(as_string))["vllm_xargs"]["dynsteer"] == json.dumps(SPEC)
     plain = b'{"model": "m", "messages": []}'
-    assert move_spec_to_xargs(plain) is plain
-    assert move_spec_to_xargs(b'{"x": "dynsteer"') == b'{"x": "dynsteer"'
+    assert move(plain) is plain
+    assert move(b'{"x": "dynsteer"') == b'{"x": "dynsteer"'
 
 
 def test_body_over_the_cap_is_413_by_content_length(client):
@@ -226,8 +228,10 @@ def frontend() -> FrontendState:
     return state
 
 
-KEYED = functools.partial(namespaced, api_key="k")
-"""The namespace of a caller presenting configured key ``k``."""
+TENANT = sessions.client("k", ["k", "other"])
+"""The caller presenting configured key ``k``."""
+KEYLESS = sessions.client(None, ["k", "other"])
+"""A caller without a configured key, while keys are configured."""
 
 
 def completion(spec=None, **xargs) -> bytes:
@@ -236,28 +240,58 @@ def completion(spec=None, **xargs) -> bytes:
     return json.dumps({"model": "m", "stream": True, "vllm_xargs": xargs}).encode()
 
 
-def test_sessions_move_into_the_callers_namespace():
-    """With API keys, a spec's session becomes the bearer's namespace of it (top-level spec
-    already moved into vllm_xargs, or given there); a body without a session is unchanged,
-    and so is one when no keys are configured (no namespace)."""
-    for spec in ({"session": "s1"}, json.dumps({"session": "s1", **SPEC})):
-        got = json.loads(json.loads(check_completion(completion(spec), frontend(), KEYED))
-                         ["vllm_xargs"]["dynsteer"])
-        assert got["session"] == namespaced("s1", "k") != "s1"
-    plain = completion(json.dumps(SPEC))
-    assert check_completion(plain, frontend(), KEYED) is plain
-    open_server = completion(json.dumps({"session": "s1", **SPEC}))
-    assert check_completion(open_server, frontend()) is open_server
+def check_completion(body: bytes, state: FrontendState, who: caller.Caller = KEYLESS) -> bytes:
+    """The completion route's check, as ``who``."""
+    with acting_as(who):
+        return check_body("/v1/completions", body, state)
+
+
+def admitted_session(state: FrontendState, spec: dict, who: caller.Caller) -> str:
+    with acting_as(who):
+        return admission.admit(state, {"dynsteer": json.dumps(spec)})[1]["session"]
+
+
+def test_sessions_are_in_the_callers_namespace_at_admission():
+    """With API keys, a spec's session is the bearer's namespace of it, however the request
+    came (the check leaves the body's bytes alone); without keys, the name as given."""
+    state = frontend()
+    spec = {"session": "s1", **SPEC}
+    assert admitted_session(state, spec, TENANT) == key_namespace("k") + "s1"
+    assert admitted_session(state, spec, sessions.client("other", ["k", "other"])) \
+        == key_namespace("other") + "s1"
+    assert admitted_session(state, spec, sessions.client(None, [])) == "s1"
+    assert admitted_session(state, spec, caller.TRUSTED) == "s1"
+    body = completion(json.dumps(spec))
+    assert check_completion(body, state, TENANT) is body
 
 
 def test_callers_without_a_key_cannot_join_a_tenants_session():
-    """A request without a configured key that sends a tenant's namespaced session name gets
-    the anonymous namespace of that name, never the tenant's session."""
-    tenants = namespaced("s1", "k")
-    got = json.loads(json.loads(check_completion(completion({"session": tenants}), frontend(),
-                                                 anonymous))["vllm_xargs"]["dynsteer"])
-    assert got["session"] == anonymous(tenants) != tenants
-    assert namespaced(got["session"], "k") != tenants
+    """A request without a configured key (or with a wrong one) that sends a tenant's
+    namespaced session name gets the anonymous namespace of that name, never the tenant's
+    session; a tenant sending another's name gets its own namespace of it."""
+    state = frontend()
+    tenants = TENANT.session("s1")
+    for who in (KEYLESS, sessions.client("wrong", ["k", "other"])):
+        got = admitted_session(state, {"session": tenants}, who)
+        assert got == ANONYMOUS + tenants != tenants
+    other = admitted_session(state, {"session": tenants}, sessions.client("other", ["k", "other"]))
+    assert other != tenants and other.startswith(key_namespace("other"))
+    # The client's name is what the 256-character limit and the pattern apply to.
+    assert admitted_session(state, {"session": "x" * 256}, TENANT).endswith("x" * 256)
+    for bad in ("", "x" * 257):
+        with pytest.raises(ValueError, match="session"), acting_as(TENANT):
+            admission.admit(state, {"dynsteer": {"session": bad}})
+
+
+def test_a_request_that_lost_its_caller_is_admitted_as_the_engines_default():
+    """The server's default is a keyless client (fail closed); the offline API's the owner."""
+    state = frontend()
+    assert admission.admit(state, {"dynsteer_capture": "1:0"}) is None
+    state.default_caller = KEYLESS
+    with pytest.raises(ValueError, match=r"dynsteer_capture: reserved"):
+        admission.admit(state, {"dynsteer_capture": "1:0"})
+    got = admission.admit(state, {"dynsteer": {"session": TENANT.session("s")}})[1]
+    assert got["session"].startswith(ANONYMOUS)
 
 
 @pytest.mark.parametrize("spec,fragment", [
@@ -320,13 +354,67 @@ def test_what_strict_json_refuses_reaches_validation_as_json_reads_it():
     # a null would read "a valid number": this names the NaN itself
     named = r"dynsteer.steer\[0\].vector\[1\]: Input should be a finite"
     nan = b'{"model": "m", "dynsteer": {"steer": [{"vector": [1.0, NaN], "layers": [0]}]}}'
-    moved = json.loads(move_spec_to_xargs(nan))["vllm_xargs"]["dynsteer"]
+    moved = json.loads(check_body("/v1/completions", nan, None))["vllm_xargs"]["dynsteer"]
     assert np.isnan(json.loads(moved)["steer"][0]["vector"][1])
     with pytest.raises(ValueError, match=named):
         check_completion(nan, frontend())
     with_session = nan.replace(b'{"steer"', b'{"session": "s", "steer"')
     with pytest.raises(ValueError, match=named):
-        check_completion(with_session, frontend(), KEYED)  # namespaced: written back by json
+        check_completion(with_session, frontend(), TENANT)
     strict = json.dumps({"model": "m", "dynsteer": SPEC}).encode()
     assert json.loads(json.loads(check_completion(strict, frontend()))["vllm_xargs"]["dynsteer"]) \
         == SPEC
+
+
+ESCAPED = "\\u0064ynsteer"
+"""``dynsteer`` as a JSON escape: the same key to any JSON parser, other bytes."""
+
+
+@pytest.mark.parametrize("encode", [
+    lambda body: body.replace(b'"dynsteer', f'"{ESCAPED}'.encode()),
+    lambda body: body.decode().encode("utf-16"),
+    lambda body: body.decode().encode("utf-32-le"),
+])
+def test_a_spec_in_any_json_encoding_is_checked(encode):
+    """The check reads the JSON, not its bytes: an escaped key, a UTF-16 or UTF-32 body carry
+    a spec (and a reserved key) as well as plain UTF-8 does."""
+    state = frontend()
+    bad = encode(completion({"steer": [{"vector": "unknown", "layers": [1]}]}))
+    with pytest.raises(ValueError, match="unknown"):
+        check_completion(bad, state)
+    with pytest.raises(ValueError, match=r"vllm_xargs\.dynsteer_capture: reserved"):
+        check_completion(encode(completion(**{"dynsteer_capture": "1:0"})), state)
+    top_level = encode(json.dumps({"model": "m", "dynsteer": SPEC}).encode())
+    moved = json.loads(check_completion(top_level, state))
+    assert json.loads(moved["vllm_xargs"]["dynsteer"]) == SPEC
+    with pytest.raises(ValueError, match="not supported on /v1/responses"):
+        check_body("/v1/responses", top_level, state)
+
+
+def test_bodies_that_cannot_name_the_spec_are_not_parsed():
+    state = frontend()
+    plain = json.dumps({"model": "m", "vllm_xargs": {"other": 1}, "prompt": "hi"}).encode()
+    assert check_completion(plain, state) is plain
+    assert state.counters.requests_rejected == 0
+
+
+async def report_caller(request: Request) -> Response:
+    """Echo the caller that admission would see for this request."""
+    who = caller.current(caller.TRUSTED)
+    return Response(json.dumps({"namespace": who.namespace, "client": who.client}))
+
+
+def test_every_route_runs_as_the_caller_of_its_bearer_key():
+    """The caller is set for the whole request, whatever the route: routes vLLM does not guard
+    (``/invocations``) get the keyless namespace, a wrong key too."""
+    app = Starlette(routes=[Route("/{path:path}", report_caller, methods=["GET", "POST"])])
+    app.state.dynsteer = SimpleNamespace(api_keys=["k", "other"], frontend=frontend())
+    app.add_middleware(DynsteerMiddleware, max_body_bytes=DYNSTEER_CAP,
+                       max_request_bytes=REQUEST_CAP)
+    with TestClient(app) as http:
+        for path in ("/v1/responses", "/invocations", "/v1/chat/completions/batch", "/x"):
+            for key, namespace in (("k", key_namespace("k")), ("other", key_namespace("other")),
+                                   ("wrong", ANONYMOUS), (None, ANONYMOUS)):
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                got = http.post(path, content=b"{}", headers=headers).json()
+                assert got == {"namespace": namespace, "client": True}, (path, key)

@@ -1,5 +1,7 @@
 """Probes over HTTP on a real `dynsteer serve`: train on captured activations, upload, gate by
-name, bad uploads, and a restart that keeps the uploaded probes (probe store on disk)."""
+name, bad uploads, a restart that keeps the uploaded probes (probe store on disk), concurrent
+registrations against the registry caps, and a restart that brings back exactly what was
+registered (the oldest first under a lowered cap)."""
 
 from __future__ import annotations
 
@@ -34,13 +36,24 @@ def store(tmp_path_factory):
     return tmp_path_factory.mktemp("probe_store")
 
 
+CAPS = {"max_vectors": 8, "max_probes": 6}
+"""Small registry caps (engine options), so that filling a registry takes a few requests."""
+
+
+def _serve(chat_model, store, log, **caps: int) -> Server:
+    """`dynsteer serve` with this module's key, store, body limit and :data:`CAPS` (``caps``
+    override them; they are runtime options, so no recompilation); not yet ready."""
+    config = json.dumps({"dynsteer": {**CAPS, **caps}})
+    return Server(chat_model, log, "--dynsteer-api-key", KEY, "--dynsteer-probe-store",
+                  str(store), "--dynsteer-max-body-bytes", "200000",
+                  "--additional-config", config)
+
+
 @pytest.fixture(scope="module")
 def server(chat_model, store, tmp_path_factory):
-    srv = Server(chat_model, tmp_path_factory.mktemp("logs") / "serve1.log",
-                 "--dynsteer-api-key", KEY, "--dynsteer-probe-store", str(store),
-                 "--dynsteer-max-body-bytes", "200000")
-    srv.wait_ready()
+    srv = _serve(chat_model, store, tmp_path_factory.mktemp("logs") / "serve1.log")
     holder = {"server": srv}
+    srv.wait_ready()
     yield holder
     holder["server"].stop()
 
@@ -134,6 +147,9 @@ def _bad_uploads(trained: Probe) -> list[tuple[str, object, str | None, tuple[in
          "threshold: must be finite and at most"),
         ("string weights", {**list_weights, "name": "big", "weights": ["1"] * 128}, KEY, (400,),
          "weights[0]"),
+        # 20000 characters, 120008 bytes in the file: over the 64 KiB a probe header may hold.
+        ("metadata over 64 KiB stored", {**good, "name": "accents", "metadata": {"a": "é" * 20000}},
+         KEY, (400,), "metadata: 120008 bytes as stored"),
     ]
 
 
@@ -177,6 +193,17 @@ def test_duplicate_upload_is_409_unless_replacing(server, trained):
         assert status == 400 and "name" in json.dumps(answer), (name, answer)
 
 
+def test_listing_leaves_out_large_metadata_which_the_probe_keeps(server, trained):
+    url = server["server"].url
+    wordy = trained.replace(name="wordy", metadata={"notes": "ü" * 1000})
+    assert upload(wordy, url, api_key=KEY)["metadata_omitted"]
+    listed = {p.name: p for p in _client(server).probes()}
+    assert listed["wordy"].metadata == {} and listed["wordy"].metadata_omitted
+    assert listed["storm"].metadata == trained.metadata
+    assert _client(server).get_probe("wordy").metadata == wordy.metadata
+    _client(server).delete_probe("wordy")
+
+
 def test_restart_after_kill_9_mid_upload_serves_whole_probes_and_vectors(
         server, trained, chat_model, store, tmp_path_factory):
     """``kill -9`` of the server while probes are being replaced and vectors registered:
@@ -217,8 +244,7 @@ def test_restart_after_kill_9_mid_upload_serves_whole_probes_and_vectors(
     server["server"].stop()
     assert len(replaced) >= 3, "the uploads never ran"
     (store / ".storm.safetensors.deadbeef.tmp").write_bytes(b"interrupted write")
-    restarted = Server(chat_model, tmp_path_factory.mktemp("logs") / "serve2.log",
-                       "--dynsteer-api-key", KEY, "--dynsteer-probe-store", str(store))
+    restarted = _serve(chat_model, store, tmp_path_factory.mktemp("logs") / "serve2.log")
     server["server"] = restarted
     restarted.wait_ready()
     client = _client(server)
@@ -232,3 +258,80 @@ def test_restart_after_kill_9_mid_upload_serves_whole_probes_and_vectors(
     assert not list(store.rglob("*.tmp")), "leftovers of interrupted writes"
     report = client.request(_gated_completion(server, POSITIVE[1]))
     assert report.gated and report.telemetry.tokens_monitored > 0
+
+
+def _body(kind: str, name: str, trained: Probe) -> dict:
+    if kind == "probe":
+        return {**trained.to_json_dict(), "name": name}
+    return {"name": name, "vector": [0.01] * 128}
+
+
+def _post_at_once(server, kind: str, names: list[str], trained: Probe) -> list[int]:
+    """POST one registration per name from as many threads, released together by a barrier;
+    the statuses, in the order of ``names``."""
+    url = f"{server['server'].url}/v1/dynsteer/{kind}s"
+    barrier = threading.Barrier(len(names))
+    statuses = [0] * len(names)
+
+    def post(i: int) -> None:
+        body = _body(kind, names[i], trained)
+        barrier.wait()
+        statuses[i] = http("POST", url, body, api_key=KEY)[0]
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(names))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return statuses
+
+
+def _names(server, kind: str) -> list[str]:
+    client = _client(server)
+    return client.vectors() if kind == "vector" else [p.name for p in client.probes()]
+
+
+@pytest.mark.parametrize("kind", ["vector", "probe"])
+def test_concurrent_registrations_hold_the_cap_and_taken_names(server, trained, kind):
+    """8 registrations at once: of one new name, exactly one is 201; of new names with two
+    places left, exactly two are; the others are 409 and the registry ends exactly full."""
+    cap = CAPS[f"max_{kind}s"]
+    for i in range(cap - 3 - len(_names(server, kind))):
+        status, answer = http("POST", f"{server['server'].url}/v1/dynsteer/{kind}s",
+                              _body(kind, f"fill{i}", trained), api_key=KEY)
+        assert status == 201, answer
+    one_name = _post_at_once(server, kind, ["same"] * 8, trained)
+    assert sorted(one_name) == [201] + [409] * 7
+    new_names = [f"race{i}" for i in range(8)]
+    near_cap = _post_at_once(server, kind, new_names, trained)
+    assert sorted(near_cap) == [201] * 2 + [409] * 6
+    winners = {name for name, status in zip(new_names, near_cap, strict=True) if status == 201}
+    names = set(_names(server, kind))
+    assert len(names) == cap and winners | {"same"} <= names
+    assert not (set(new_names) - winners) & names
+
+
+def test_restart_brings_back_what_was_registered_oldest_first_under_a_lower_cap(
+        server, chat_model, store, tmp_path_factory):
+    """After ``kill -9`` of an idle server, a restart serves exactly the registered vectors.
+    Restarted with a lower ``max_probes``, it serves the probes registered longest ago (not
+    the first by name), and the log names the ones it left out and the option."""
+    vectors = {name: _client(server).get_vector(name) for name in _client(server).vectors()}
+    probes = _names(server, "probe")
+    os.kill(server["server"].proc.pid, signal.SIGKILL)
+    server["server"].stop()
+    log = tmp_path_factory.mktemp("logs") / "serve3.log"
+    kept = CAPS["max_probes"] - 3  # the probes registered before the concurrent ones
+    server["server"] = _serve(chat_model, store, log, max_probes=kept)
+    server["server"].wait_ready()
+    client = _client(server)
+    assert {name: client.get_vector(name) for name in client.vectors()} == vectors
+    restored = _names(server, "probe")
+    newest = {"same"} | {name for name in probes if name.startswith("race")}
+    assert set(restored) == set(probes) - newest and len(restored) == kept
+    text = log.read_text()
+    assert "3 stored probes not restored" in text and "dynsteer.max_probes" in text
+    assert all(repr(name) in text for name in newest)
+    assert "does not fit this model" not in text
+    assert sorted(p.name for p in (store / "over-limit").iterdir()) == sorted(
+        f"{name}.safetensors" for name in newest)

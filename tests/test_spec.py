@@ -141,3 +141,27 @@ def test_projection_slots_count_the_gate_s_entries_too():
     with pytest.raises(SpecError, match="steer prefill tokens at"):
         check_against_model(spec, PROJECTING)
     check_against_model(parse_spec({"gate": gate}), PROJECTING)
+
+
+@pytest.mark.parametrize(("probe", "message"), [
+    ({"weights": [1.0] * 4, "threshold": 1e39}, "dynsteer.gate.probe.threshold: 1e+39 is not "
+                                                "finite"),
+    ({"weights": [1.0] * 4, "threshold": 0.0, "sharpness": 0}, "dynsteer.gate.probe.sharpness: "
+                                                               "Input should be greater than 0"),
+])
+def test_an_inline_probe_error_names_its_field_not_the_name_branch(probe, message):
+    """``probe`` is a name or an object: an object's error is about the object."""
+    gate = {"probe": probe, "layer": 0, "steer": [{"vector": [1.0] * 4, "layers": [1]}]}
+    with pytest.raises(SpecError) as info:
+        parse_spec({"gate": gate})
+    assert str(info.value).startswith(message)
+
+
+def test_unknown_name_errors_list_a_few_names():
+    names = {f"v{i:03d}": 1.0 for i in range(256)}
+    shape = ModelShape(hidden_size=4, num_layers=3, sites=SHAPE.sites, vector_norms=names)
+    with pytest.raises(SpecError) as info:
+        check_against_model(parse_spec({"steer": [{"vector": "nope", "layers": [0]}]}), shape)
+    message = str(info.value)
+    assert "v000, v001" in message and "v255" not in message
+    assert "and 248 more: GET /v1/dynsteer/vectors" in message and len(message) < 400

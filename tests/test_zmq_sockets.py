@@ -26,7 +26,7 @@ from dynsteer.engine_ext.frontend.admission import FrontendState, admit
 from dynsteer.engine_ext.options import EngineOptions
 from dynsteer.engine_ext.server.commands import CommandServer
 from dynsteer.engine_ext.server.runtime import DynsteerServer
-from dynsteer.engine_ext.server.sessions import namespaced
+from dynsteer.engine_ext.server.sessions import client
 from dynsteer.engine_ext.server.settings import ServerSettings
 from dynsteer.engine_ext.worker.events import EventPublisher
 from dynsteer.engine_ext.zmq_security import CLIENT_KEYS_ENV, SERVER_KEY_ENV, is_loopback
@@ -224,6 +224,10 @@ def test_api_keys_namespace_sessions_and_are_required():
     assert not replies[0].ok and replies[0].error.startswith("api_key:")
     assert replies[1].ok
     assert server.rejected == {"unauthorized": 1}
+
+    def namespaced(session: str, key: str) -> str:
+        return client(key, [key]).session(session)
+
     assert list(state.sessions) == [namespaced("c", "k1")]
     assert namespaced("c", "k1") != namespaced("c", "k2")
     assert namespaced(namespaced("c", "k1"), "k1") == namespaced("c", "k1")  # as events show it

@@ -5,13 +5,18 @@
   with other sites is never reused) and the worker extension is set.
 * ``InputProcessor.process_inputs``: a request's spec is admitted before vLLM builds anything
   (rejected with an error naming the field: HTTP 400 on the server) and replaced by what the
-  scheduler and workers read.
+  scheduler and workers read. It runs in the context of the request's caller (context
+  variables, :mod:`dynsteer.engine_ext.frontend.caller`), also when vLLM hands raw prompts to
+  its tokenizer threads (``process_inputs_async``), which would otherwise run it in a context
+  of their own.
 """
 
 from __future__ import annotations
 
+import contextvars
+import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +53,10 @@ class FrontendHooks:
     """``(state, request id, admit's result, prompt length, extra_args)`` once the request
     exists (enabled engines only): the request's new ``extra_args``; may still reject it with
     a ValueError naming the field."""
+    spec_key: str
+    """The ``extra_args`` key of the client's spec: once :attr:`admit` parsed it, vLLM gets
+    params without it (it deep-copies them per request, and a spec's float lists would cost
+    it more than the whole admission)."""
 
 
 _hooks: FrontendHooks | None = None
@@ -60,8 +69,36 @@ def install(hooks: FrontendHooks) -> None:
 
     _hooks = hooks
     patch(EngineArgs, "create_engine_config", functools.partial(_create_engine_config, hooks))
-    when_imported("vllm.v1.engine.input_processor", lambda m: patch(
-        m.InputProcessor, "process_inputs", functools.partial(_process_inputs, hooks)))
+    when_imported("vllm.v1.engine.input_processor", _patch_input_processor)
+
+
+def _patch_input_processor(module: Any) -> None:
+    assert _hooks is not None
+    patch(module.InputProcessor, "process_inputs", functools.partial(_process_inputs, _hooks))
+    patch(module.InputProcessor, "__init__", _keep_caller_context)
+
+
+_CONTEXT_KW = "_dynsteer_context"
+"""Keyword that carries the caller's context into ``process_inputs`` on a tokenizer thread."""
+
+
+def _keep_caller_context(original: Callable[..., None]) -> Callable[..., None]:
+    """``InputProcessor.__init__``, then ``process_inputs_async`` (vLLM's ``make_async`` of the
+    patched ``process_inputs``, run on an executor thread) made to pass the event loop's
+    context along: ``run_in_executor`` does not copy context variables."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        run_async = getattr(self, "process_inputs_async", None)
+        if run_async is not None:
+            self.process_inputs_async = functools.partial(_in_caller_context, run_async)
+
+    return __init__
+
+
+def _in_caller_context(run_async: Callable[..., Awaitable[Any]], *args: Any,
+                       **kwargs: Any) -> Awaitable[Any]:
+    return run_async(*args, **kwargs, **{_CONTEXT_KW: contextvars.copy_context()})
 
 
 def _create_engine_config(hooks: FrontendHooks,
@@ -84,11 +121,17 @@ def _create_engine_config(hooks: FrontendHooks,
 def _process_inputs(hooks: FrontendHooks, original: Callable[..., Any]) -> Callable[..., Any]:
     def process_inputs(self: Any, request_id: Any, prompt: Any, params: Any, *args: Any,
                        **kwargs: Any) -> Any:
+        context = kwargs.pop(_CONTEXT_KW, None)
+        if context is not None:
+            return context.run(process_inputs, self, request_id, prompt, params, *args,
+                               **kwargs)
         state = _engine_state(hooks, self)
         try:
             admitted = hooks.admit(state, getattr(params, "extra_args", None))
         except ValueError as e:
             raise _client_error(e) from e
+        if admitted is not None:
+            params = _without(params, hooks.spec_key)
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if state is not None:
             request_params = getattr(request, "sampling_params", None)
@@ -105,6 +148,17 @@ def _process_inputs(hooks: FrontendHooks, original: Callable[..., Any]) -> Calla
         return request
 
     return process_inputs
+
+
+def _without(params: Any, key: str) -> Any:
+    """A shallow copy of ``params`` whose ``extra_args`` leave out ``key`` (the caller's
+    params stay as they are: they may be shared by many prompts and threads)."""
+    extra = getattr(params, "extra_args", None)
+    if not extra or key not in extra:
+        return params
+    copied = copy.copy(params)
+    copied.extra_args = {k: v for k, v in extra.items() if k != key}
+    return copied
 
 
 _STATE_ATTR = "_dynsteer_frontend"

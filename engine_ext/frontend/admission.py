@@ -42,6 +42,7 @@ from ..prefix_guard import GUARD_KEY
 from ..prefix_guard.guard import CacheGuard
 from ..prefix_guard.key import guard_for
 from ..row_budget import CLAIMS_KEY, Claims, check_claims, claims_for
+from .caller import TRUSTED, Caller, current
 
 MAX_SESSIONS = 65536
 """Sessions with steering set by a controller that the frontend remembers (least recently
@@ -111,6 +112,9 @@ class FrontendState:
     sessions: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
     """Steering set for sessions' later requests (``{"steer": [wire entries], "gate": wire
     gate or None}``), by (namespaced) session name."""
+    default_caller: Caller = TRUSTED
+    """Who a request is admitted as when nobody said (see :mod:`.caller`): the API server sets
+    a keyless client, so a request that reaches admission without its caller fails closed."""
 
     def set_session(self, session: str, steering: dict[str, Any] | None) -> None:
         """Steer the session's later requests (None: stop)."""
@@ -120,10 +124,17 @@ class FrontendState:
             while len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
 
-    def with_session(self, wire: dict[str, Any]) -> dict[str, Any]:
-        """``wire`` plus its session's steering: the session's entries after the request's
-        own, its gate where the request has none (a new dict; ``wire`` may be cached)."""
-        steering = self.sessions.get(wire.get("session") or "")
+    def with_session(self, wire: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        """``wire`` with its session in ``caller``'s namespace, plus that session's steering:
+        the session's entries after the request's own, its gate where the request has none (a
+        new dict; ``wire`` may be cached)."""
+        session = wire.get("session")
+        if session is None:
+            return wire
+        owned = caller.session(session)
+        if owned != session:
+            wire = {**wire, "session": owned}
+        steering = self.sessions.get(owned)
         if steering is None:
             return wire
         merged = {**wire, "steer": [*wire["steer"], *steering["steer"]],
@@ -186,10 +197,11 @@ class FrontendState:
         return ModelFingerprint(architecture=self.architecture or "unknown",
                                 hidden_size=self.hidden_size, num_layers=self.num_layers)
 
-    def record_request(self, request_id: str, spec: SteeringSpec | None) -> None:
-        """Count a request and remember how it was steered (steered requests only)."""
-        static = bool(self.global_entries) or bool(spec and spec.steer)
-        gated = bool(spec and spec.gate)
+    def record_request(self, request_id: str, wire: dict[str, Any] | None) -> None:
+        """Count a request and remember how it was steered (steered requests only), its
+        session's steering included."""
+        static = bool(self.global_entries) or bool(wire and wire["steer"])
+        gated = bool(wire and wire["gate"] is not None)
         if not (static or gated):
             return
         self.counters.requests_static += static
@@ -246,10 +258,32 @@ def engine_state(facts: EngineFacts) -> FrontendState | None:
     )
 
 
+RESERVED_PREFIX = f"{SPEC_KEY}_"
+"""``extra_args`` keys starting with it are dynsteer's own (resolved spec, prefix-cache guard,
+row claims, capture, ...): only the frontend sets them, never a client."""
+
+
+def _refuse_reserved(extra_args: dict[str, Any]) -> None:
+    reserved = sorted(k for k in extra_args if isinstance(k, str) and k.startswith(RESERVED_PREFIX))
+    if reserved:
+        raise SpecError(f"vllm_xargs.{reserved[0]}: reserved for dynsteer's own use; a "
+                        f"steering spec goes in vllm_xargs.{SPEC_KEY} or a top-level "
+                        f"{SPEC_KEY!r} object")
+
+
 def admit(state: FrontendState | None,
           extra_args: dict[str, Any] | None) -> tuple[SteeringSpec, dict[str, Any]] | None:
-    """A request's spec checked against the served model and resolved for the workers
-    (None: no spec); raises naming the field."""
+    """A request's spec checked against the served model and resolved for the workers, its
+    session in the namespace of the request's caller (None: no spec); raises naming the field.
+    A client's request carrying dynsteer's reserved keys is refused."""
+    caller = current(state.default_caller if state is not None else TRUSTED)
+    if extra_args and caller.client:
+        try:
+            _refuse_reserved(extra_args)
+        except SpecError:
+            if state is not None:
+                state.counters.requests_rejected += 1
+            raise
     if not extra_args or SPEC_KEY not in extra_args:
         return None
     if state is None:
@@ -259,7 +293,7 @@ def admit(state: FrontendState | None,
         )
     try:
         spec, wire = state.admit_spec(extra_args[SPEC_KEY])
-        wire = state.with_session(wire)
+        wire = state.with_session(wire, caller)
     except ValueError:
         state.counters.requests_rejected += 1
         raise
@@ -299,9 +333,9 @@ def admitted(state: FrontendState, request_id: str,
     scheduler reads, :mod:`..prefix_guard`) and row claims (:mod:`..row_budget`). Keys only the
     frontend may set are overwritten. A request that alone needs more rows than the engine has
     (it would wait for them forever) is refused here, naming the option."""
-    parsed, wire = spec if spec is not None else (None, None)
+    wire = spec[1] if spec is not None else None
     claims = _checked_claims(state, wire)
-    state.record_request(request_id, parsed)
+    state.record_request(request_id, wire)
     guard = state.cache_guard(wire, prompt_len)
     extra = {k: v for k, v in (extra_args or {}).items()
              if k not in (GUARD_KEY, SPEC_KEY, WIRE_KEY, GLOBAL_KEY, CLAIMS_KEY, REGISTRY_KEY)}

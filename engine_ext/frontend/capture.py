@@ -54,6 +54,7 @@ from dynsteer.controller.contract import (
 
 from ..compat import frontend as vllm_frontend
 from ..worker.capture_buffers import CAPTURE_KEY, REDUCES, Reduce, capture_key
+from .caller import TRUSTED, acting_as
 
 CaptureResult = dict[str, np.ndarray | list[np.ndarray]]
 """Per site (``hook@layer``): ``[N, H]`` for ``last``/``mean``, a list of N ``[len_i, H]``
@@ -385,8 +386,9 @@ async def capture_async(engine_client: Any, prompts: Any, sites: Any,
     async def execute(step: _Step) -> Any:
         if isinstance(step, _Rpc):
             return await vllm_frontend.rpc_async(engine_client, step.method, step.args)
-        tasks = [asyncio.ensure_future(_drain(engine_client.generate(
-            item.prompt, item.params, item.request_id))) for item in step.items]
+        with acting_as(TRUSTED):  # the frontend's own requests carry its reserved key
+            tasks = [asyncio.ensure_future(_drain(engine_client.generate(
+                item.prompt, item.params, item.request_id))) for item in step.items]
         try:
             await asyncio.gather(*tasks)
         finally:  # on failure or cancellation, abort the rest (vLLM aborts cancelled streams)

@@ -9,8 +9,8 @@ is counted (``rejected`` by reason) and answered with an error when its
 sender can be addressed; nothing is ever unpickled.
 
 With API keys configured, every command must carry one of them (``api_key``), and the session
-it names is that key's namespace (:func:`.sessions.namespaced`): one tenant cannot steer
-another's sessions.
+it names is that key's namespace (:func:`.sessions.client`), as for requests: one tenant cannot
+steer another's sessions.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dynsteer.controller.zmq_protocol import (
 
 from ..zmq_security import bind
 from .runtime import DynsteerServer, WorkerError
-from .sessions import namespaced
+from .sessions import client
 
 logger = logging.getLogger("vllm.dynsteer.server")
 
@@ -137,15 +137,15 @@ class CommandServer:
         if isinstance(command, Ping):
             return "pong"
         if isinstance(command, (SetSession, ClearSession)):
-            session = namespaced(command.session, command.api_key if keys else None)
+            session = client(command.api_key, keys).session(command.session)
             steering = (plane.session_steering(command.steer, command.gate)
                         if isinstance(command, SetSession) else None)
             server.frontend.set_session(session, steering)
             return {"session": command.session}
         if isinstance(command, SetGlobal):
-            await server.apply(plane.set_global(command.steer))
+            await server.apply(lambda: plane.set_global(command.steer))
         elif isinstance(command, ClearGlobal):
-            await server.apply(plane.clear_global())
+            await server.apply(plane.clear_global)
         elif isinstance(command, RegisterVector):
             if (command.vector is None) == (command.vector_b64 is None):
                 raise ValueError("vector: give exactly one of vector or vector_b64")

@@ -20,6 +20,7 @@ from .commands import CommandServer
 from .metrics import install_collector
 from .middleware import DynsteerMiddleware
 from .runtime import DynsteerServer, WorkerError
+from .sessions import client
 from .settings import ServerSettings, api_keys
 
 logger = logging.getLogger("vllm.dynsteer.server")
@@ -67,6 +68,7 @@ class DynsteerEndpoints:
                            "dynsteer; they answer 503")
             return
         keys = api_keys(self.settings, getattr(args, "api_key", None))
+        frontend.default_caller = client(None, keys)  # a request that lost its caller
         server = DynsteerServer(engine_client, frontend, self.settings, keys, _model_name(args))
         await probe_routes.restore_registry(server)
         if frontend.options.commands_address is not None:

@@ -1,21 +1,24 @@
 """One pure-ASGI middleware for what routes cannot do themselves.
 
+* Every HTTP request runs as its caller (:func:`.sessions.client` of its bearer key, in a
+  context variable that follows it into admission, see
+  :mod:`dynsteer.engine_ext.frontend.caller`): whatever the route or the body's encoding, a
+  spec's ``session`` is namespaced by the key that authenticated the request (the keyless
+  namespace without one, on routes vLLM's ``--api-key`` does not guard too), and dynsteer's
+  reserved ``vllm_xargs`` keys (``dynsteer_*``) are refused by parsed key.
 * ``POST /v1/chat/completions`` and ``/v1/completions`` with a top-level ``dynsteer`` object
   (OpenAI clients' ``extra_body``): the object moves into ``vllm_xargs["dynsteer"]`` as JSON,
   the path vLLM already carries into ``SamplingParams.extra_args``, so both ways of passing a
   spec meet the same validation. Every other POST with a top-level ``dynsteer`` object is HTTP
   400 naming the routes that take it (vLLM would ignore the unknown field and answer
-  unsteered). Bodies without the ``"dynsteer"`` bytes pass untouched (one byte search); bodies
-  with them are first checked to nest at most ``MAX_JSON_DEPTH`` levels (HTTP 400 above).
+  unsteered). Bodies with a ``vllm_xargs`` spec are checked as admission will check them, on
+  every route (HTTP 400 naming the field), before vLLM answers: a streaming request gets its
+  400, not an error event in a 200 stream. Only bodies that may name ``dynsteer``
+  (:func:`_may_carry_spec`) are parsed; they are first checked to nest at most
+  ``MAX_JSON_DEPTH`` levels (HTTP 400 above).
 * Request bodies are capped before anything parses them (HTTP 413, from Content-Length, then
   while reading): ``max_body_bytes`` on ``/v1/dynsteer/`` routes, ``max_request_bytes`` on
   every other POST, PUT and PATCH (vLLM's routes, completions included).
-* Completion bodies with a spec are checked as admission will check them (HTTP 400 naming the
-  field), before vLLM answers: a streaming request gets its 400, not an error event in a 200
-  stream. ``vllm_xargs`` keys reserved for dynsteer's internals (``dynsteer_*``) are refused.
-* With API keys configured, a spec's ``session`` becomes the caller's namespace of it
-  (:func:`.sessions.namespaced` of the bearer token), the same one its controller commands
-  reach; without a configured key, the anonymous namespace (:func:`.sessions.anonymous`).
 * ``GET /metrics`` first refreshes the workers' counters, so a scrape sees current values.
 
 Error bodies carry our message only, in vLLM's ``{"error": {...}}`` shape.
@@ -23,7 +26,6 @@ Error bodies carry our message only, in vLLM's ``{"error": {...}}`` shape.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -37,8 +39,9 @@ from dynsteer.controller.spec import MAX_JSON_DEPTH, check_json_depth
 
 from ..frontend import admission
 from ..frontend.admission import FrontendState
+from ..frontend.caller import acting_as
 from .routes import PREFIX
-from .sessions import anonymous, namespaced
+from .sessions import client
 from .settings import (
     DEFAULT_MAX_REQUEST_BYTES,
     MAX_BODY_ENV,
@@ -48,9 +51,7 @@ from .settings import (
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 """The routes that take a spec (top-level ``dynsteer`` or ``vllm_xargs["dynsteer"]``)."""
 BODY_METHODS = ("POST", "PUT", "PATCH")
-_MARKER = f'"{SPEC_KEY}"'.encode()
-_RESERVED_MARKER = f'"{SPEC_KEY}'.encode()
-"""In every body with a spec or a reserved ``vllm_xargs`` key (others pass unparsed)."""
+_SPEC_BYTES = SPEC_KEY.encode()
 _ERROR_TYPES = {400: "BadRequestError", 413: "RequestTooLargeError"}
 
 
@@ -117,16 +118,11 @@ def _loads(text: bytes | str) -> _Json:
         return _Json(json.loads(text), _json_dumps)
 
 
-def _with_spec(body: bytes) -> _Json | None:
-    """The body's JSON object when it has a top-level ``dynsteer`` key, else None.
-
-    Raises :class:`SpecError` (a ValueError) when a body carrying the ``"dynsteer"`` bytes
-    nests deeper than ``MAX_JSON_DEPTH``. Anything not a JSON object is None (vLLM reports it).
-    """
-    if _MARKER not in body:
-        return None
-    found = _json_object(body)
-    return found if found is not None and SPEC_KEY in found.data else None
+def _may_carry_spec(body: bytes) -> bool:
+    """Whether a body may hold a key that spells ``dynsteer``: literally, through a ``\\u``
+    escape, or in UTF-16/32 (JSON's other encodings, which vLLM's parser reads as well; a NUL
+    among the first four bytes gives them away). Other bodies pass unparsed."""
+    return _SPEC_BYTES in body or b"\\u" in body or b"\x00" in body[:4]
 
 
 def _json_object(body: bytes) -> _Json | None:
@@ -143,111 +139,48 @@ def _json_object(body: bytes) -> _Json | None:
     return found if isinstance(found.data, dict) else None
 
 
-def _move_into_xargs(found: _Json) -> bool:
-    """Move a top-level spec into ``vllm_xargs`` (in place); False when there is none to move
-    or ``vllm_xargs`` is not an object (vLLM reports that)."""
+def _move_into_xargs(found: _Json) -> None:
+    """Move a top-level spec into ``vllm_xargs`` (in place; nothing when ``vllm_xargs`` is not
+    an object: vLLM reports that)."""
     data = found.data
-    if SPEC_KEY not in data:
-        return False
     xargs = data.get("vllm_xargs") or {}
     if not isinstance(xargs, dict):
-        return False
+        return
     if SPEC_KEY in xargs:
-        raise ValueError(f"{SPEC_KEY}: given both as a top-level field and in vllm_xargs; "
-                         "give it once")
+        raise SpecError(f"{SPEC_KEY}: given both as a top-level field and in vllm_xargs; "
+                        "give it once")
     spec = data.pop(SPEC_KEY)
     xargs[SPEC_KEY] = spec if isinstance(spec, str) else found.dumps(spec).decode()
     data["vllm_xargs"] = xargs
-    return True
 
 
-def _moved(body: bytes, found: _Json) -> bytes:
-    return found.dumps(found.data) if _move_into_xargs(found) else body
+def check_body(path: str, body: bytes, frontend: FrontendState | None) -> bytes:
+    """``body`` as the app should see it on ``POST path`` (outside ``/v1/dynsteer/``), refused
+    (:class:`SpecError`, a ValueError naming the field) where admission would refuse it.
 
-
-def move_spec_to_xargs(body: bytes) -> bytes:
-    """The body with a top-level ``dynsteer`` object moved to ``vllm_xargs["dynsteer"]``.
-
-    Raises ValueError when the spec is given both ways, or nests too deep. Anything not a
-    JSON object is returned unchanged (vLLM reports it).
-    """
-    found = _with_spec(body)
-    return body if found is None else _moved(body, found)
-
-
-def rewrite_body(path: str, body: bytes) -> bytes:
-    """``body`` as the app should see it on ``POST path`` (outside ``/v1/dynsteer/``).
-
-    Completion routes get the spec moved into ``vllm_xargs``; on any other route a top-level
-    ``dynsteer`` key is a ValueError naming the supported routes.
-    """
-    found = _with_spec(body)
-    if found is None:
+    A top-level ``dynsteer`` object moves into ``vllm_xargs`` on the completion routes and is
+    refused on any other. ``vllm_xargs`` is checked as admission will check it, on every route
+    (``frontend``; None: dynsteer is not enabled on the engine), before vLLM answers: a
+    streaming request with a bad spec gets its 400, not an error event in a 200 stream. The
+    caller (its session namespace, its right to reserved keys) is the one in context, as at
+    admission. The body is parsed only when it may name ``dynsteer`` and written again only
+    when the spec moved."""
+    if not _may_carry_spec(body):
         return body
-    if path.rstrip("/") in COMPLETION_PATHS:
-        return _moved(body, found)
-    raise SpecError(f"{SPEC_KEY}: not supported on {path}; send steered requests to "
-                    f"{' or '.join(COMPLETION_PATHS)} (top-level \"{SPEC_KEY}\" or vllm_xargs)")
-
-
-RESERVED_PREFIX = f"{SPEC_KEY}_"
-"""``vllm_xargs`` keys starting with it are dynsteer's own (resolved spec, prefix-cache guard,
-row claims, capture, ...): only the frontend sets them, never a client."""
-
-
-def check_completion(body: bytes, frontend: FrontendState,
-                     namespace: Callable[[str], str] | None = None) -> bytes:
-    """A completion body as admission will see it (a top-level spec moved into
-    ``vllm_xargs``), refused (ValueError naming the field) where admission would refuse it:
-    before vLLM starts a 200 stream, so a streaming request with a bad spec gets its 400 too.
-    The body is parsed once and written again only when something changed.
-
-    ``vllm_xargs`` keys reserved for dynsteer are refused (the frontend would overwrite most;
-    ``dynsteer_capture`` would join an open capture pass). ``namespace`` puts the spec's
-    ``session`` in the caller's namespace (:func:`.sessions.namespaced` of its key,
-    :func:`.sessions.anonymous`); None (no keys configured) leaves it as given."""
     found = _json_object(body)
     if found is None:
         return body
-    changed = _move_into_xargs(found)
+    moved = SPEC_KEY in found.data
+    if moved:
+        if path.rstrip("/") not in COMPLETION_PATHS:
+            raise SpecError(
+                f"{SPEC_KEY}: not supported on {path}; send steered requests to "
+                f"{' or '.join(COMPLETION_PATHS)} (top-level \"{SPEC_KEY}\" or vllm_xargs)")
+        _move_into_xargs(found)
     xargs = found.data.get("vllm_xargs")
-    if not isinstance(xargs, dict):
-        return body
-    reserved = sorted(k for k in xargs if isinstance(k, str) and k.startswith(RESERVED_PREFIX))
-    if reserved:
-        raise SpecError(f"vllm_xargs.{reserved[0]}: reserved for dynsteer's own use; a "
-                        f"steering spec goes in vllm_xargs.{SPEC_KEY} or a top-level "
-                        f"{SPEC_KEY!r} object")
-    if SPEC_KEY in xargs:
-        if namespace is not None:
-            changed = _namespace_session(xargs, namespace, found.dumps) or changed
+    if frontend is not None and isinstance(xargs, dict):
         admission.precheck(frontend, xargs)
-    return found.dumps(found.data) if changed else body
-
-
-def _namespace_session(xargs: dict[str, Any], namespace: Callable[[str], str],
-                       dumps: Callable[[Any], bytes]) -> bool:
-    """Put the spec's session (if any) in ``namespace``, in place; whether it had one. A spec
-    given as an object is written back by ``dumps``, the encoder of the body it came in."""
-    raw = xargs[SPEC_KEY]
-    try:
-        found = _loads(raw) if isinstance(raw, str) else _Json(raw, dumps)
-    except (ValueError, RecursionError):
-        return False  # admission names the field
-    spec = found.data
-    if not isinstance(spec, dict) or not isinstance(spec.get("session"), str):
-        return False
-    spec["session"] = namespace(spec["session"])
-    xargs[SPEC_KEY] = found.dumps(spec).decode()
-    return True
-
-
-def _namespace_of(server: Any, scope: Scope) -> Callable[[str], str] | None:
-    """The session namespace of the caller (None: no API keys configured)."""
-    if not server.api_keys:
-        return None
-    key = _bearer(scope)
-    return functools.partial(namespaced, api_key=key) if key in server.api_keys else anonymous
+    return found.dumps(found.data) if moved else body
 
 
 def _bearer(scope: Scope) -> str | None:
@@ -273,13 +206,19 @@ class DynsteerMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        server = getattr(getattr(scope.get("app"), "state", None), "dynsteer", None)
+        if server is None:
+            await self._handle(scope, receive, send, None)
+            return
+        with acting_as(client(_bearer(scope), server.api_keys)):
+            await self._handle(scope, receive, send, server)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, server: Any) -> None:
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         method = scope["method"]
         if method not in BODY_METHODS:
-            if path == "/metrics" and method == "GET":
-                server = getattr(scope["app"].state, "dynsteer", None)
-                if server is not None:
-                    await server.refresh_stats()
+            if path == "/metrics" and method == "GET" and server is not None:
+                await server.refresh_stats()
             await self.app(scope, receive, send)
             return
         ours = path.startswith(PREFIX)
@@ -299,14 +238,8 @@ class DynsteerMiddleware:
             await too_large(scope, receive, send)
             return
         if not ours and method == "POST":
-            server = getattr(getattr(scope.get("app"), "state", None), "dynsteer", None)
             try:
-                if (server is not None and _RESERVED_MARKER in body
-                        and path.rstrip("/") in COMPLETION_PATHS):
-                    new_body = check_completion(body, server.frontend,
-                                                _namespace_of(server, scope))
-                else:
-                    new_body = rewrite_body(path, body)
+                new_body = check_body(path, body, server.frontend if server else None)
             except ValueError as e:
                 await _error(400, str(e))(scope, receive, send)
                 return

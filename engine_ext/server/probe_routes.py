@@ -1,20 +1,23 @@
 """``/v1/dynsteer/probes`` (upload, list, read, delete named probes) and
 ``/v1/dynsteer/capture`` (activations to train them on).
 
-An upload is checked completely (body size, name, finite weights of the served hidden size, a
-configured monitor site, the training fingerprint, a free name or ``?replace=true``, room in the
-registry) before anything changes; then it is written to the store (when configured,
-atomically) and registered on every worker, so a restarted server serves the same probes and
-vectors (see :func:`restore_registry`).
+An upload is checked completely (body size, name, finite weights of the served hidden size,
+metadata of at most 64 KiB as stored, a configured monitor site, the training fingerprint, a
+free name or ``?replace=true``, room in the registry) before anything changes; then it is
+registered on every worker and written to the store (when configured, atomically), all under
+the lock that orders changes, so a restarted server serves the same probes and vectors (see
+:func:`restore_registry`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 
 from fastapi import APIRouter, HTTPException
 
-from dynsteer.controller.contract import site_name
 from dynsteer.controller.http_models import (
     CaptureResponse,
     Deleted,
@@ -22,9 +25,9 @@ from dynsteer.controller.http_models import (
     ProbeSummary,
     ProbeUpload,
 )
-from dynsteer.probes import Probe
 
 from ..frontend.capture import CaptureArgs, capture_async, encode_result
+from ..frontend.control_plane import Change, ConflictError, ControlError
 from .routes import (
     PREFIX,
     DynsteerRoute,
@@ -39,12 +42,6 @@ logger = logging.getLogger("vllm.dynsteer.server")
 router = APIRouter(prefix=PREFIX, tags=["dynsteer probes"], route_class=DynsteerRoute)
 
 
-def _summary(probe: Probe) -> ProbeSummary:
-    return ProbeSummary(name=probe.name, site=site_name((probe.site.hook, probe.site.layer)),
-                        threshold=probe.threshold, sharpness=probe.sharpness,
-                        metadata=dict(probe.metadata))
-
-
 @router.post("/probes", response_model=ProbeSummary, status_code=201, dependencies=Guarded)
 async def post_probe(body: ProbeUpload, replace: bool = False,
                      server: DynsteerServer = Server) -> ProbeSummary:
@@ -52,17 +49,17 @@ async def post_probe(body: ProbeUpload, replace: bool = False,
     taken, unless ``?replace=true``)."""
     with http_errors():
         probe = body.to_probe()
-        change = server.plane.register_probe_object(probe, replace=replace)
-    if server.store is not None:
-        server.store.save_probe(probe)
-    await server.apply(change)
-    return _summary(probe)
+        await server.register_probe(probe, replace=replace)
+    return ProbeSummary.of(probe)
 
 
 @router.get("/probes", response_model=ProbeList)
 async def list_probes(server: DynsteerServer = Server) -> ProbeList:
+    """Every registered probe. Open to anyone, so metadata larger than
+    :data:`~dynsteer.controller.http_models.LISTED_METADATA_BYTES` is left out here
+    (``metadata_omitted``); ``GET /probes/{name}`` returns it whole."""
     probes = server.frontend.probes  # None: bare weights (offline API only), nothing to show
-    return ProbeList(probes=[_summary(probe) for _, probe in sorted(probes.items())
+    return ProbeList(probes=[ProbeSummary.of(probe) for _, probe in sorted(probes.items())
                              if probe is not None])
 
 
@@ -79,34 +76,50 @@ async def get_probe(name: str, server: DynsteerServer = Server) -> dict:
 async def delete_probe(name: str, server: DynsteerServer = Server) -> Deleted:
     """Forget a probe (and its stored file); requests already admitted keep their gate."""
     with http_errors():
-        change = server.plane.unregister_probe(name)
-    await server.apply(change)
-    if server.store is not None:
-        server.store.delete_probe(name)
+        await server.unregister_probe(name)
     return Deleted(deleted=name)
 
 
 async def restore_registry(server: DynsteerServer) -> None:
-    """Register every stored vector and probe at startup; one that no longer fits this model
-    (or these engine options) is skipped, loudly."""
-    if server.store is None:
+    """Register every stored vector and probe at startup, oldest first (see
+    :mod:`.registry_store`). One that no longer fits this model is skipped, loudly; those a cap
+    (``max_vectors``, ``max_probes``) leaves no room for are moved out of the store, loudly, so
+    that the store keeps holding what the registry holds."""
+    store = server.store
+    if store is None:
         return
-    for name, values in server.store.load_vectors():
-        try:
-            change = server.plane.register_vector(name, values)
-        except ValueError as e:
-            logger.error("dynsteer: stored vector %r does not fit this model: %s", name, e)
-            continue
-        await server.apply(change)
-    for probe in server.store.load_probes():
-        try:
-            change = server.plane.register_probe_object(probe)
-        except ValueError as e:
-            logger.error("dynsteer: stored probe %r does not fit this model: %s", probe.name, e)
-            continue
-        await server.apply(change)
+    plane = server.plane
+    await _restore(server, "vector", "max_vectors", store.set_aside_vector,
+                   [(name, partial(plane.register_vector, name, values))
+                    for name, values in store.load_vectors()])
+    await _restore(server, "probe", "max_probes", store.set_aside_probe,
+                   [(probe.name, partial(plane.register_probe_object, probe))
+                    for probe in store.load_probes()])
     logger.info("dynsteer: %d vectors and %d probes restored from %s",
-                len(server.frontend.vectors), len(server.frontend.probes), server.store.folder)
+                len(server.frontend.vectors), len(server.frontend.probes), store.folder)
+
+
+async def _restore(server: DynsteerServer, kind: str, option: str,
+                   set_aside: Callable[[str], Path],
+                   stored: list[tuple[str, Callable[[], Change]]]) -> None:
+    """Apply each stored entry's change (no store write: it is stored); names in a store are
+    unique, so a conflict means the registry is full."""
+    over_limit: list[str] = []
+    for name, build in stored:
+        try:
+            await server.apply(build)
+        except ConflictError:
+            over_limit.append(name)
+        except ControlError as e:
+            logger.error("dynsteer: stored %s %r does not fit this model: %s", kind, name, e)
+    if over_limit:
+        moved_to = {str(set_aside(name)) for name in over_limit}
+        logger.error(
+            "dynsteer: %d stored %ss not restored: the registry is full at %d, the limit (engine "
+            "option dynsteer.%s), and they are the newest: %s; moved to %s (raise the limit and "
+            "move them back to restore them)", len(over_limit), kind,
+            getattr(server.frontend.options, option), option, ", ".join(map(repr, over_limit)),
+            ", ".join(sorted(moved_to)))
 
 
 @router.post("/capture", response_model=CaptureResponse, dependencies=Guarded)

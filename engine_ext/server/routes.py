@@ -5,7 +5,9 @@ Every body and response is a pydantic model of :mod:`dynsteer.controller.http_mo
 naming the field; the engine keeps serving. Routes that change state or return another client's
 data (request telemetry, capture) require the API key when one is configured (see
 :func:`require_key`). Registering a name that exists is HTTP 409 unless ``?replace=true``; a full
-registry is 409 too.
+registry is 409 too. Every change is checked and applied under one lock
+(:meth:`.runtime.DynsteerServer.apply`), so concurrent requests cannot both take a free name or
+the last free place.
 """
 
 from __future__ import annotations
@@ -136,15 +138,14 @@ async def get_global(server: DynsteerServer = Server) -> GlobalSteering:
 async def put_global(body: GlobalSteering, server: DynsteerServer = Server) -> GlobalSteering:
     """Replace global steering (applies to requests admitted from now on and live ones)."""
     with http_errors():
-        change = server.plane.set_global(body.steer)
-    await server.apply(change)
+        await server.apply(lambda: server.plane.set_global(body.steer))
     return GlobalSteering.model_validate({"steer": server.frontend.global_entries})
 
 
 @router.delete("/global", response_model=GlobalSteering, dependencies=Guarded)
 async def delete_global(server: DynsteerServer = Server) -> GlobalSteering:
     """Remove global steering."""
-    await server.apply(server.plane.clear_global())
+    await server.apply(server.plane.clear_global)
     return GlobalSteering()
 
 
@@ -175,10 +176,7 @@ async def get_vector(name: str, server: DynsteerServer = Server) -> VectorOut:
 async def delete_vector(name: str, server: DynsteerServer = Server) -> Deleted:
     """Forget a named vector; requests already admitted keep their steering."""
     with http_errors():
-        change = server.plane.unregister_vector(name)
-    await server.apply(change)
-    if server.store is not None:
-        server.store.delete_vector(name)
+        await server.unregister_vector(name)
     return Deleted(deleted=name)
 
 

@@ -1,14 +1,19 @@
 """The per-server state behind the dynsteer routes: engine client, frontend, control plane.
 
-Mutations run one at a time (an asyncio lock): the worker RPC first, then the frontend update,
-so the order every TP rank applies changes in is the order the frontend records them in.
+Mutations run one at a time (an asyncio lock), each as check, worker RPC, frontend update, store
+write: the order every TP rank applies changes in is the order the frontend records them in,
+and a check (a taken name, a full registry) sees the registry its change is committed to, so
+concurrent clients cannot both pass it (see :meth:`DynsteerServer.apply`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
+
+from dynsteer.probes import Probe
 
 from ..compat import frontend as vllm_frontend
 from ..compat.scheduler import STATS_UTILITY
@@ -25,6 +30,11 @@ STATS_TIMEOUT_S = 5.0
 
 class WorkerError(RuntimeError):
     """A worker RPC failed (HTTP 503 with this message; the details are in the log)."""
+
+
+class StoreError(WorkerError):
+    """A change was applied but the store could not record it (HTTP 503 like a failed worker
+    call, with this message; the details are in the log)."""
 
 
 class DynsteerServer:
@@ -61,26 +71,57 @@ class DynsteerServer:
             raise WorkerError(f"dynsteer: the engine's workers could not run {method}; "
                               "see the server log") from e
 
-    async def apply(self, change: Change) -> None:
-        """Apply a validated change on every worker, then in the frontend."""
+    async def apply(self, change: Change | Callable[[], Change],
+                    persist: Callable[[RegistryStore], None] | None = None) -> None:
+        """Check a change, apply it on every worker, then in the frontend, then in the store,
+        all under the lock that orders changes.
+
+        ``change``: best a builder, a zero-argument callable that runs the control plane's
+        checks and returns the :class:`Change`: run under the lock, checks that read the
+        registry (a taken name, a full registry, a named vector's norm) see the registry the
+        change is committed to. A ready :class:`Change` is applied as checked. ``persist``
+        records the committed change in the store (when one is configured); it runs only for
+        a change that passed its checks and reached every worker, so the store holds exactly
+        what the registry holds.
+        """
+        build = change if callable(change) else lambda: change
         async with self._lock:
-            await self.rpc(change.method, *change.rpc_args())
-            change.commit()
+            checked = build()
+            await self.rpc(checked.method, *checked.rpc_args())
+            checked.commit()
+            if persist is not None and self.store is not None:
+                _record(persist, self.store)
 
     async def register_vector(self, name: str, values: Any, replace: bool = False) -> None:
         """Register a named vector on every worker (persisted when a store is configured)."""
-        change = self.plane.register_vector(name, values, replace=replace)
-        if self.store is not None:
-            self.store.save_vector(name, values)
-        await self.apply(change)
+        await self.apply(lambda: self.plane.register_vector(name, values, replace=replace),
+                         lambda store: store.save_vector(name, self.frontend.vectors[name]))
+
+    async def unregister_vector(self, name: str) -> None:
+        """Forget a named vector (and its stored file)."""
+        await self.apply(lambda: self.plane.unregister_vector(name),
+                         lambda store: store.delete_vector(name))
+
+    async def register_probe(self, probe: Probe, replace: bool = False) -> None:
+        """Register a probe under its name (persisted when a store is configured)."""
+        await self.apply(lambda: self.plane.register_probe_object(probe, replace=replace),
+                         lambda store: store.save_probe(probe))
+
+    async def unregister_probe(self, name: str) -> None:
+        """Forget a named probe (and its stored file)."""
+        await self.apply(lambda: self.plane.unregister_probe(name),
+                         lambda store: store.delete_probe(name))
 
     async def update_probe(self, name: str, threshold: float,
                            sharpness: float | None = None) -> None:
         """A registered probe's new threshold (and sharpness), persisted with the probe."""
-        await self.apply(self.plane.update_probe(name, threshold, sharpness))
-        probe = self.frontend.probes.get(name)
-        if self.store is not None and probe is not None:
-            self.store.save_probe(probe)
+        await self.apply(lambda: self.plane.update_probe(name, threshold, sharpness),
+                         lambda store: self._save_probe(store, name))
+
+    def _save_probe(self, store: RegistryStore, name: str) -> None:
+        probe = self.frontend.probes[name]
+        if probe is not None:  # bare weights (offline API only) have no file form
+            store.save_probe(probe)
 
     async def refresh_stats(self) -> None:
         """Fetch the workers' and the engine core's counters (for /metrics); keeps the last
@@ -96,3 +137,14 @@ class DynsteerServer:
         if results:
             self.worker_stats = results[0]
         self.guard_stats = guard
+
+
+def _record(persist: Callable[[RegistryStore], None], store: RegistryStore) -> None:
+    """Run ``persist`` on the store; a failing disk is a :class:`StoreError` for the client."""
+    try:
+        persist(store)
+    except OSError as e:
+        logger.exception("dynsteer: the probe store %s could not record a change", store.folder)
+        raise StoreError("dynsteer: the change was applied but the probe store could not record "
+                         f"it ({e.strerror or e}); it is lost at restart unless made again; see "
+                         "the server log") from e

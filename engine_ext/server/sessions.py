@@ -3,31 +3,41 @@
 A request's ``session`` (in its spec) and a controller command's ``session`` are both turned
 into ``<namespace>/<session>``, the namespace a digest of the API key the caller presented;
 so a tenant reaches only sessions made under its own key, whatever name it sends. A request
-without a configured key gets a namespace of its own (:data:`ANONYMOUS`), so it cannot join a
-tenant's session by sending that tenant's namespaced name. Without API keys there is one
-namespace (the name as given). Events carry the namespaced name; a command may send it back
-as it is (a name already in the caller's own namespace is not prefixed again).
+without a configured key (no bearer, a wrong one, or a route vLLM's ``--api-key`` does not
+guard, such as ``/invocations``) gets a namespace of its own (:data:`ANONYMOUS`), so it cannot
+join a tenant's session by sending that tenant's namespaced name. Without API keys there is
+one namespace (the name as given). Events carry the namespaced name; a command may send it
+back as it is (a name already in the caller's own namespace is not prefixed again).
+
+Requests are namespaced at admission (:mod:`dynsteer.engine_ext.frontend.caller`), from the
+:class:`~dynsteer.engine_ext.frontend.caller.Caller` the middleware derives here from the
+request's bearer key.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+
+from ..frontend.caller import Caller
 
 NAMESPACE_CHARS = 16
-
 
 ANONYMOUS = "-/"
 """Namespace prefix of sessions of requests without a configured key (no digest spells it)."""
 
 
-def namespaced(session: str, api_key: str | None) -> str:
-    if api_key is None:
-        return session
-    prefix = hashlib.blake2b(api_key.encode(),
-                             digest_size=NAMESPACE_CHARS // 2).hexdigest() + "/"
-    return session if session.startswith(prefix) else prefix + session
+def key_namespace(api_key: str) -> str:
+    """The session-name prefix of a tenant's API key."""
+    return hashlib.blake2b(api_key.encode(), digest_size=NAMESPACE_CHARS // 2).hexdigest() + "/"
 
 
-def anonymous(session: str) -> str:
-    """A session of a request without a configured key, while keys are configured."""
-    return ANONYMOUS + session
+def client(api_key: str | None, api_keys: list[str]) -> Caller:
+    """The caller presenting ``api_key`` (None: no bearer) to a server with ``api_keys``."""
+    if not api_keys:
+        return Caller(namespace=None, client=True)
+    known = api_key is not None and any(
+        hmac.compare_digest(api_key.encode(), k.encode()) for k in api_keys)
+    return Caller(namespace=key_namespace(api_key) if known and api_key else ANONYMOUS,
+                  client=True)
+
