@@ -1,8 +1,10 @@
 """Prefix caching stays on and never serves steered KV to a differently steered request.
 
 Steered requests fork their block hashes from the block holding their first steered position
-(vLLM chains block hashes, so every later block forks too); gated requests cache only blocks
-the workers reported free of dynamic steering; unsteered traffic keeps sharing blocks.
+(vLLM chains block hashes, so every later block forks too). Gated requests are keyed by their
+gate and share blocks with requests of the same key, whether or not the gate fired; a gate under
+a controller caches only blocks the workers reported free of dynamic steering. Unsteered traffic
+keeps sharing blocks. Every reuse is checked against HF transformers computing it all.
 """
 
 from __future__ import annotations
@@ -86,15 +88,26 @@ def test_unsteered_request_does_not_hit_steered_blocks(llm, hf_llama):
 
 
 def test_identically_steered_requests_share_blocks(llm, hf_llama):
-    """The same spec computes the same KV, so it may be (and is) shared: static entries, and a
-    gate that never fired (every block reported free of dynamic steering)."""
+    """The same spec computes the same KV, so it may be (and is) shared: static entries, a gate
+    that never fired, and a gate that fired (its value at a position is a function of the
+    tokens up to it and of the spec, all in the key)."""
     quiet = {**GATED, "probe": {**GATED["probe"], "threshold": 1e6}}
-    for i, spec in enumerate([{"steer": PREFILL}, {"gate": quiet}]):
+    for i, spec in enumerate([{"steer": PREFILL}, {"gate": quiet}, {"gate": GATED},
+                              {"gate": GATED_CLAMP}]):
         p = prompt(30 + i)
         one(llm, p, spec)
         out = one(llm, p, spec)
         assert out.num_cached_tokens == (len(p) - 1) // BLOCK * BLOCK, spec
         assert_logprobs_match_hf(hf_llama, out, spec.get("steer", ()), gate=spec.get("gate"))
+
+
+def test_a_gate_with_another_threshold_misses_the_gated_blocks(llm, hf_llama):
+    p = prompt(35)
+    one(llm, p, {"gate": GATED})
+    other = {**GATED, "threshold": 0.5}
+    out = one(llm, p, {"gate": other})
+    assert out.num_cached_tokens == 0
+    assert_logprobs_match_hf(hf_llama, out, gate=other)
 
 
 def test_global_steering_forks_the_cache(llm, hf_llama):
@@ -193,25 +206,41 @@ def _firing_gate(llm, hf_llama, p, max_tokens, steer):
     [{"vector": vec(57), "layers": [2]}],
     [{"vector": vec(59), "layers": [1, 2], "op": "ablate"}],
 ], ids=["add", "ablate"])
-def test_gated_follow_up_hits_only_blocks_before_the_first_dynamic_position(llm, hf_llama,
-                                                                            steer):
-    """The gate fires first at decode position ``pos``; a follow-up with the same gate whose
-    prompt is the first request's prompt + output hits exactly the blocks before the one
-    holding ``pos``, and generates what a cold run (no cache hits) generates. The same for a
+def test_a_conversation_resent_after_its_gate_fired_hits_every_block(llm, hf_llama, steer):
+    """The gate fires first at decode position ``pos``; the next turn (the first request's
+    prompt + output, same gate) is served from every full block the first request computed,
+    those after ``pos`` included, and generates what HF computes from scratch. The same for a
     gate whose steering is a projection (an ``ablate`` entry)."""
     p = prompt(7 if steer[0].get("op") is None else 8, n=2 * BLOCK - 4)
     pos, gate = _firing_gate(llm, hf_llama, p, max_tokens=48, steer=steer)
     spec = {"gate": gate}
-    withheld_before = Steering(llm).cache_stats()["blocks_withheld"]
     first = one(llm, p, spec, max_tokens=48, seed=SEED)
     gates = Steering(llm).telemetry(first)["gates"]
     assert gates[pos] > 0.5
-    assert all(g is None or g < DYNAMIC_EPSILON for g in gates[:pos])
-    stats = Steering(llm).cache_stats()
-    assert stats["blocks_withheld"] > withheld_before, stats
+    follow = p + list(first.outputs[0].token_ids)
+    warm = one(llm, follow, spec, max_tokens=6)
+    assert warm.num_cached_tokens == (len(follow) - 1) // BLOCK * BLOCK > pos
+    assert_logprobs_match_hf(hf_llama, warm, gate=gate)
+    cold = one(llm, follow, spec, max_tokens=6, cache_salt="cold-run")
+    assert cold.num_cached_tokens == 0
+    assert_same_output(warm, cold)
+
+
+def test_a_controlled_gate_caches_only_blocks_before_its_first_dynamic_position(llm, hf_llama):
+    """Under a controller (``latch``: once latched, every later token is steered fully) the
+    steering depends on more than the prefix: a follow-up with the same spec hits exactly the
+    blocks before the one holding the first dynamically steered position ``pos``."""
+    steer = [{"vector": vec(57), "layers": [2]}]
+    p = prompt(12, n=2 * BLOCK - 4)
+    pos, gate = _firing_gate(llm, hf_llama, p, max_tokens=48, steer=steer)
+    spec = {"gate": gate, "controller": {"name": "latch", "k": 1}}
+    withheld_before = Steering(llm).cache_stats()["blocks_withheld"]
+    first = one(llm, p, spec, max_tokens=48, seed=SEED)
+    gates = Steering(llm).telemetry(first)["gates"]
+    assert all(g is None or g < DYNAMIC_EPSILON for g in gates[:pos]) and gates[pos] > 0.5
+    assert Steering(llm).cache_stats()["blocks_withheld"] > withheld_before
     follow = p + list(first.outputs[0].token_ids)
     warm = one(llm, follow, spec, max_tokens=6)
     assert warm.num_cached_tokens == pos // BLOCK * BLOCK
     cold = one(llm, follow, spec, max_tokens=6, cache_salt="cold-run")
-    assert cold.num_cached_tokens == 0
     assert_same_output(warm, cold)

@@ -9,13 +9,17 @@ would have computed it differently. The frontend gives each steered request a
   shared with everyone; vLLM chains block hashes, so every later block is forked too.
   Prefill/all-phase static steering forks at 0; decode-only static steering forks at the
   prompt length, leaving the prompt's blocks shared.
-* ``withhold`` (gated requests): the scheduler caches a block only once the workers reported
+* Gated requests are keyed by their gate too: a gate's value at a position is a function of
+  the tokens up to it and of what the key covers (probe, threshold, sharpness, vectors, global
+  steering, registry generation), so their blocks are cached like static ones and served to
+  requests with the same key (a conversation's next turn, a shared system prompt), never to
+  one with another gate or none.
+* ``withhold`` (a gate under a controller, whose decisions follow step boundaries and
+  chunking, not only the prefix): the scheduler caches a block only once the workers reported
   that none of its positions got a dynamic contribution (gate above
-  :data:`.guard.DYNAMIC_EPSILON`); from the first such position on,
-  blocks are never cached. Caching happens when a report arrives, never ahead of it, so async
-  scheduling (the next step scheduled before this one's output is processed) cannot expose a
-  block early. Gated requests are keyed by their gate too: reading another request's blocks
-  would skip their own gate's evaluation at those positions.
+  :data:`.guard.DYNAMIC_EPSILON`); from the first such position on, blocks are never cached.
+  Caching happens when a report arrives, never ahead of it, so async scheduling (the next step
+  scheduled before this one's output is processed) cannot expose a block early.
 
 The workers' report is :meth:`~dynsteer.engine_ext.worker.telemetry.GateTelemetry.cache_report`
 (built with :func:`.guard.grown_frontiers`):

@@ -20,6 +20,13 @@ def guard_for(wire: dict[str, Any] | None, global_wire: Sequence[WireEntry],
     generation (named vectors/probes may have changed). With phase-specific entries a
     position's KV also depends on whether it is a prompt or a generated position, so the
     prompt length joins the key.
+
+    A gate's value at a position is a function of the tokens up to it and of what the key
+    covers, so gated blocks are cached under the key like static ones and served to requests
+    with the same key (a later turn resending the conversation, a shared system prompt). Only
+    a controller makes steering depend on more than the prefix (its decisions follow step
+    boundaries and chunking): its request's blocks are withheld from the first dynamically
+    steered position on (``withhold``).
     """
     own = wire["steer"] if wire else []
     gate = wire["gate"] if wire else None
@@ -34,4 +41,5 @@ def guard_for(wire: dict[str, Any] | None, global_wire: Sequence[WireEntry],
     phase_specific = any(e[PHASE] != "all" for e in entries)
     key = fingerprint(wire["key"] if wire else "-", global_key or "-", registry_generation,
                       prompt_len if phase_specific else -1)
-    return CacheGuard(key=key.hex(), fork=fork, withhold=gate is not None)
+    controlled = gate is not None and wire is not None and wire.get("controller") is not None
+    return CacheGuard(key=key.hex(), fork=fork, withhold=controlled)
