@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from dynsteer.controller.contract import Site, SpecError, site_name
@@ -154,9 +155,11 @@ class FrontendState:
 
     def admit_spec(self, raw: Any) -> tuple[SteeringSpec, dict[str, Any]]:
         """A client's spec parsed, checked against the served model and resolved for the
-        workers (SpecError naming the field). Spec texts (JSON strings, as ``vllm_xargs``
-        carries them) are cached: the same text is parsed once."""
-        key = (raw, self.registry_generation) if isinstance(raw, (str, bytes)) else None
+        workers (SpecError naming the field). Specs are cached by content: the same text (as
+        ``vllm_xargs`` carries it), or the same dict (as the Python API takes it, float lists
+        included), is parsed once."""
+        content = _content(raw)
+        key = (content, self.registry_generation) if content is not None else None
         hit = self.parsed.get(key) if key is not None else None
         if hit is not None:
             self.parsed.move_to_end(key)
@@ -231,6 +234,20 @@ class FrontendState:
         """How a request's blocks may be shared (see :func:`..prefix_guard.key.guard_for`)."""
         return guard_for(wire, self.global_wire, self.global_key, self.registry_generation,
                          prompt_len)
+
+
+def _content(raw: Any) -> Any:
+    """What identifies a spec's content (None: not cacheable). A dict is its msgpack bytes: a
+    few microseconds for thousands of floats, where validating them again costs a hundred;
+    floats, ints and booleans encode apart, so only the same values share a parse."""
+    if isinstance(raw, (str, bytes)):
+        return raw
+    if isinstance(raw, dict):
+        try:
+            return ("dict", msgspec.msgpack.encode(raw))
+        except Exception:  # not plain data (arrays, models, cycles): parsed every time
+            return None
+    return None
 
 
 # ---- what the adapter calls (see dynsteer.engine_ext.compat.frontend.FrontendHooks) ----------
