@@ -42,17 +42,21 @@ class EngineOptions(BaseModel):
     enabled: bool = True
     """Turn the plugin on for this engine (an empty dict also enables it)."""
     sites: Annotated[str | list[str], Field(min_length=1)] = "post_block@*"
-    """Which (hook, layer) sites can be steered, e.g. ``"post_block@*"`` or ``"pre_attn@0-3"``
-    (monitor sites are added to them)."""
+    """Which (hook, layer) sites can be steered, e.g. ``"post_block@*"``, ``"pre_attn@0-3"``,
+    ``"post_attn@5+7"`` or ``"post_block@50%"`` (monitor sites are added to them). Fixed at
+    startup: the sites are baked into the compiled graph."""
     monitor_sites: str | list[str] = DEFAULT_MONITOR_SITES
     """Sites where probes can read the stream (gates) and activations can be captured. Each
-    runs the monitor kernel (3-4 us per decode step on an H100); ``""`` for none."""
+    runs the monitor kernel (2.5-4 us per decode step on an H100); ``""`` for none."""
     max_rows: int = Field(default=64, ge=1, le=4096)
     """Distinct steering rows in flight: one per distinct content (a phase's own, global and
     gated vectors per site); specs with equal contents share a row. Each costs
     ``2 * sites * hidden * 4`` bytes of device memory (1 MiB for 32 sites at hidden 4096).
-    Past it, a new config's row replaces the least recently used idle one (a copy of the
-    sites it steers); with every row in use, new configs run unsteered (logged)."""
+    A config's row stays in the table after its last request finished and is reused by the
+    next request of equal contents; a new config takes the least recently used idle row (a
+    copy of the sites it steers). With every row in use, the scheduler keeps the requests that
+    would need a new row waiting in its queue until one is free (everything that fits runs
+    meanwhile); a spec that alone needs more rows than this is refused naming the option."""
     max_projections: int = Field(default=0, ge=0, le=16)
     """Ablate / clamp entries (``"op"``) one kind of token may have at one site: the slots of a
     row. 0 (the default) turns the two ops off and costs nothing; each slot costs
@@ -61,30 +65,29 @@ class EngineOptions(BaseModel):
     site_groups: bool = True
     """Whether a fused site (no monitor) skips the row of a token whose row steers no site of
     its group of consecutive sites (a row steering layer 16 is read at one or two sites, not
-    at every one). False compiles the form before the groups (a steered token's row read at
-    every site, zeros included), kept to measure them against."""
+    at every one). False compiles the form without groups (a steered token's row read at
+    every site, zeros included), for measuring the groups against."""
     persistent_sites: bool = True
     """Whether, on CUDA, the kernel a fused site is in (the next layer's add + RMSNorm, written
-    by Inductor) is a persistent reduction, one pass over the row as stock's norms run. False
-    leaves the launch to Inductor, which writes that kernel looped, with no persistent config
-    to autotune to (3.2 us per kernel against 2.3 at batch 32 of an 8B shape on an H200;
-    ``benchmarks/RESULTS.md``, session 34); kept to measure against. See
-    :mod:`dynsteer.engine_ext.compat.inductor`."""
+    by Inductor) is a persistent reduction, one pass over the row as stock's norms run, for
+    rows of up to 4096 elements (wider rows keep the looped kernel). False leaves the launch
+    to Inductor, which writes that kernel looped, with no persistent config to autotune to
+    (3.2 us per kernel against 2.3 at batch 32 of an 8B shape on an H200), for measuring
+    against. See :mod:`dynsteer.engine_ext.compat.inductor`."""
     fused_norms: bool = False
-    """Whether a site whose stream the next RMSNorm adds (``post_block``, ``post_attn``) runs
-    in that norm's kernel on CUDA (``dynsteer::steer_norm``: one kernel for the site and the
-    norm). Off by default: on serving traffic (H200, servers measured turn about at the same
-    time) it made the steps that admit a request slower, ITL p99 1.23-1.42x plain vLLM's and
-    TTFT p50 1.11-1.24x, where off read 0.99 and 1.00 (``benchmarks/RESULTS.md``, session
-    29; with each server on CPUs of its own, session 32, 1.34x and 1.19x: the form's, not
-    placement's; the cause is not found). On, decode steps are a little faster (idle 0.997
-    against 0.992 of stock's throughput at batch 1, sessions 25-27). Off, the site's ops are
-    fused by Inductor into the norm's kernel and a monitor site runs a kernel of its own.
-    Where one of vLLM's own norm fusions is on (an all-reduce or a quantization fused into the
-    norm, see ``compat.worker.NORM_PASSES``), sites keep that form regardless."""
+    """Whether a site whose stream the next RMSNorm adds (``post_block``, ``post_attn``) runs in
+    that norm's kernel on CUDA (``dynsteer::steer_norm``: one kernel for the site and the norm).
+    Off by default: on serving traffic (H200) it makes the steps that admit a request slower,
+    ITL p99 about 1.3x plain vLLM's and TTFT p50 about 1.2x, where off reads 1.0 for both; on,
+    decode steps are a little faster (about 0.5% at batch 1). Off, the site's ops are fused by
+    Inductor into the norm's kernel and a monitor site runs a kernel of its own. Where one of
+    vLLM's own norm fusions is on (an all-reduce or a quantization fused into the norm, see
+    ``compat.worker.NORM_PASSES``), sites stay out of the norm regardless, so vLLM's fusion
+    stays."""
     max_gates: int = Field(default=128, ge=1, le=65536)
     """Distinct probes (with their threshold, sharpness and monitor site) gating requests in
-    flight; each costs ``hidden * 4`` bytes of device memory."""
+    flight; each costs ``hidden * 4`` bytes of device memory. With every probe row in use, the
+    scheduler keeps the requests that would need a new one waiting, as for ``max_rows``."""
     max_steer_norm: float = Field(default=DEFAULT_MAX_STEER_NORM, gt=0, le=1e12)
     """Largest ``‖scale · vector‖`` (L2) one steering entry may add, checked for every spec,
     global entry and registered vector (HTTP 400 / ValueError above it)."""

@@ -8,8 +8,8 @@ batch: the baseline, static steering at every hook and phase (``tiny_models.STAT
 gated steering (the cases of ``test_gating_reference``: monitors at all three hooks through the
 op, gated sites after them through the fused add, registered and inline probes), then
 activation capture at the monitor sites. What each hook means per architecture is in the
-README's table and ``hf_reference.attention_branch``. An architecture without a verified layer
-contract fails at engine startup with a message naming its class.
+table of docs/architectures.md and ``hf_reference.attention_branch``. An architecture without
+a verified layer contract fails at engine startup with a message naming its class.
 """
 
 from __future__ import annotations

@@ -9,15 +9,14 @@ and reading it back. Stock's add + RMSNorm kernels are also written looped, but 
 registers, one pass), and at decode batches it does. The site kernel's extra loads and stores
 fail that mark's memory-saving test (``TritonKernel.codegen_kernel``: looped bytes at least 1.3x
 persistent), so it runs looped with no alternative: 3.2 us per kernel against stock's 2.3 at
-batch 32 of an 8B shape on an H200, 29 kernels per decode step (``benchmarks/RESULTS.md``,
-sessions 32-34).
+batch 32 of an 8B shape on an H200, 29 kernels per decode step.
 
 The choice between a persistent and a looped reduction is Inductor's extension point
 ``InductorChoices.should_use_persistent_reduction``. :func:`install` configures a subclass
 (:class:`PersistentSites`) whose answer is "persistent" for a reduction kernel holding a node
 traced inside the named function (its FX origins' stack traces) when its row is at most
 ``max_row`` elements; every other kernel gets Inductor's own answer, so a kernel with no site
-in it is compiled as before.
+in it is compiled exactly as Inductor would compile it alone.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def install(function: str, max_row: int) -> None:
     stack trace prints it) persistent up to ``max_row`` elements per row, in this process, for
     what compiles next; a later call's arguments replace the earlier ones. Where another
     choices class is configured already, it is left alone (the site kernels are then
-    Inductor's as before).
+    Inductor's own looped ones).
 
     Inductor makes its handler lazily, once per thread, from ``inductor_choices_class``: set
     there for threads that have not made theirs yet, and as this thread's handler."""

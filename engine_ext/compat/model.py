@@ -286,7 +286,7 @@ def relay_between_stages(model: nn.Module, gate_score: torch.Tensor,
     gates, as on one GPU. ``made`` is the runner's persistent buffers where its ``load_model``
     already made them (the V2 runner does; the V1 and CPU runners make them on first use): the
     key joins them too, since the V2 runner copies only the keys its buffers have (without it,
-    later stages read no gates: seen on two H100s, session 17).
+    later stages would read no gates).
     """
     from vllm.distributed import get_pp_group
 

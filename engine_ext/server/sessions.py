@@ -1,11 +1,12 @@
 """Session namespaces: with API keys configured, a session belongs to the key that names it.
 
 A request's ``session`` (in its spec) and a controller command's ``session`` are both turned
-into ``<namespace>/<session>``, the namespace a digest of the API key the caller presented;
-so a tenant reaches only sessions made under its own key, whatever name it sends. A request
-without a configured key (no bearer, a wrong one, or a route vLLM's ``--api-key`` does not
-guard, such as ``/invocations``) gets a namespace of its own (:data:`ANONYMOUS`), so it cannot
-join a tenant's session by sending that tenant's namespaced name. Without API keys there is
+into ``<namespace>/<session>``, the namespace a digest of the API key the caller presented
+(its bearer key, on every route: those vLLM's ``--api-key`` does not guard, such as
+``/invocations``, too); so a tenant reaches only sessions made under its own key, whatever
+name it sends. A request without a configured key (no bearer, or a wrong one) gets a
+namespace of its own (:data:`ANONYMOUS`), so it cannot join a tenant's session by sending that
+tenant's namespaced name. Without API keys there is
 one namespace (the name as given). Events carry the namespaced name; a command may send it
 back as it is (a name already in the caller's own namespace is not prefixed again).
 

@@ -1,19 +1,18 @@
 """Per-request gate statistics kept on the device: one CUDA-graph replay per step.
 
-Folding a step's gates on the host (numpy over every gated token, then a read-back of the
-step's gates) cost 100-250 µs per step at serving batch sizes, on the step path, where an
-admission step's host time lands 1:1 on every running request's inter-token latency
-(``benchmarks/RESULTS.md``, session 20). Here the counters live on the device, one column per
-runner request slot, and one replayed CUDA graph per step (no launch work on the host) does
-everything after the step's forward: it reads out the columns of requests that finished,
-writes the columns of requests admitted, folds the step's gates in, and copies back one
-``[2, slots]`` array (each slot's first dynamically steered position and processed frontier:
-all the prefix guard's report needs) and the read-outs. Per step the host packs the step's
-admissions and finishes into an op buffer (sent with the step's other uploads, only when
-there are any: :mod:`.step_upload`), replays the graph and records one event; it never waits
-for the GPU. Once the prefix guard's report has settled (no live request's clean prefix can
-grow until the next admission), a step that reads out and writes nothing replays a graph
-that copies nothing back, with no event: the replay is its only CUDA call.
+Folding a step's gates on the host (numpy over every gated token, then a read-back of the step's
+gates) would cost 100-250 µs per step at serving batch sizes, on the step path, where an
+admission step's host time lands 1:1 on every running request's inter-token latency. Here the
+counters live on the device, one column per runner request slot, and one replayed CUDA graph per
+step (no launch work on the host) does everything after the step's forward: it reads out the
+columns of requests that finished, writes the columns of requests admitted, folds the step's
+gates in, and copies back one ``[2, slots]`` array (each slot's first dynamically steered
+position and processed frontier: all the prefix guard's report needs) and the read-outs. Per
+step the host packs the step's admissions and finishes into an op buffer (sent with the step's
+other uploads, only when there are any: :mod:`.step_upload`), replays the graph and records one
+event; it never waits for the GPU. Once the prefix guard's report has settled (no live request's
+clean prefix can grow until the next admission), a step that reads out and writes nothing
+replays a graph that copies nothing back, with no event: the replay is its only CUDA call.
 
 ``stats[STAT_COLS, slots]`` (int64; columns are slots, so the two read back each step are one
 contiguous block) and ``site_counts[sites, 2]`` (int64: tokens monitored and gated per monitor

@@ -5,8 +5,8 @@ Each hook keeps its total and a histogram of single calls (the tail is what
 stretches a step: a mean hides one slow admission among hundreds of cheap steps), and the CPU
 time its thread spent in it. Wall time minus CPU time is time the hook waited: for the GIL,
 which the engine core's I/O threads take whenever a torch call in the hook releases it, or for
-the GPU. In a serving engine the hooks' wall time was 2-4x what the same code costs alone
-(``benchmarks/host_step.py``); the split says which part is ours to cut. Wrapping costs two
+the GPU. In a serving engine the hooks' wall time can be several times what the same code costs
+alone; the split says which part is ours to cut. Wrapping costs two
 clock reads, two thread CPU-time reads (a system call each, ~0.7 µs) and a bisection per
 call; nothing here allocates per call.
 """

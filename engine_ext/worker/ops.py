@@ -190,7 +190,7 @@ PERSISTENT_SITE_ROW = 4096
 """The widest row whose fused site's kernel is asked to be a persistent reduction (engine
 option ``persistent_sites``, :mod:`dynsteer.engine_ext.compat.inductor`). Inductor launches a
 persistent kernel with at most 8 warps up to 8192 elements (16 elements a thread at 4096, 32
-at 8192, where stock's persistent norm configs keep 16); measured at 4096 only (session 34), so
+at 8192, where stock's persistent norm configs keep 16); it is measured at 4096 only, so
 wider rows keep Inductor's looped kernel until a measurement says otherwise."""
 _BUFFER_ARGS = "".join(f"Tensor {f}, " for f in SteerBuffers._fields)
 STEER_SCHEMA = f"(Tensor x, Tensor? h, {_BUFFER_ARGS}int site) -> Tensor"
@@ -281,8 +281,8 @@ def steer_add(x: torch.Tensor, h: torch.Tensor | None, index: torch.Tensor,
 
     With site groups (``site_bit`` nonzero, the default) a token whose entry lacks this
     site's bit (its row steers no site of this group) reads no row, and the site is tied to
-    ``h`` (:func:`_within_limit`). ``site_bit`` 0 is the form before the groups (engine option
-    ``site_groups: false``, kept to measure them against): entries are plain rows, and a
+    ``h`` (:func:`_within_limit`). ``site_bit`` 0 is the form without groups (engine option
+    ``site_groups: false``, for measuring them against): entries are plain rows, and a
     steered token reads its row at every site."""
     n = x.shape[0]
     entry = index[INDEX_ROW, :n]
@@ -305,19 +305,18 @@ def _within_limit(x32: torch.Tensor, h: torch.Tensor | None, delta: torch.Tensor
                   dtype: torch.dtype) -> torch.Tensor:
     """``delta`` where ``x32 + delta`` is within the stream limit, else 0: the op's last line
     (``where(|y| <= limit, y, x)``), written so that the steered sum has one user. As
-    ``where(|y| <= limit, y, x32)`` the sum had two; Inductor then stored it as a buffer of its
-    own, split the site over two kernels and read the buffer back (idle sites cost +77 us per
-    decode step of an 8B shape at batch 32 on an H100, against +43 us without the check;
-    ``experiments/idle_variants.py``).
+    ``where(|y| <= limit, y, x32)`` the sum would have two; Inductor then stores it as a buffer
+    of its own, splits the site over two kernels and reads the buffer back (idle sites cost
+    +77 us per decode step of an 8B shape at batch 32 on an H100 that way, against +43 us
+    without the check).
 
     Where ``h`` (the stream's other half) is NaN, ``delta`` is dropped too: the stream there is
     NaN whatever is added, so this changes no value the model sees, but it ties the site to
     ``h``. Without that tie the site's arithmetic needs only ``x``, which the norm *before*
     the MLP already reads, and Inductor may compute it there, store ``delta`` as an fp32
-    ``[T, H]`` buffer and read it back in the next norm: with the site-group test in the
-    expression it did, +50 us per decode step of an 8B shape at batch 32 on an H100 (0.75%,
-    ``experiments/codegen_diff.sh``). Tied to ``h``, it can only join the kernel that adds
-    ``h``."""
+    ``[T, H]`` buffer and read it back in the next norm (with the site-group test in the
+    expression, +50 us per decode step of an 8B shape at batch 32 on an H100, 0.75%). Tied to
+    ``h``, it can only join the kernel that adds ``h``."""
     keep = (x32 + delta).abs() <= stream_limit(dtype)
     if h is not None:
         keep = keep & ~torch.isnan(h)

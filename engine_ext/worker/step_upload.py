@@ -1,12 +1,11 @@
 """Host-written device buffers of the step path, uploaded together in one copy.
 
-A step that admits or finishes requests rewrites several small device buffers from the host:
-the batch's slots and the per-slot table the device fill reads (:mod:`.token_rows`), and the
-gate statistics' op buffer (:mod:`.gate_stats`). Each upload is a CUDA call of ~10-14 µs of
-host time in a serving engine (``benchmarks/RESULTS.md``, session 43), and these steps set the
-inter-token latency's tail. Here the buffers are regions (views) of one device buffer, written
-on the host into one plain numpy mirror of it, and sent by one copy before the first replay
-that reads any of them.
+A step that admits or finishes requests rewrites several small device buffers from the host: the
+batch's slots and the per-slot table the device fill reads (:mod:`.token_rows`), and the gate
+statistics' op buffer (:mod:`.gate_stats`). Each upload is a CUDA call of ~10-14 µs of host time
+in a serving engine, and these steps set the inter-token latency's tail. Here the buffers are
+regions (views) of one device buffer, written on the host into one plain numpy mirror of it, and
+sent by one copy before the first replay that reads any of them.
 
 The mirror holds every region's current contents, so a send may copy regions nobody changed
 along with those that changed: it copies the span from the first region to the end of the

@@ -1,0 +1,175 @@
+"""The user documentation matches the code: every spec field and engine option is documented
+with its default and every documented one exists, links resolve, and the README stays short.
+
+Convention: a model is documented under a heading that starts with its name in backticks
+(``## `SteerEntry` ``); the table rows under it whose first cell is a name in backticks are its
+fields, in the columns ``| field | type | default | meaning |``. A default cell is ``required``,
+a JSON value in backticks (checked against the model), or free text (not checked).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from dynsteer.controller.controllers import BUILTINS
+from dynsteer.controller.spec import SteeringSpec
+from dynsteer.engine_ext.options import EngineOptions
+from dynsteer.engine_ext.server.settings import ServerSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+README_MAX_BYTES = 20 * 1024
+HISTORY = re.compile(r"session [0-9]+", re.IGNORECASE)
+PRODUCT_DIRS = ("engine_ext", "controller", "probes")
+
+MODEL_HEADING = re.compile(r"^#{2,4} `(\w+)`", re.MULTILINE)
+FIELD_ROW = re.compile(r"^\|\s*`(\w+)`\s*\|", re.MULTILINE)
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _models_under(model: type[BaseModel], found: dict[str, type[BaseModel]]) -> None:
+    """``model`` and every model its fields can hold, by class name."""
+    found[model.__name__] = model
+    for field in model.model_fields.values():
+        stack = [field.annotation]
+        while stack:
+            tp = stack.pop()
+            if isinstance(tp, type) and issubclass(tp, BaseModel):
+                if tp.__name__ not in found:
+                    _models_under(tp, found)
+            else:
+                stack.extend(typing.get_args(tp))
+
+
+def spec_models() -> dict[str, type[BaseModel]]:
+    """The spec's models, recursively, and the built-in controllers' parameter models."""
+    found: dict[str, type[BaseModel]] = {}
+    _models_under(SteeringSpec, found)
+    for controller in BUILTINS.values():
+        found[controller.Params.__name__] = controller.Params
+    return found
+
+
+DOCUMENTED = {
+    "spec.md": spec_models(),
+    "options.md": {m.__name__: m for m in (EngineOptions, ServerSettings)},
+}
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
+
+
+def documented_fields(path: Path) -> dict[str, dict[str, list[str]]]:
+    """Per model heading in ``path``: field name -> the cells of its table row."""
+    text = path.read_text()
+    headings = list(MODEL_HEADING.finditer(text))
+    sections: dict[str, dict[str, list[str]]] = {}
+    for i, heading in enumerate(headings):
+        end = headings[i + 1].start() if i + 1 < len(headings) else len(text)
+        body = text[heading.end():end]
+        body = body[:next((m.start() for m in re.finditer(r"^#{1,4} ", body, re.MULTILINE)),
+                          len(body))]
+        rows = {}
+        for line in body.splitlines():
+            match = FIELD_ROW.match(line)
+            if match:
+                rows[match.group(1)] = _cells(line)
+        sections[heading.group(1)] = rows
+    return sections
+
+
+@pytest.mark.parametrize("page", sorted(DOCUMENTED))
+def test_every_model_has_a_section_and_no_section_names_an_unknown_model(page):
+    """The page documents exactly the models it is for."""
+    documented, expected = set(documented_fields(DOCS / page)), set(DOCUMENTED[page])
+    assert documented == expected, (f"docs/{page}: sections missing {expected - documented}, "
+                                    f"unknown {documented - expected}")
+
+
+@pytest.mark.parametrize(("page", "model"), [(p, m) for p, ms in DOCUMENTED.items() for m in ms])
+def test_documented_fields_are_the_model_fields(page, model):
+    """Every field of the model is in its table, and every row of the table is a field."""
+    documented = set(documented_fields(DOCS / page).get(model, {}))
+    fields = set(DOCUMENTED[page][model].model_fields)
+    assert documented == fields, (f"docs/{page}, section `{model}`: undocumented "
+                                  f"{fields - documented}, not fields {documented - fields}")
+
+
+@pytest.mark.parametrize(("page", "model"), [(p, m) for p, ms in DOCUMENTED.items() for m in ms])
+def test_documented_defaults_are_the_model_defaults(page, model):
+    """A default documented as a JSON value or ``required`` is the model's."""
+    fields = DOCUMENTED[page][model].model_fields
+    for name, cells in documented_fields(DOCS / page).get(model, {}).items():
+        if name not in fields:
+            continue  # test_documented_fields_are_the_model_fields names it
+        assert len(cells) == 4, f"docs/{page} `{model}.{name}`: expected 4 columns, got {cells}"
+        default, field = cells[2], fields[name]
+        where = f"docs/{page} `{model}.{name}`"
+        if default == "required":
+            assert field.is_required(), f"{where} is documented as required"
+            continue
+        assert not field.is_required(), f"{where} is required; document it as `required`"
+        if default.startswith("`") and default.endswith("`"):
+            value = json.loads(default.strip("`"))
+            actual = field.get_default(call_default_factory=True)
+            actual = str(actual) if isinstance(actual, Path) else actual
+            assert value == actual, f"{where}: documented {value!r}, the model has {actual!r}"
+
+
+def test_readme_is_at_most_20_kib():
+    """The README is a user's document, not a notebook."""
+    size = len(README.read_bytes())
+    assert size <= README_MAX_BYTES, f"README.md is {size} bytes (at most {README_MAX_BYTES})"
+
+
+def _history_files() -> list[Path]:
+    files = [README, *sorted(DOCS.rglob("*.md"))]
+    for folder in PRODUCT_DIRS:
+        files += sorted((ROOT / folder).rglob("*.py"))
+    return files
+
+
+def test_no_development_history_in_docs_or_product_code():
+    """Product docs, docstrings and option help speak of the present ("session N" is git's)."""
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for path in _history_files()
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if HISTORY.search(line)]
+    assert not found, "\n".join(found)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading (its text lowercased, punctuation dropped, spaces to -)."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.MULTILINE | re.DOTALL)
+    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("page", [README, *sorted(DOCS.rglob("*.md"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    """Every relative link (and its #anchor, within a Markdown page) points at something."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"^[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        missing_anchor = bool(anchor) and resolved.suffix == ".md" and (
+            not resolved.exists() or anchor not in _anchors(resolved))
+        if not resolved.exists() or missing_anchor:
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)}: broken links {broken}"
