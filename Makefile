@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.dynsteer-installed
 
-.PHONY: install demo pirate-demo serve-demo test lint gpukit
+.PHONY: install demo pirate-demo serve-demo test lint gpukit gpu-test
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,3 +35,12 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# The offline vLLM kit for the GPU host (../shared/gpukit/README.md), built here into .gpukit/.
+gpukit:
+	bash ../shared/gpukit/build.sh
+
+# On the GPU host, once the kit is staged and installed there (benchmarks/README.md): the GPU
+# tests and the CUDA cases of the op tests, with the work tree installed beside the kit.
+gpu-test:
+	bash -c 'source .gpukit/bin/env.sh && python3 -m pytest -q tests/gpu && python3 -m pytest -q -k cuda tests/test_ops.py tests/test_steer_norm.py'

@@ -4,7 +4,6 @@ point that :func:`install` writes, like any installed package's)."""
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
@@ -40,10 +39,12 @@ class NumpyLatch(Controller):
 
 
 def install() -> Path:
-    """A folder with this module and its entry point, put on ``sys.path`` and ``PYTHONPATH``
-    (engine processes started afterwards load it)."""
+    """A folder with this module and its entry point, added as a site directory (where
+    ``importlib.metadata`` finds the entry point) and to ``PYTHONPATH`` (engine processes started
+    afterwards load it)."""
     import os
     import shutil
+    import site
 
     root = Path(tempfile.mkdtemp(prefix="dynsteer-bench-controllers-"))
     shutil.copy(__file__, root / "bench_controllers.py")
@@ -53,7 +54,7 @@ def install() -> Path:
                                    "Version: 0.1\n")
     (info / "entry_points.txt").write_text(
         "[dynsteer.controllers]\nbench-latch = bench_controllers:NumpyLatch\n")
-    sys.path.insert(0, str(root))
+    site.addsitedir(str(root))
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
     return root

@@ -4,8 +4,8 @@ call.
 vLLM keys its compile cache by the engine configuration, the model's path included. A model
 written to a fresh temporary folder therefore compiles every engine again on every call, even on
 a warm machine whose cache holds the same graphs from the call before: 40-60 s per dynsteer
-engine of the Llama-8B shape on an H200 (session 31, where a three-server ``serving.py`` call
-spent 5.5 of its 8 minutes starting servers). A folder named by what it holds keeps that key,
+engine of the Llama-8B shape on an H200 (a three-server ``serving.py`` call once spent 5.5 of
+its 8 minutes starting servers). A folder named by what it holds keeps that key,
 so the second call on a machine loads the first call's graphs.
 
 The folders live under ``DYNSTEER_BENCH_MODELS`` (default ``~/.cache/dynsteer/bench-models``).

@@ -20,10 +20,10 @@ in a decoder layer runs after its layer's weights streamed through L2; the write
 and subtracted), and the per-launch times and their paired ratio to the first file's are
 printed and written.
 
-``--norm`` times the site and the RMSNorm after it as one kernel (``steer_norm_triton``,
-session 26) the same way, against the stock fused add + RMSNorm as Inductor compiles it (and,
-with ``--against``, that file's ``steer_norm_triton``): the kernel that replaces a norm of
-the decoder layer, against the one it replaces.
+``--norm`` times the site and the RMSNorm after it as one kernel (``steer_norm_triton``, the
+``fused_norms`` form) the same way, against the stock fused add + RMSNorm as Inductor compiles
+it (and, with ``--against``, that file's ``steer_norm_triton``): the kernel that replaces a
+norm of the decoder layer, against the one it replaces.
 
 Usage: python benchmarks/kernel_bench.py --out DIR [--against TRITON_KERNELS.py...] [--norm]
 """

@@ -44,8 +44,9 @@ the same soak, unsteered, on plain vLLM: its memory is the yardstick.
 Prints a table (markdown) and writes ``load.json`` / ``soak.json`` and the server logs to
 ``--out``; exits 1 when a check fails.
 
-Usage: python benchmarks/load_test.py --out DIR [--requests 1000] [--concurrency 32]
-                                      [--model PATH] [--soak N]
+Usage: PYTHONPATH=tests python benchmarks/load_test.py --out DIR [--requests 1000]
+       [--concurrency 32] [--soak N]      (the tests' tiny chat model)
+       python benchmarks/load_test.py --out DIR --model PATH ...
 """
 
 from __future__ import annotations
@@ -65,8 +66,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving import plain_vllm
 
 from dynsteer.controller.contract import encode_f32
@@ -116,11 +115,14 @@ class Shape:
 
 def default_model() -> Path:
     """The tests' tiny chat model (a 4-layer random Llama with SmolLM2's tokenizer and chat
-    template) at its stable path, so vLLM's compile cache of the test runs is reused."""
-    tests = Path(__file__).resolve().parents[1] / "tests"
-    sys.path.insert(0, str(tests))
-    from server_utils import make_chat_model
-    from tiny_models import stable_model_dir
+    template) at its stable path, so vLLM's compile cache of the test runs is reused. Its
+    makers are the tests' helpers: run with ``PYTHONPATH=tests`` (or give ``--model``)."""
+    try:
+        from server_utils import make_chat_model
+        from tiny_models import stable_model_dir
+    except ImportError:
+        raise SystemExit("the default model is the tests' tiny chat model: run from the "
+                         "repository root with PYTHONPATH=tests, or give --model DIR") from None
 
     return stable_model_dir("tiny-chat", make_chat_model, "chat")
 
@@ -1077,7 +1079,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", type=Path, default=None,
-                    help="model folder (default: the tests' tiny chat model)")
+                    help="model folder (default: the tests' tiny chat model, with "
+                         "PYTHONPATH=tests)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=32)

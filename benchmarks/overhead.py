@@ -28,42 +28,19 @@ Scenarios, each request of a batch carrying its own spec:
 * ``ablate``      every request ablating one registered direction at layers 16-23, on an engine
                   of its own with one projection slot (``max_projections: 1``).
 
-Every engine's start is followed by a look at the ``.best_config`` files it wrote: the launch
-configs Triton's autotuner chose for Inductor's kernels (:mod:`autotune_choices`), printed and in
-the JSON under ``autotune``, with the kernels two engines tuned differently. A kernel with two
-candidate configs (the plain add + RMSNorm kernels of stock and plugin alike,
-``experiments/site_codegen.py``) is timed once per compile, at the profile run's size, and the
-choice holds at every batch. ``--autotune`` says where engines keep them:
-
-* ``vllm`` (default): as vLLM does. Engines with the same options share vLLM's compile cache
-  (the second loads the first's kernels and choices), so a ``--control`` engine cannot show
-  what a fresh compile's choices vary by;
-* ``own``: every engine compiles and autotunes for itself (a compile-cache key and an Inductor
-  folder of its own); with ``--control`` (stock) or ``--variant '{}'`` (the plugin), an A/A
-  that includes the choices;
-* ``shared``: one Inductor folder for all engines, with vLLM's AOT compile off (it would give
-  each compile-cache key a folder of its own): an engine takes the choice an earlier engine
-  made for a kernel of the same source, so plugin and stock differ only where their kernels
-  do.
-
 With ``--variant JSON`` a ``variant`` engine (the plugin with those engine options, e.g.
 ``'{"max_rows": 256}'``) runs every scenario the ``plugin`` engine runs, in the same
 alternation, and each of its rows is also compared with the ``plugin`` row of its scenario
-(``vs plugin``): an engine option against the default in one run. Session 14 measured two
-experimental options this way (``l2_window`` at ``d4174db``, ``site_groups`` at ``b8c2921``);
-session 19 the shipped site groups against the form before (``'{"site_groups": false}'``).
+(``vs plugin``): an engine option against the default in one run.
 
-Two engines of one build differ by up to 0.4-0.5% of a batch-1 decode step, either way round
-(session 18), as much as a 0.5% target's margin. ``--instances K`` starts stock, plugin and
+Two engines of one build differ by up to 0.4-0.5% of a batch-1 decode step, either way round,
+as much as a 0.5% target's margin. ``--instances K`` starts stock, plugin and
 variant K times each, every other round in reverse order (ABBA for K=2, so a bias by start
 order cancels; later instances are named ``plugin#2`` and so on), runs every instance, and adds
 a ``pooled`` row per scenario: the mean decode step of the stock instances over that of the
 plugin's (:func:`pooled`; also the variant's against the stock's and the plugin's). With
 ``--variant '{}' --control`` (one instance each) the variant counts as a second plugin
 instance and the control as a second stock one, in the same order.
-``--flip-site-rblock`` (with ``--autotune shared --variant '{}'``, one instance) gives the
-variant the plugin's kernels with the site kernels' autotune choice flipped (session 18: no
-effect within 0.05%).
 
 With ``--tp N`` every engine is tensor-parallel over N GPUs, started with the settings of
 :mod:`tp_settings` (issue 18's overhead table at TP=2).
@@ -80,7 +57,7 @@ path kept) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
        [--scenarios idle gated ...] [--control] [--variant JSON] [--mem 0.3]
-       [--autotune vllm|own|shared] [--flip-site-rblock] [--instances 2] [--tp 2]
+       [--instances 2] [--tp 2]
 """
 
 from __future__ import annotations
@@ -90,12 +67,10 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from autotune_choices import EngineChoices, flip_rblock
 from bench_model import dummy_model, memory_need_gib
 from sigterm import exits_on_sigterm
 from tp_settings import GPU_TP_ENV, GPU_TP_KWARGS
@@ -119,13 +94,6 @@ OWN_ENGINE = {"events": "events", "ablate": "projecting"}
 """Scenarios that run on an engine of their own (others run on ``plugin``)."""
 REPEATED = ("stock", "plugin", "variant")
 """The engines ``--instances`` starts more than once."""
-INSTANCE_KEY = "dynsteer_bench_instance"
-"""An ``additional_config`` key only this benchmark sets (``--autotune own``): vLLM hashes all
-of ``additional_config`` into its compile-cache key, and nothing reads this key."""
-AUTOTUNE_MODES = ("vllm", "own", "shared")
-"""Where each engine's Inductor kernels and autotune choices live (``--autotune``)."""
-SITE_KERNEL = "steer"
-"""Part of the name Inductor gives the kernels that hold a fused site (``--flip-site-rblock``)."""
 EVENTS_ADDRESS = "tcp://127.0.0.1:5599"
 NULL_SCALE = 1e-30
 """The ``registered-null`` vector's scale: far below half a bf16 ulp of any residual value the
@@ -133,69 +101,25 @@ model makes, far above float32's smallest normal number."""
 
 
 
-def make_model(root: Path | None = None) -> Path:
+def make_model() -> Path:
     """The Llama-8B-shaped dummy model (:mod:`bench_model`: a path that keeps vLLM's compile
-    cache from call to call; ``root``, a temporary folder, for a run that compiles afresh)."""
-    return dummy_model("llama8b", LLAMA_8B, root=root)
+    cache from call to call)."""
+    return dummy_model("llama8b", LLAMA_8B)
 
 
-def start(path: Path, dynsteer: dict[str, Any] | None, mem: float,
-          instance: str | None = None, tp: int = 1) -> Any:
-    """One engine; ``instance`` (``--autotune own``) goes into vLLM's compile-cache key beside
-    the plugin's options, so this engine compiles for itself even where an engine started
-    before it has the same options (vLLM would otherwise load that engine's artifacts, and with
-    them its autotune choices). ``tp`` > 1 starts it with the TP settings of :mod:`tp_settings`
-    (their environment is set in this process, which the workers inherit)."""
+def start(path: Path, dynsteer: dict[str, Any] | None, mem: float, tp: int = 1) -> Any:
+    """One engine; ``tp`` > 1 starts it with the TP settings of :mod:`tp_settings` (their
+    environment is set in this process, which the workers inherit)."""
     from vllm import LLM
 
     parallel: dict[str, Any] = {}
     if tp > 1:
         os.environ.update(GPU_TP_ENV)
         parallel = {"tensor_parallel_size": tp, **GPU_TP_KWARGS}
-    additional: dict[str, Any] = {}
-    if dynsteer is not None:
-        additional["dynsteer"] = dynsteer
-    if instance is not None:
-        additional[INSTANCE_KEY] = instance
-    extra = {"additional_config": additional} if additional else {}
+    extra = {"additional_config": {"dynsteer": dynsteer}} if dynsteer is not None else {}
     return LLM(str(path), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                max_model_len=PREFILL[0] + PREFILL[1] + 16, max_num_seqs=256,
                gpu_memory_utilization=mem, seed=0, **parallel, **extra)
-
-
-def start_engines(plan: list[tuple[str, dict[str, Any] | None]], path: Path, mem: float,
-                  autotune: str, folder: Path, choices: EngineChoices,
-                  tp: int = 1, flip_sites: bool = False) -> dict[str, Any]:
-    """The engines of ``plan`` in order, each start's autotune choices recorded; ``autotune``
-    (one of :data:`AUTOTUNE_MODES`) says where their Inductor caches are, under ``folder``.
-    Engine cores inherit this process's environment when they start. ``flip_sites``
-    (``autotune == "shared"``): before the ``variant`` engine starts, the ``plugin`` engine's
-    choices for its site kernels are flipped to their other ``R0_BLOCK``, and the variant
-    compiles for itself, so it runs the plugin's kernels with that one choice changed."""
-    if autotune == "shared":
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "shared")
-        os.environ["VLLM_USE_AOT_COMPILE"] = "0"
-    engines = {}
-    for name, dynsteer in plan:
-        instance = name if autotune == "own" else None
-        if autotune == "own":
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / name)
-        flip = flip_sites and name == "variant"
-        if flip:
-            choices.flipped = flip_rblock(choices.by_engine["plugin"], SITE_KERNEL, HIDDEN)
-            print(f"site kernels' R0_BLOCK flipped for the variant: {choices.flipped}")
-            instance = name
-            # Inductor generates the kernels again (a cached graph could bring its kernels'
-            # launch configs with it); each then reads its choice from the shared folder.
-            saved = os.environ.get("TORCHINDUCTOR_FX_GRAPH_CACHE")
-            os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
-        engines[name] = start(path, dynsteer, mem, instance=instance, tp=tp)
-        if flip:  # the later engines start as the user's environment says
-            os.environ.pop("TORCHINDUCTOR_FX_GRAPH_CACHE")
-            if saved is not None:
-                os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = saved
-        choices.started(name)
-    return engines
 
 
 class Specs:
@@ -551,15 +475,6 @@ def main() -> None:
     ap.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
                     help="engine options of a third engine that runs the plugin scenarios "
                          "too, compared with the plugin's")
-    ap.add_argument("--autotune", choices=AUTOTUNE_MODES, default="vllm",
-                    help="where engines keep Inductor's kernels and Triton's autotune choices: "
-                         "as vLLM does; 'own' (each compiles and tunes for itself: with "
-                         "--control or --variant '{}', an A/A that includes the choices); "
-                         "'shared' (a kernel of the same source takes the first engine's choice)")
-    ap.add_argument("--flip-site-rblock", action="store_true",
-                    help="with --autotune shared and --variant '{}': the variant runs the "
-                         "plugin's kernels with the site kernels' autotune choice flipped "
-                         "(persistent R0_BLOCK <-> looped), an A/B of that one choice")
     ap.add_argument("--instances", type=int, default=1,
                     help="start stock, plugin (and variant) this many times each, in ABBA "
                          "order, and pool each side's instances (engines of one build differ "
@@ -567,10 +482,6 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel size of every engine (each spans that many GPUs)")
     args = ap.parse_args()
-    if args.flip_site_rblock and (args.autotune != "shared" or args.variant is None):
-        ap.error("--flip-site-rblock needs --autotune shared and --variant")
-    if args.flip_site_rblock and args.instances > 1:
-        ap.error("--flip-site-rblock flips the one plugin's choices: use --instances 1")
     import numpy as np
     import torch
     import vllm
@@ -581,101 +492,93 @@ def main() -> None:
         import bench_controllers
 
         bench_controllers.install()
-    with tempfile.TemporaryDirectory() as tmp:
-        # --autotune own / shared control where compiled kernels come from: no earlier call's
-        path = make_model(None if args.autotune == "vllm" else Path(tmp))
-        plan: list[tuple[str, dict[str, Any] | None]] = [("stock", None)]
-        if set(args.scenarios) - set(OWN_ENGINE):
-            plan.append(("plugin", {}))
-        if args.variant is not None:
-            plan.append(("variant", args.variant))
-        if "ablate" in args.scenarios:
-            plan.append(("projecting", {"max_projections": 1}))
-        if args.control:
-            plan.append(("control", None))
-        if "events" in args.scenarios:
-            plan.append(("events", {"events_address": EVENTS_ADDRESS, "events_every": 1}))
-        plan = instance_plan(plan, args.instances)
-        shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
-        if not args.no_prefill:
-            shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
-        mem = engine_share(args.mem, len(plan), args.tp, shapes,
-                           torch.cuda.get_device_properties(0).total_memory / 2**30)
-        inductor = Path(tmp) / "inductor"
-        choices = EngineChoices([inductor])
-        t0 = time.time()
-        engines = start_engines(plan, path, mem,
-                                args.autotune, inductor, choices, tp=args.tp,
-                                flip_sites=args.flip_site_rblock)
-        startup = time.time() - t0
-        subscriber = Subscriber(EVENTS_ADDRESS) if "events" in engines else None
-        steerings = {n: Steering(e) for n, e in engines.items()
-                     if kind(n) in ("plugin", "variant", *OWN_ENGINE.values())}
-        primary = next(n for n in ("plugin", "events", "projecting") if n in engines)
-        steering = steerings[primary]
-        vector = np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32) * 0.01
-        steering.register_vector("bench", vector)
-        steering.register_vector("null", vector * NULL_SCALE)
-        bench = calibrate_gate(engines[primary], steering)
-        specs = Specs(bench["threshold"])
-        for name, other in steerings.items():
-            if name != primary:
-                other.register_vector("bench", vector)
-                other.register_vector("null", vector * NULL_SCALE)
-                other.register_probe("bench", **bench)
-        results: dict[str, Any] = {"device": torch.cuda.get_device_name(),
-                                   "vllm": vllm.__version__, "startup_s": startup,
-                                   "reps": args.reps, "tp": args.tp,
-                                   "autotune_mode": args.autotune,
-                                   "autotune": choices.report(),
-                                   "site_rblock_flipped": choices.flipped, "runs": {}}
-        runs = engine_runs(list(engines), args.scenarios)
-        seed = 0
-        clocks = {name: StepClock(llm) for name, llm in engines.items()}
-        sm = SmClock()
-        for shape, batch, prompt_len, gen_len in shapes:
-            loads = {s: specs.params(s, batch, gen_len) for s in {"idle", *args.scenarios}}
-            for engine, scenario in runs:  # warm-up: first pass of each shape
+    path = make_model()
+    plan: list[tuple[str, dict[str, Any] | None]] = [("stock", None)]
+    if set(args.scenarios) - set(OWN_ENGINE):
+        plan.append(("plugin", {}))
+    if args.variant is not None:
+        plan.append(("variant", args.variant))
+    if "ablate" in args.scenarios:
+        plan.append(("projecting", {"max_projections": 1}))
+    if args.control:
+        plan.append(("control", None))
+    if "events" in args.scenarios:
+        plan.append(("events", {"events_address": EVENTS_ADDRESS, "events_every": 1}))
+    plan = instance_plan(plan, args.instances)
+    shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
+    if not args.no_prefill:
+        shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
+    mem = engine_share(args.mem, len(plan), args.tp, shapes,
+                       torch.cuda.get_device_properties(0).total_memory / 2**30)
+    t0 = time.time()
+    engines = {name: start(path, dynsteer, mem, tp=args.tp) for name, dynsteer in plan}
+    startup = time.time() - t0
+    subscriber = Subscriber(EVENTS_ADDRESS) if "events" in engines else None
+    steerings = {n: Steering(e) for n, e in engines.items()
+                 if kind(n) in ("plugin", "variant", *OWN_ENGINE.values())}
+    primary = next(n for n in ("plugin", "events", "projecting") if n in engines)
+    steering = steerings[primary]
+    vector = np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32) * 0.01
+    steering.register_vector("bench", vector)
+    steering.register_vector("null", vector * NULL_SCALE)
+    bench = calibrate_gate(engines[primary], steering)
+    specs = Specs(bench["threshold"])
+    for name, other in steerings.items():
+        if name != primary:
+            other.register_vector("bench", vector)
+            other.register_vector("null", vector * NULL_SCALE)
+            other.register_probe("bench", **bench)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(),
+                               "vllm": vllm.__version__, "startup_s": startup,
+                               "reps": args.reps, "tp": args.tp,
+                               "runs": {}}
+    runs = engine_runs(list(engines), args.scenarios)
+    seed = 0
+    clocks = {name: StepClock(llm) for name, llm in engines.items()}
+    sm = SmClock()
+    for shape, batch, prompt_len, gen_len in shapes:
+        loads = {s: specs.params(s, batch, gen_len) for s in {"idle", *args.scenarios}}
+        for engine, scenario in runs:  # warm-up: first pass of each shape
+            seed += 1
+            timed(engines[engine], clocks[engine], sm, prompts(batch, prompt_len, seed),
+                  loads[scenario])
+        before = steering.info()[0]
+        samples: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
+        steps: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
+        mhz: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
+        tails: dict[str, list[tuple[float, float]]] = {f"{e}/{s}": [] for e, s in runs}
+        host: dict[str, dict[str, float]] = {}
+        for rep in range(args.reps):
+            for engine, scenario in runs if rep % 2 == 0 else runs[::-1]:
                 seed += 1
-                timed(engines[engine], clocks[engine], sm, prompts(batch, prompt_len, seed),
-                      loads[scenario])
-            before = steering.info()[0]
-            samples: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
-            steps: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
-            mhz: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
-            tails: dict[str, list[tuple[float, float]]] = {f"{e}/{s}": [] for e, s in runs}
-            host: dict[str, dict[str, float]] = {}
-            for rep in range(args.reps):
-                for engine, scenario in runs if rep % 2 == 0 else runs[::-1]:
-                    seed += 1
-                    own = steerings.get(engine)
-                    start_info = own.info()[0] if own is not None else None
-                    tok_s, step_s, run_mhz = timed(engines[engine], clocks[engine], sm,
-                                                   prompts(batch, prompt_len, seed),
-                                                   loads[scenario])
-                    samples[f"{engine}/{scenario}"].append(tok_s)
-                    steps[f"{engine}/{scenario}"].append(step_s)
-                    mhz[f"{engine}/{scenario}"].append(run_mhz)
-                    tails[f"{engine}/{scenario}"].append(clocks[engine].deciles())
-                    if own is not None:
-                        add_host_time(host.setdefault(f"{engine}/{scenario}", {}), start_info,
-                                      own.info()[0])
-            after = steering.info()[0]
-            site = f"post_block@{MONITOR}"
-            monitored = (after["tokens_monitored"].get(site, 0)
-                         - before["tokens_monitored"].get(site, 0))
-            gated = after["tokens_gated"].get(site, 0) - before["tokens_gated"].get(site, 0)
-            results["runs"][shape] = {"samples": samples, "decode_step_s": steps, "sm_mhz": mhz,
-                                      "decode_step_p10_p90_s": tails, "host_time": host,
-                                      "gate_on_fraction": gated / max(monitored, 1)}
-            args.out.mkdir(parents=True, exist_ok=True)  # what is done survives a time limit
-            (args.out / "overhead.json").write_text(json.dumps(results, indent=2))
-        if subscriber is not None:
-            subscriber.close()
-            results["events"] = {"received": subscriber.received,
-                                 **{k: v for k, v in steerings["events"].info()[0].items()
-                                    if k.startswith("events_")}}
-        results["controllers"] = steering.info()[0]["controllers"]
+                own = steerings.get(engine)
+                start_info = own.info()[0] if own is not None else None
+                tok_s, step_s, run_mhz = timed(engines[engine], clocks[engine], sm,
+                                               prompts(batch, prompt_len, seed),
+                                               loads[scenario])
+                samples[f"{engine}/{scenario}"].append(tok_s)
+                steps[f"{engine}/{scenario}"].append(step_s)
+                mhz[f"{engine}/{scenario}"].append(run_mhz)
+                tails[f"{engine}/{scenario}"].append(clocks[engine].deciles())
+                if own is not None:
+                    add_host_time(host.setdefault(f"{engine}/{scenario}", {}), start_info,
+                                  own.info()[0])
+        after = steering.info()[0]
+        site = f"post_block@{MONITOR}"
+        monitored = (after["tokens_monitored"].get(site, 0)
+                     - before["tokens_monitored"].get(site, 0))
+        gated = after["tokens_gated"].get(site, 0) - before["tokens_gated"].get(site, 0)
+        results["runs"][shape] = {"samples": samples, "decode_step_s": steps, "sm_mhz": mhz,
+                                  "decode_step_p10_p90_s": tails, "host_time": host,
+                                  "gate_on_fraction": gated / max(monitored, 1)}
+        args.out.mkdir(parents=True, exist_ok=True)  # what is done survives a time limit
+        (args.out / "overhead.json").write_text(json.dumps(results, indent=2))
+    if subscriber is not None:
+        subscriber.close()
+        results["events"] = {"received": subscriber.received,
+                             **{k: v for k, v in steerings["events"].info()[0].items()
+                                if k.startswith("events_")}}
+    results["controllers"] = steering.info()[0]["controllers"]
     print(f"device: {results['device']}  vLLM {results['vllm']}  reps={args.reps}  "
           f"tp={args.tp}")
     print(f"{'shape':>14} {'scenario':<22} {'tok/s':>9} {'ratio':>7} {'spread':>7} "
@@ -711,8 +614,6 @@ def main() -> None:
         print(f"{shape:>14} gate on for {run['gate_on_fraction']:.0%} of monitored tokens")
     if "events" in results:
         print(f"events: {results['events']}")
-    for line in choices.summary_lines():
-        print(line)
     results["summary"] = summary
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.json").write_text(json.dumps(results, indent=2))

@@ -9,33 +9,28 @@ registered vector at layers 16-23); plain vLLM gets the same requests without th
 field, and so does the ``dynsteer-plain`` run (the plugin enabled, nothing steered);
 ``dynsteer-static`` and ``dynsteer-gated`` get half plain requests and half of that kind.
 Reported per server: time to first token and inter-token latency (p50 / p99, ms), completed
-requests per second and, for the dynsteer servers, the workers' dynsteer host time per hook call
-(from ``/metrics``); and the CPU seconds each thread of the server's processes spent during the
-load (:mod:`proc_cpu`).
-Prints a table and writes ``serving.json``; with ``--py-spy`` also each server's stacks, which
-``benchmarks/stacks.py`` compares.
+requests per second, the admitting step (:mod:`serving_steps`) and, for the dynsteer servers,
+the workers' dynsteer host time per hook call (from ``/metrics``).
+Prints a table and writes ``serving.json`` and every request's latencies to ``latencies.npz``
+(what ``serving_pool.py`` pools over calls).
 
 With ``--interleave SEGMENTS`` every server is up at once and serves each segment of the stream
 in turn: the way to compare servers on the lent machines, where a process's host speed differs
-by up to 2x from one start to the next (session 29), more than the plugin's cost.
-With it, ``--torch-profile STEPS`` traces each server's engine steps (vLLM's profiler) on an
-extra, unmeasured pass over the first segment and compares them with plain vLLM's
-(:mod:`step_trace`): host time and GPU time per admitting and per decode step, kernel by kernel.
+by up to 2x from one start to the next, more than the plugin's cost.
 ``--warmup REQUESTS`` has each server serve that many requests of another stream (the same mix,
 other prompts and vectors) before the measured segments: the first ~20 s of load after the
-servers start ran slower admitting steps than the rest (session 36), and a segment that falls
-there measures the start, not the plugin. The warm-up's latencies are reported on their own
+servers start ran slower admitting steps than the rest, and a segment that falls there
+measures the start, not the plugin. The warm-up's latencies are reported on their own
 (``warmup``), beside plain vLLM's, so a start-up cost of the plugin's stays visible.
 
 Usage: python benchmarks/serving.py --out DIR --tokenizer DIR [--rate 16] [--requests 400]
        [--runs vllm,dynsteer[,dynsteer-plain][,vllm-b]]
-       [--repeat N | --interleave SEGMENTS --mem 0.42 [--torch-profile STEPS]
-       [--warmup REQUESTS]] [--py-spy BIN]
-       [--pin-cpus CPUS [CPUS ...]]
+       [--repeat N | --interleave SEGMENTS --mem 0.42 [--warmup REQUESTS]
+       [--deadline SECONDS]] [--pin-cpus CPUS [CPUS ...]]
 
 ``--pin-cpus`` runs each server (and the engine core it starts) on CPUs of its own, one
 ``taskset -c`` list per server of ``--runs``: placement the same for every server, where under
-one shared ``taskset`` the scheduler placed them as it went (session 30's host regime).
+one shared ``taskset`` the scheduler placed them as it went.
 """
 
 from __future__ import annotations
@@ -44,11 +39,9 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import gzip
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -60,13 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import dummy_model
-from gc_log import GcWindow
-from gc_log import describe as describe_gc
 from overhead import GATED_LAYERS, HIDDEN, LLAMA_8B, MONITOR
-from proc_cpu import Window, describe
 from serving_steps import admitting_step_ms
 from sigterm import exits_on_sigterm
 
@@ -193,59 +181,27 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float = 480.0) -> Non
     raise TimeoutError("server did not start")
 
 
-def serve_args(model: Path, mem: float, trace_dir: Path | None = None,
-               trace_steps: int = 0) -> list[str]:
-    """The servers' common arguments; with ``trace_dir``, vLLM's torch profiler on the worker,
-    ready to trace ``trace_steps`` engine steps into that folder from the 100th step after
-    ``/start_profile`` (:func:`profiled`)."""
-    args = [str(model), "--load-format", "dummy", "--dtype", "bfloat16",
+def serve_args(model: Path, mem: float) -> list[str]:
+    """The servers' common arguments."""
+    return [str(model), "--load-format", "dummy", "--dtype", "bfloat16",
             "--max-model-len", str(PROMPT_LEN + GEN_LEN + 16), "--max-num-seqs", "256",
             "--gpu-memory-utilization", str(mem), "--served-model-name", "bench",
             "--seed", "0"]
-    if trace_dir is not None:
-        args += ["--profiler-config", json.dumps({
-            "profiler": "torch", "torch_profiler_dir": str(trace_dir.resolve()),
-            "torch_profiler_with_stack": False, "ignore_frontend": True,
-            "delay_iterations": 100, "max_iterations": trace_steps})]
-    return args
-
-
-def _post(url: str) -> None:
-    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=600) as r:
-        r.read()
-
-
-@contextlib.contextmanager
-def profiled(url: str) -> Iterator[None]:
-    """The block under vLLM's profiler (``--torch-profile``): started before, stopped after
-    (the worker writes its trace then, or at its step limit, inside a step: the block's
-    latencies include that stall, so a traced load is never a measured one)."""
-    _post(url + "/start_profile")
-    try:
-        yield
-    finally:
-        _post(url + "/stop_profile")
 
 
 @contextlib.contextmanager
 def server_process(cmd: list[str], health: str, log: Path, env: dict[str, str] | None = None,
-                   timeout: float = 480.0, py_spy: Path | None = None,
-                   stacks: Path | None = None, cpus: str | None = None
+                   timeout: float = 480.0, cpus: str | None = None
                    ) -> Iterator[tuple[str, subprocess.Popen]]:
     """``cmd`` (a server taking ``--port`` and ``--host``) on a free loopback port, its log in
     ``log``: yields (its URL, the process) once ``health`` answers; stopped on exit, with
     every process of its group (an engine core its server left behind included). ``env``
     is added to this process's environment. ``cpus`` (a ``taskset -c`` list): the server
-    and the processes it starts run on those CPUs only. With ``py_spy`` the server runs under
-    ``py-spy record`` (every process of it, 100 Hz, without pausing them; py-spy itself is
-    not pinned), which writes raw stacks to ``stacks`` when interrupted at the end."""
+    and the processes it starts run on those CPUs only."""
     port = free_port()
     cmd = [*cmd, "--port", str(port), "--host", "127.0.0.1"]
     if cpus is not None:
         cmd = ["taskset", "-c", cpus, *cmd]
-    if py_spy is not None:
-        cmd = [str(py_spy), "record", "--nonblocking", "--subprocesses", "--threads",
-               "--rate", "100", "--format", "raw", "--output", str(stacks), "--", *cmd]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True,
@@ -257,23 +213,12 @@ def server_process(cmd: list[str], health: str, log: Path, env: dict[str, str] |
             print(f"{log.stem}: up in {time.monotonic() - t0:.0f} s", flush=True)
             yield url, proc
         finally:
-            if py_spy is not None:  # py-spy writes its stacks on SIGINT, then the server goes
-                proc.send_signal(signal.SIGINT)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=120)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-            else:
-                proc.terminate()
+            proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=120)
             with contextlib.suppress(ProcessLookupError):  # whatever of its group is left
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            if stacks is not None and stacks.exists():  # a few MiB of text, a tenth gzipped
-                with open(stacks, "rb") as raw, gzip.open(f"{stacks}.gz", "wb") as packed:
-                    shutil.copyfileobj(raw, packed)
-                stacks.unlink()
 
 
 def plain_vllm(args: list[str], log: Path, env: dict[str, str] | None = None,
@@ -286,57 +231,25 @@ def plain_vllm(args: list[str], log: Path, env: dict[str, str] | None = None,
 
 
 Load = Callable[..., dict[str, Any]]
-"""``load(bodies, rate, trace=False)`` drives a running server with a stream of request bodies
-at a rate and returns the run; with ``trace``, under vLLM's profiler (:func:`profiled`)."""
+"""``load(bodies, rate)`` drives a running server with a stream of request bodies at a rate and
+returns the run."""
 
 
 @dataclass(frozen=True)
 class Launch:
-    """How this benchmark starts a server: its share of GPU memory, py-spy (a binary), the
-    engine steps vLLM's profiler may trace (0: profiler off), the CPUs it runs on (a
-    ``taskset -c`` list; None: wherever this process may run), the folder its processes'
-    garbage-collector counts are kept in (``--gc-log``; None: not kept) and the folder its
-    trace goes under (``--trace-dir``; None: the output folder)."""
+    """How this benchmark starts a server: its share of GPU memory and the CPUs it runs on (a
+    ``taskset -c`` list; None: wherever this process may run)."""
 
     mem: float
-    py_spy: Path | None = None
-    trace_steps: int = 0
     cpus: str | None = None
-    gc_log: Path | None = None
-    traces: Path | None = None
-
-    def process(self, out: Path, name: str) -> dict[str, Any]:
-        """:func:`server_process`'s keywords for server ``name`` writing under ``out``."""
-        return {"py_spy": self.py_spy, "stacks": out / f"{name}.pyspy.txt", "cpus": self.cpus}
-
-    def serve_args(self, model: Path, out: Path, name: str) -> list[str]:
-        """The server's arguments (:func:`serve_args`), its trace under ``trace_NAME`` of
-        ``traces`` (else of ``out``)."""
-        trace_dir = (self.traces or out) / f"trace_{name}" if self.trace_steps else None
-        return serve_args(model, self.mem, trace_dir, self.trace_steps)
-
-
-@contextlib.contextmanager
-def measured(pid: int, url: str, launch: Launch, trace: bool) -> Iterator[dict[str, Any]]:
-    """One load's window on server process ``pid``: its CPU (:mod:`proc_cpu`) and, with
-    ``--gc-log``, its garbage collector (:mod:`gc_log`), under vLLM's profiler when ``trace``.
-    The dict yielded holds them (``cpu``, ``gc``) once the window closes."""
-    facts: dict[str, Any] = {}
-    with (Window(pid) as cpu, GcWindow(pid, launch.gc_log) as gc,
-          profiled(url) if trace else contextlib.nullcontext()):
-        yield facts
-    facts.update(cpu=cpu.result, gc=gc.result)
 
 
 @contextlib.contextmanager
 def plain_server(model: Path, out: Path, name: str, launch: Launch) -> Iterator[Load]:
-    with plain_vllm(launch.serve_args(model, out, name), out / f"serve_{name}.log",
-                    **launch.process(out, name)) as (url, proc):
-        def load(bodies: list[dict[str, Any]], rate: float, trace: bool = False
-                 ) -> dict[str, Any]:
-            with measured(proc.pid, url, launch, trace) as facts:
-                result = asyncio.run(drive(url, bodies, rate))
-            return {**result, **facts}
+    with plain_vllm(serve_args(model, launch.mem), out / f"serve_{name}.log",
+                    cpus=launch.cpus) as (url, _):
+        def load(bodies: list[dict[str, Any]], rate: float) -> dict[str, Any]:
+            return asyncio.run(drive(url, bodies, rate))
 
         yield load
 
@@ -350,11 +263,11 @@ def dynsteer_server(model: Path, out: Path, name: str, launch: Launch,
     from dynsteer.probes import Probe, ProbeSite
 
     cmd = [sys.executable, "-m", "dynsteer.engine_ext.cli", "serve",
-           *launch.serve_args(model, out, name),
+           *serve_args(model, launch.mem),
            "--dynsteer-api-key", KEY,
            "--additional-config", json.dumps({"dynsteer": engine})]
     with server_process(cmd, "/v1/dynsteer/health", out / f"serve_{name}.log",
-                        **launch.process(out, name)) as (url, proc):
+                        cpus=launch.cpus) as (url, _):
         client = DynsteerClient(url, api_key=KEY)
         rng = np.random.default_rng(3)
         client.register_vector("bench", rng.standard_normal(HIDDEN) * 0.01)
@@ -362,13 +275,11 @@ def dynsteer_server(model: Path, out: Path, name: str, launch: Launch,
                                   weights=rng.standard_normal(HIDDEN).astype(np.float32)
                                   / HIDDEN**0.5, site=ProbeSite(layer=MONITOR)))
 
-        def load(bodies: list[dict[str, Any]], rate: float, trace: bool = False
-                 ) -> dict[str, Any]:
+        def load(bodies: list[dict[str, Any]], rate: float) -> dict[str, Any]:
             before = worker_host_time(url)
-            with measured(proc.pid, url, launch, trace) as facts:
-                result = asyncio.run(drive(url, bodies, rate))
+            result = asyncio.run(drive(url, bodies, rate))
             result["worker_host"] = host_time_delta(before, worker_host_time(url))
-            return {**result, **facts}
+            return result
 
         yield load
 
@@ -429,8 +340,8 @@ PLAIN = ("vllm", "vllm-b")
 """Plain vLLM servers: ``vllm`` is every ratio's base; ``vllm-b`` is a second one, started where
 ``--runs`` puts it. With ``--runs vllm,dynsteer,vllm-b`` the dynsteer server starts between two
 plain ones: ``vllm-b``'s ratio is the start order's own effect in that call, and ``bracketed``
-compares dynsteer with both plain servers' latencies pooled (sessions 39-40: on some machines
-the server started first read ~4-6% worse at ITL p99, whichever it was)."""
+compares dynsteer with both plain servers' latencies pooled (on some machines the server started
+first read ~4-6% worse at ITL p99, whichever it was)."""
 RUNS = (*PLAIN, "dynsteer", "dynsteer-plain", "dynsteer-static", "dynsteer-gated")
 """Plain vLLM (:data:`PLAIN`); dynsteer serving the mixed stream; dynsteer serving plain
 vLLM's (unsteered) stream, which tells the enabled plugin's own cost from the steered
@@ -485,34 +396,16 @@ def main() -> None:
                     help="dynsteer engine options (JSON) of the runs named NAME-variant, "
                          "e.g. '{\"fused_norms\": false}' for --runs vllm,dynsteer,"
                          "dynsteer-variant: an option against the default in one call")
-    ap.add_argument("--py-spy", type=Path, default=None,
-                    help="a py-spy binary: record each server's processes into "
-                         "OUT/<run>.pyspy.txt.gz (raw stacks; see benchmarks/stacks.py)")
-    ap.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
-                    help="with --interleave: before the measured segments, each server serves "
-                         "the first segment once more with STEPS engine steps traced by vLLM's "
-                         "torch profiler (OUT/trace_<run>; not measured: the trace is written "
-                         "inside a step); each server's steps are then compared with plain "
-                         "vLLM's: OUT/step_trace.json (benchmarks/step_trace.py). In session "
-                         "46's traced call every server's admitting steps ran ~4 ms slower "
-                         "than in the untraced call before it, so serving_pool.py leaves a "
-                         "traced call out")
-    ap.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
-                    help="with --torch-profile: the traces go under DIR, not OUT (a device "
-                         "call brings back at most 8 files of its output)")
     ap.add_argument("--warmup", type=int, default=0, metavar="REQUESTS",
                     help="with --interleave: before the measured segments, each server serves "
                          "this many requests of another stream (same mix and rate, other "
                          "prompts and vectors), reported apart as 'warmup' (the first ~20 s "
-                         "of load after a start ran slower admitting steps, session 36)")
+                         "of load after a start ran slower admitting steps)")
     ap.add_argument("--deadline", type=float, default=0.0, metavar="SECONDS",
                     help="with --interleave: begin no segment that, as long as the last one, "
                          "would end past SECONDS after this script started; the segments "
                          "measured are reported as usual (a fresh machine's first server "
-                         "start, with its compile, took up to 260 s in session 44)")
-    ap.add_argument("--gc-log", action="store_true",
-                    help="keep each server process's garbage-collector pauses per generation "
-                         "(benchmarks/gc_timing: OUT/gc) and report them per load")
+                         "start, with its compile, took up to 260 s)")
     ap.add_argument("--pin-cpus", nargs="+", metavar="CPUS",
                     help="one taskset -c list per server of --runs (in its order, each server "
                          "once), e.g. 2-4 5-7 8-10: each server with its engine core on CPUs "
@@ -525,8 +418,6 @@ def main() -> None:
     if "vllm" not in order or not set(order) <= set(RUN_NAMES):
         ap.error(f"--runs: a comma list from {', '.join(RUNS)} (dynsteer ones optionally "
                  f"with {VARIANT}) with vllm in it")
-    if args.torch_profile and not args.interleave:
-        ap.error("--torch-profile needs --interleave (one trace per server)")
     if args.deadline and not args.interleave:
         ap.error("--deadline needs --interleave (it stops between segments)")
     if args.warmup and not args.interleave:
@@ -535,16 +426,8 @@ def main() -> None:
     model = make_model(args.tokenizer)
     pins = dict(zip(dict.fromkeys(order), args.pin_cpus or (), strict=False))
 
-    gc_log = None
-    if args.gc_log:  # the servers' Python processes start with gc_timing's sitecustomize
-        gc_log = args.out / "gc"
-        os.environ["DYNSTEER_BENCH_GC_LOG"] = str(gc_log)
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(Path(__file__).parent / "gc_timing"), os.environ.get("PYTHONPATH")]))
-
     def launch(name: str) -> Launch:
-        return Launch(args.mem, args.py_spy, args.torch_profile, pins.get(name), gc_log,
-                      args.trace_dir)
+        return Launch(args.mem, pins.get(name))
 
     servers = {
         name: functools.partial(plain_server, model, args.out, name, launch(name))
@@ -559,8 +442,7 @@ def main() -> None:
                         name.removesuffix(VARIANT).partition("-")[2] or "mixed", seed)
 
     stream = {name: stream_of(name) for name in servers}
-    results: dict[str, Any] = {"runs": [], "interleave": args.interleave, "pin_cpus": pins,
-                               "torch_profile": args.torch_profile}
+    results: dict[str, Any] = {"runs": [], "interleave": args.interleave, "pin_cpus": pins}
     done: dict[str, list[dict[str, Any]]] = {}
     raw: dict[str, np.ndarray] = {}
 
@@ -589,11 +471,6 @@ def main() -> None:
         with contextlib.ExitStack() as stack:
             loads = {name: stack.enter_context(servers[name]()) for name in order}
             size = -(-args.requests // args.interleave)
-            if args.torch_profile:  # traced first, on the first segment, and not kept
-                for name in order:
-                    t0 = time.monotonic()
-                    loads[name](stream[name][:size], args.rate, trace=True)
-                    print(f"{name}: traced pass {time.monotonic() - t0:.0f} s", flush=True)
             if args.warmup:  # not pooled: its own table beside plain vLLM's
                 results["warmup"] = warm_up(loads, order, stream_of, args.warmup, args.rate)
                 (args.out / "serving.json").write_text(json.dumps(results, indent=2))
@@ -616,9 +493,6 @@ def main() -> None:
                 keep(name, load(stream[name], args.rate))
     report(results, done)
     (args.out / "serving.json").write_text(json.dumps(results, indent=2))
-    if args.torch_profile:
-        compare_traces(args.trace_dir or args.out, args.out,
-                       [n for n in dict.fromkeys(order) if n != "vllm"])
 
 
 def admit_text(run: dict[str, Any]) -> str:
@@ -651,21 +525,6 @@ def warm_up(loads: dict[str, Load], order: list[str], stream_of: Callable[..., l
     return {"requests": n, "runs": runs, "ratios": ratios}
 
 
-def compare_traces(traces: Path, out: Path, names: list[str]) -> None:
-    """``--torch-profile``: each server's traced steps (under ``traces``) against plain
-    vLLM's, printed and written to OUT/step_trace.json."""
-    import step_trace
-
-    base = step_trace.summarize(traces / "trace_vllm")
-    table = {"vllm": base}
-    for name in names:
-        mine = step_trace.summarize(traces / f"trace_{name}")
-        table[name] = mine
-        table[f"{name}_vs_vllm"] = step_trace.compare(base, mine)
-        step_trace.print_comparison(("vllm", name), table[f"{name}_vs_vllm"])
-    (out / "step_trace.json").write_text(json.dumps(table, indent=2))
-
-
 def report(results: dict[str, Any], done: dict[str, list[dict[str, Any]]]) -> None:
     """Print each run, then each server's latencies pooled over its runs against plain
     vLLM's (``results["pooled"]``, ``results["ratios"]``) and the spread of the ratio over
@@ -678,10 +537,6 @@ def report(results: dict[str, Any], done: dict[str, list[dict[str, Any]]]) -> No
         print(f"{r['name']:<15} {r['ttft_ms_p50']:>9.1f} {r['ttft_ms_p99']:>9.1f} "
               f"{r['itl_ms_p50']:>8.2f} {r['itl_ms_p99']:>8.2f} {r['requests_per_s']:>7.2f} "
               f"{r['errors']:>6}")
-    for r in results["runs"]:  # a thread burning CPU beside the engine core's shows here
-        print(f"{r['name']} CPU during the load: {describe(r.get('cpu', {}))}")
-        if r.get("gc"):
-            print(f"{r['name']} garbage collector during the load: {describe_gc(r['gc'])}")
     results["pooled"] = {name: latencies(d) for name, d in done.items()}
     results["ratios"], results["pair_ratios"] = {}, {}
     base = results["pooled"]["vllm"]

@@ -4,7 +4,7 @@ A device call that runs past its limit ends with ``timeout``'s SIGTERM. By defau
 interpreter then dies at once: no ``finally``, no context manager, no ``atexit``. The servers
 ``serving.py`` started, or the engine cores of ``overhead.py``'s in-process engines, live on
 and keep their GPU memory, and on a warm machine the next call's engines fail to start
-(session 31: "Free memory on device (19.8/139.8 GiB) on startup is less than desired").
+("Free memory on device (19.8/139.8 GiB) on startup is less than desired").
 Raised as SystemExit, the signal unwinds the script like any error does.
 """
 

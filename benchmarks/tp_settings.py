@@ -1,10 +1,10 @@
 """The settings that start vLLM 0.26 with tensor parallelism on a GPU host that keeps NVLink
 multicast off, with torch.compile and CUDA graphs on (README, "Tensor parallelism on hosts
-without NVLink multicast"; the cause is in ``benchmarks/RESULTS.md``, session 8).
+without NVLink multicast").
 
 Stock vLLM's default TP start waits in its first forward, where the all-reduce + RMSNorm fusion
 pass has FlashInfer JIT-build its multicast all-reduce; the IPC and symmetric-memory all-reduces
-are off for the same reason. Shared by ``experiments/parallel_check.py`` and
+are off for the same reason. Shared by ``tests/gpu/test_gpu_parallel.py`` and
 ``benchmarks/overhead.py --tp``."""
 
 from __future__ import annotations

@@ -13,21 +13,18 @@ under preemption). Each request is then sent again alone. Printed and written to
 ``controller_preemption.json``: preemptions per batch, and per request whether the tokens match
 and the largest |Δ logprob| against the run alone.
 
-Usage: python experiments/controller_preemption.py --out DIR
+Usage: PYTHONPATH=tests python experiments/controller_preemption.py --out DIR
+       (the engine is started by the tests' helpers, ``tests/engine_utils.py``)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
 
 GATE = {"layer": 0, "steer": [{"layers": [0, 2]}]}
 LATCH_K = (5, 15, 25, 35)
@@ -49,8 +46,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    from engine_utils import params, run, start_llm, stop_llm
-    from tiny_models import ARCHITECTURES, make_tiny_model, stable_model_dir, vec
+    try:
+        from engine_utils import params, run, start_llm, stop_llm
+        from tiny_models import ARCHITECTURES, make_tiny_model, stable_model_dir, vec
+    except ImportError:
+        parser.error("the tests' helpers are not importable: run from the repository root "
+                     "with PYTHONPATH=tests")
 
     path = stable_model_dir("tiny-llama", lambda p: make_tiny_model("llama", p), "llama",
                             ARCHITECTURES["llama"])

@@ -41,15 +41,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 HOOKS = "pre_attn,post_attn,post_block"
 LANES = 32

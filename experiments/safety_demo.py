@@ -31,12 +31,9 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from safety_loop import (
     LAYER,

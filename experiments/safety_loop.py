@@ -39,11 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from safety_data import (  # noqa: E402  (the experiments folder is not a package)
+from safety_data import (  # beside this file: a script's folder is first on its path
     Example,
     balanced,
     default_examples,
@@ -51,7 +47,7 @@ from safety_data import (  # noqa: E402  (the experiments folder is not a packag
     split,
 )
 
-from dynsteer.engine_ext.default_model import cache_root  # noqa: E402
+from dynsteer.engine_ext.default_model import cache_root
 
 LAYER = 15
 """SmolLM2-135M (30 layers): the middle, where request intent is linearly readable

@@ -105,7 +105,6 @@ import math
 import os
 import platform
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -114,12 +113,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from safety_data import Example, balanced  # noqa: E402  (experiments/ is not a package)
-from safety_loop import (  # noqa: E402
+from safety_data import Example, balanced
+from safety_loop import (
     COMPLIANCES,
     LAYER,
     REFUSALS,
@@ -141,6 +136,8 @@ from safety_loop import (  # noqa: E402
     steer_entries,
     steered_tokens,
 )
+
+HERE = Path(__file__).resolve().parent
 
 SWEEPS = ("threshold", "sharpness", "scale", "layer")
 MAX_PROJECTIONS = 1

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
+# tests/ is on the path: pyproject.toml's ``pythonpath`` (with benchmarks/ and experiments/).
 from tiny_models import ARCHITECTURES, make_tiny_model, stable_model_dir
 
 

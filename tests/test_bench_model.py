@@ -4,10 +4,6 @@ vLLM's compile cache, keyed by the model's path among the rest, holds from call 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_model
 

@@ -96,8 +96,7 @@ def test_control_step_matches_the_sequential_reference(seed):
 
 
 TRITON_CHECK = """
-import json, sys
-sys.path.insert(0, {tests!r})
+import json
 from test_controllers import _rows, _steps
 from dynsteer.engine_ext.worker import triton_kernels as tk
 tk.FOLD_BLOCK = 16  # a step spans several blocks

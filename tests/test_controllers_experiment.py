@@ -9,13 +9,9 @@ steers the follow-ups of the sessions whose first request was gated, and only th
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-
 from server_utils import safety_experiment
 
 pytestmark = pytest.mark.engine

@@ -1,7 +1,7 @@
 """The device fill of the token index (V2 runner on CUDA) against the host fill, driven
 through :meth:`SteeringState.fill` as the runner hook drives it: here the kernel's code runs in
-Triton's CPU interpreter; ``experiments/gpu_check.py`` runs :func:`compare_fills` compiled, on
-CUDA (and the engine checks there run the device fill under graph replay)."""
+Triton's CPU interpreter; ``gpu/test_gpu_kernels.py`` runs :func:`compare_fills` compiled, on
+CUDA (and the engine tests there run the device fill under graph replay)."""
 
 from __future__ import annotations
 
@@ -171,8 +171,7 @@ def compare_fills(seed: int, device: str) -> dict[str, Any]:
 
 
 INTERPRETED = """
-import json, sys
-sys.path.insert(0, {tests!r})
+import json
 from test_device_fill import compare_fills
 print(json.dumps(compare_fills({seed}, "cpu")))
 """
@@ -254,8 +253,7 @@ def test_a_decode_step_of_the_same_batch_keeps_the_index():
 
 
 INTERPRETED_STEADY = """
-import json, sys
-sys.path.insert(0, {tests!r})
+import json
 from test_device_fill import steady_steps
 print(json.dumps(steady_steps("cpu")))
 """
@@ -309,8 +307,7 @@ def test_an_unsteered_request_uploads_no_slot_table():
 
 
 INTERPRETED_REUSE = """
-import json, sys
-sys.path.insert(0, {tests!r})
+import json
 from test_device_fill import slot_reuse_steps
 print(json.dumps(slot_reuse_steps("cpu")))
 """
@@ -422,8 +419,7 @@ def test_a_kept_step_of_a_steady_batch_takes_the_byte_comparison_path():
 
 
 INTERPRETED_KEPT = """
-import json, sys
-sys.path.insert(0, {tests!r})
+import json
 from test_device_fill import kept_path_steps
 print(json.dumps(kept_path_steps("cpu")))
 """

@@ -136,9 +136,8 @@ def test_score_keys_order_like_the_floats():
 
 
 TRITON_CHECK = """
-import json, sys
+import json
 import numpy as np, torch
-sys.path.insert(0, {tests!r})
 from test_gate_stats import OPS, _initial, _steps
 from dynsteer.engine_ext.worker import gate_stats as gs, triton_kernels as tk
 tk.FOLD_BLOCK = 16  # a step spans several blocks

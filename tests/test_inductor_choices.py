@@ -31,16 +31,12 @@ from __future__ import annotations
 import ast
 import logging
 import pickle
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-
-from site_codegen import _kernel_sources
+from inductor_codegen import kernel_sources
 from triton_interpreter import require_interpreter
 
 from dynsteer.engine_ext.compat import inductor
@@ -87,7 +83,7 @@ def _reductions(cache: Path) -> dict[str, str]:
     """Every reduction kernel under an Inductor cache folder: its name and its source."""
     kernels: dict[str, str] = {}
     for path in sorted(cache.rglob("*.py")):
-        for source in _kernel_sources(path):
+        for source in kernel_sources(path):
             for node in ast.parse(source).body:
                 if isinstance(node, ast.FunctionDef) and node.name.startswith(
                         ("triton_red_", "triton_per_")):
@@ -216,19 +212,18 @@ def test_remove_gives_inductor_its_own_choices_again(
 
 
 INTERPRETED_SITE = """
-import json, os, sys, tempfile
-sys.path.insert(0, {tests!r})
+import json, os, tempfile
 import torch
 import triton.language as tl
 from torch._inductor import config
 from torch._inductor.runtime import triton_helpers
-from test_inductor_choices import INTERPRETED_CASES  # puts experiments/ on the path
-from site_codegen import _codegen_without_gpu
+from inductor_codegen import codegen_without_gpu
+from test_inductor_choices import INTERPRETED_CASES
 from test_steer_norm import EPS, GROUP_BIT, grouped, inputs
 from dynsteer.engine_ext.compat import inductor
 from dynsteer.engine_ext.worker import ops
 
-_codegen_without_gpu()  # no backend here: the header's hash only
+codegen_without_gpu()  # no backend here: the header's hash only
 # Two libdevice calls the interpreter lacks, as tl ops.
 triton_helpers.libdevice.isnan = lambda v: v != v
 triton_helpers.libdevice.rsqrt = lambda v: tl.rsqrt(v)
@@ -279,7 +274,7 @@ def test_the_site_kernels_inductor_writes_match_float64_in_the_interpreter() -> 
     for computes what the looped one did (only the sum of squares is added in another order).
     Both tiers, gates earlier sites wrote, unsteered tokens and a token whose row steers
     another group of sites (:func:`test_steer_norm.grouped`)."""
-    require_interpreter("experiments/gpu_check.py runs the engine's kernels compiled")
+    require_interpreter("tests/gpu runs the engine's kernels compiled")
     from test_steer_norm import check, grouped, inputs, norm_reference, ungrouped
     from triton_interpreter import run_interpreted
 

@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
+import load_test as lt
 import numpy as np
 import pytest
 from server_utils import Server, http
 
 from dynsteer.controller.client import DynsteerClient
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import load_test as lt
 
 pytestmark = pytest.mark.engine
 

@@ -179,8 +179,7 @@ INTERPRETED_CASES = [(7, 576, "float32", True), (5, 64, "bfloat16", False),
 the kernel's block at 1024, so hidden 1100 takes two turns of its row loops."""
 
 INTERPRETED = """
-import json, sys
-sys.path.insert(0, {tests!r})
+import json
 import torch
 from test_ops import INTERPRETED_CASES, SITE, make_inputs
 from dynsteer.engine_ext.worker import ops, triton_kernels as tk

@@ -5,12 +5,9 @@ with AUROCs in [0, 1], the plot is written, and the planted harmful requests are
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
 pytestmark = pytest.mark.engine
 

@@ -11,11 +11,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import yaml
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "experiments"))
-
 import safety_data as sd
+import yaml
 from refusal import is_refusal
 
 FAKE_PROMPTS = [

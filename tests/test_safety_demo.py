@@ -8,13 +8,9 @@ the replies."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-
 from server_utils import safety_experiment
 
 pytestmark = pytest.mark.engine

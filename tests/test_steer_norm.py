@@ -98,8 +98,7 @@ def ungrouped(b: ops.SteerBuffers) -> ops.SteerBuffers:
     return b
 
 INTERPRETED = """
-import json, sys
-sys.path.insert(0, {tests!r})
+import json
 import torch
 from test_steer_norm import EPS, GROUP_BIT, INTERPRETED_CASES, grouped, inputs
 from test_ops import SENTINEL, SITE

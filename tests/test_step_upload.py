@@ -1,5 +1,5 @@
 """The step's shared uploads (engine_ext/worker/step_upload.py): regions of one device buffer
-written through a host mirror and sent by one copy. On CUDA (experiments/gpu_check.py runs
+written through a host mirror and sent by one copy. On CUDA (gpu/test_gpu_kernels.py runs
 :func:`upload_steps` there) a send copies a span through two staging buffers in turn; here,
 on the host, the mirror is the device buffer, so the same steps check the layout and that a
 region reads what was written."""

@@ -7,8 +7,6 @@ stream between stages)."""
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,12 +20,10 @@ from engine_utils import (
     start_llm,
     stop_llm,
 )
+from parallel_guard import GUARD_BLOCK, MONITOR_SITES, guard_checks, guard_run
 from tiny_models import STATIC_CASES, vec
 
 from dynsteer.engine_ext import Steering
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-from parallel_check import GUARD_BLOCK, MONITOR_SITES, guard_checks, guard_run
 
 pytestmark = [pytest.mark.engine, pytest.mark.tp2]
 
@@ -166,7 +162,7 @@ def test_parallel_prefix_guard(tp_outputs, layout):
     """The prefix guard's report reaches the scheduler from the rank that computes the gate
     (under PP=2 the first stage computes it, the last stage's output reaches the scheduler): a
     follow-up of a gated request hits exactly the blocks before the position the gate first
-    steered, as at TP=1 (``experiments/parallel_check.py`` checks the same on GPUs)."""
+    steered, as at TP=1 (``tests/gpu/test_gpu_parallel.py`` checks the same on GPUs)."""
     single, parallel = tp_outputs
     checks = guard_checks(parallel[layout][4], single[4])
     assert all(checks.values()), checks

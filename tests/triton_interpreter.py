@@ -15,10 +15,13 @@ import torch
 
 
 def run_interpreted(script: str) -> Any:
-    """Run ``script`` (``{tests}`` is replaced by this folder, for its imports) with
-    ``TRITON_INTERPRET=1``; returns the JSON it printed."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", script.format(tests=str(Path(__file__).parent))],
+    """Run ``script`` (a ``str.format`` template: ``{tests}`` is this folder, braces doubled)
+    with ``TRITON_INTERPRET=1`` and this folder on ``PYTHONPATH`` (the tests' modules import as
+    they do here); returns the JSON it printed."""
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", script.format(tests=tests)],
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
