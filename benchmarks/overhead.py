@@ -16,6 +16,10 @@ Scenarios, each request of a batch carrying its own spec:
                   without that confound;
 * ``inline-32``   32 distinct inline vectors (JSON float lists), request i uses vector i % 32;
 * ``inline-32-b64``  the same vectors as base64 float32 (``vector_b64``, the fast form);
+* ``dict-16``     16 distinct inline vectors as Python float lists in a dict spec, a new dict per
+                  request (``extra_args={"dynsteer": {"steer": [{"vector": v.tolist(), ...}]}}``,
+                  as the Python usage shows it);
+* ``dict-16-b64`` the same dicts with the vectors as ``vector_b64``;
 * ``gated``       a registered probe at ``post_block@16`` gating a registered vector at layers
                   16-23 (threshold at the median score, so the gate fires on about half the
                   tokens; the measured fraction is reported);
@@ -46,7 +50,13 @@ With ``--tp N`` every engine is tensor-parallel over N GPUs, started with the se
 :mod:`tp_settings` (issue 18's overhead table at TP=2).
 
 Shapes: decode-heavy (128 prompt + 128 generated tokens) at batches 1, 32, 256 and a
-prefill-heavy one (2048 prompt + 16 generated) at batch 32. Prints a table (tokens/s = generated
+prefill-heavy one (2048 prompt + 16 generated) at batch 32. ``--traffic`` adds traffic that
+repeats prefixes, as chat traffic does, at the same batches (every engine keeps its prefix
+cache on, so stock serves the repeats from it): ``shared``, a 1024-token system prompt shared
+by every request of the shape plus 128 tokens of its own; ``resend``, a two-turn conversation
+whose second turn resends the first (its prompt and 128 generated tokens) plus 64 new tokens,
+the second turn timed (the first runs just before it, untimed). ``fresh`` is the default
+shape above, new random prompts every run. Prints a table (tokens/s = generated
 tokens / wall time, median of the repetitions, ratio to stock in the same run, spread; the
 median decode step by vLLM's own step timestamps (:class:`StepClock`), its ratio to stock's and
 the range of the per-repetition ratios, the mean SM clock and the ratio of cycles per decode
@@ -56,13 +66,14 @@ admitted request, and the steps whose index the device filled, the host filled o
 path kept) and writes ``overhead.json``.
 
 Usage: python benchmarks/overhead.py --out DIR [--batches 1 32 256] [--reps 4] [--no-prefill]
-       [--scenarios idle gated ...] [--control] [--variant JSON] [--mem 0.3]
-       [--instances 2] [--tp 2]
+       [--scenarios idle gated ...] [--traffic fresh shared resend] [--control]
+       [--variant JSON] [--mem 0.3] [--instances 2] [--tp 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -88,8 +99,19 @@ PREFILL = (2048, 16)
 MONITOR = 16
 GATED_LAYERS = list(range(16, 24))
 DISTINCT = 32
-SCENARIOS = ["idle", "registered", "registered-null", "inline-32", "inline-32-b64", "gated",
-             "gates-32", "latch", "python", "events", "ablate"]
+DICT_DISTINCT = 16
+SCENARIOS = ["idle", "registered", "registered-null", "inline-32", "inline-32-b64", "dict-16",
+             "dict-16-b64", "gated", "gates-32", "latch", "python", "events", "ablate"]
+DICT_SCENARIOS = ("dict-16", "dict-16-b64")
+"""Scenarios whose specs are handed over as Python dicts (the others as JSON text)."""
+TRAFFIC = ("fresh", "shared", "resend")
+SYSTEM_PROMPT = 1024
+"""Tokens of the system prompt every request of a ``shared`` shape starts with."""
+TURN = 128
+"""Tokens of a request's own turn (``shared``: after the system prompt; ``resend``: the first
+turn's prompt and its generated tokens)."""
+FOLLOW_UP = 64
+"""New tokens of the second turn of a ``resend`` conversation."""
 OWN_ENGINE = {"events": "events", "ablate": "projecting"}
 """Scenarios that run on an engine of their own (others run on ``plugin``)."""
 REPEATED = ("stock", "plugin", "variant")
@@ -142,6 +164,10 @@ class Specs:
                           for v in vectors],
             "inline-32-b64": [{"steer": [{"vector_b64": encode_f32(v), "layers": [MONITOR]}]}
                               for v in vectors],
+            "dict-16": [{"steer": [{"vector": v.tolist(), "layers": [MONITOR]}]}
+                        for v in vectors[:DICT_DISTINCT]],
+            "dict-16-b64": [{"steer": [{"vector_b64": encode_f32(v), "layers": [MONITOR]}]}
+                            for v in vectors[:DICT_DISTINCT]],
             "gated": [{"gate": {"probe": "bench", "layer": MONITOR, "steer": gated}}],
             "latch": [{"gate": {"probe": "bench", "layer": MONITOR, "steer": gated},
                        "controller": {"name": "latch", "k": 4}}],
@@ -156,16 +182,23 @@ class Specs:
                                                   "op": "ablate"}]}]
 
     def params(self, scenario: str, batch: int, gen_len: int) -> list[Any]:
+        """One ``SamplingParams`` per request: the spec as a JSON string, as the OpenAI
+        server's ``vllm_xargs`` carries it, or (:data:`DICT_SCENARIOS`) as a new dict per
+        request, as Python code builds it."""
         from vllm import SamplingParams
 
         specs = self.by_scenario[scenario]
-        # A JSON string per request, as the OpenAI server's vllm_xargs carries it; distinct
-        # requests with the same text share one parse in the frontend's cache.
-        texts = [None if s is None else json.dumps(s) for s in specs]
+        as_dict = scenario in DICT_SCENARIOS
+        forms = [s if s is None or as_dict else json.dumps(s) for s in specs]
+
+        def spec(i: int) -> Any:
+            form = forms[i % len(forms)]
+            return copy.deepcopy(form) if as_dict else form
+
         return [SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True,
                                detokenize=False,
-                               extra_args=None if texts[i % len(texts)] is None
-                               else {"dynsteer": texts[i % len(texts)]})
+                               extra_args=None if forms[i % len(forms)] is None
+                               else {"dynsteer": spec(i)})
                 for i in range(batch)]
 
 
@@ -176,6 +209,34 @@ def prompts(batch: int, length: int, seed: int = 0) -> list[dict[str, Any]]:
 
     rng = np.random.default_rng([batch, length, seed])
     return [{"prompt_token_ids": rng.integers(100, 30000, length).tolist()} for _ in range(batch)]
+
+
+def shared_prompts(batch: int, seed: int) -> list[dict[str, Any]]:
+    """The ``shared`` traffic: one system prompt for every request and run of the batch size,
+    then each request's own turn (new every run)."""
+    system = prompts(1, SYSTEM_PROMPT, seed=1_000_000 + batch)[0]["prompt_token_ids"]
+    return [{"prompt_token_ids": system + p["prompt_token_ids"]}
+            for p in prompts(batch, TURN, seed)]
+
+
+def second_turns(first: list[dict[str, Any]], outputs: list[Any],
+                 seed: int) -> list[dict[str, Any]]:
+    """The ``resend`` traffic's timed turn: each conversation's first prompt, what it
+    generated, then :data:`FOLLOW_UP` new tokens."""
+    new = prompts(len(first), FOLLOW_UP, seed)
+    return [{"prompt_token_ids": p["prompt_token_ids"] + list(o.outputs[0].token_ids)
+             + n["prompt_token_ids"]} for p, o, n in zip(first, outputs, new, strict=True)]
+
+
+def traffic_prompts(llm: Any, traffic: str, batch: int, prompt_len: int, seed: int,
+                    sps: list[Any]) -> list[dict[str, Any]]:
+    """The prompts of one timed run of ``traffic`` (``resend`` runs its first turn here)."""
+    if traffic == "shared":
+        return shared_prompts(batch, seed)
+    if traffic == "resend":
+        first = prompts(batch, TURN, seed)
+        return second_turns(first, llm.generate(first, sps, use_tqdm=False), seed)
+    return prompts(batch, prompt_len, seed)
 
 
 class StepClock:
@@ -252,6 +313,31 @@ class SmClock:
     def stop_mhz(self) -> float:
         self._armed.clear()
         return statistics.fmean(self._samples) if self._samples else float("nan")
+
+
+def traffic_shapes(traffic: list[str], batches: list[int], prefill: bool
+                   ) -> tuple[list[tuple[str, int, int, int]], dict[str, str]]:
+    """The shapes (name, batch, prompt tokens, generated tokens) of the runs, and each one's
+    traffic; a ``resend`` shape's prompt is its timed second turn's."""
+    shapes: list[tuple[str, int, int, int]] = []
+    traffic_of: dict[str, str] = {}
+    for kind_ in traffic:
+        for b in batches:
+            if kind_ == "fresh":
+                shape = (f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE)
+            elif kind_ == "shared":
+                shape = (f"{b}x{SYSTEM_PROMPT}s+{TURN}+{DECODE[1]}", b, SYSTEM_PROMPT + TURN,
+                         DECODE[1])
+            else:
+                shape = (f"{b}x2turn+{FOLLOW_UP}+{DECODE[1]}", b, 2 * TURN + FOLLOW_UP,
+                         DECODE[1])
+            shapes.append(shape)
+            traffic_of[shape[0]] = kind_
+    if prefill:
+        shape = (f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL)
+        shapes.append(shape)
+        traffic_of[shape[0]] = "fresh"
+    return shapes, traffic_of
 
 
 def timed(llm: Any, clock: StepClock, sm: SmClock, batch_prompts: list[dict[str, Any]],
@@ -465,6 +551,10 @@ def main() -> None:
     ap.add_argument("--no-prefill", action="store_true", help="skip the 2048+16 shape")
     ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=SCENARIOS,
                     help="plugin scenarios to run beside stock (fewer: more reps in the time)")
+    ap.add_argument("--traffic", nargs="+", choices=TRAFFIC, default=["fresh"],
+                    help="fresh: new prompts every run; shared: a 1024-token system prompt "
+                         "shared by every request; resend: a conversation's second turn "
+                         "resending the first (at each of --batches)")
     ap.add_argument("--mem", type=float, default=None,
                     help="gpu_memory_utilization per engine (default: 0.9 shared by the "
                          "engines); refused before any engine starts where it cannot hold the "
@@ -505,9 +595,7 @@ def main() -> None:
     if "events" in args.scenarios:
         plan.append(("events", {"events_address": EVENTS_ADDRESS, "events_every": 1}))
     plan = instance_plan(plan, args.instances)
-    shapes = [(f"{b}x{DECODE[0]}+{DECODE[1]}", b, *DECODE) for b in args.batches]
-    if not args.no_prefill:
-        shapes.append((f"32x{PREFILL[0]}+{PREFILL[1]}", 32, *PREFILL))
+    shapes, traffic_of = traffic_shapes(args.traffic, args.batches, not args.no_prefill)
     mem = engine_share(args.mem, len(plan), args.tp, shapes,
                        torch.cuda.get_device_properties(0).total_memory / 2**30)
     t0 = time.time()
@@ -538,10 +626,12 @@ def main() -> None:
     sm = SmClock()
     for shape, batch, prompt_len, gen_len in shapes:
         loads = {s: specs.params(s, batch, gen_len) for s in {"idle", *args.scenarios}}
+        traffic = traffic_of[shape]
         for engine, scenario in runs:  # warm-up: first pass of each shape
             seed += 1
-            timed(engines[engine], clocks[engine], sm, prompts(batch, prompt_len, seed),
-                  loads[scenario])
+            timed(engines[engine], clocks[engine], sm,
+                  traffic_prompts(engines[engine], traffic, batch, prompt_len, seed,
+                                  loads[scenario]), loads[scenario])
         before = steering.info()[0]
         samples: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
         steps: dict[str, list[float]] = {f"{e}/{s}": [] for e, s in runs}
@@ -553,9 +643,10 @@ def main() -> None:
                 seed += 1
                 own = steerings.get(engine)
                 start_info = own.info()[0] if own is not None else None
-                tok_s, step_s, run_mhz = timed(engines[engine], clocks[engine], sm,
-                                               prompts(batch, prompt_len, seed),
-                                               loads[scenario])
+                tok_s, step_s, run_mhz = timed(
+                    engines[engine], clocks[engine], sm,
+                    traffic_prompts(engines[engine], traffic, batch, prompt_len, seed,
+                                    loads[scenario]), loads[scenario])
                 samples[f"{engine}/{scenario}"].append(tok_s)
                 steps[f"{engine}/{scenario}"].append(step_s)
                 mhz[f"{engine}/{scenario}"].append(run_mhz)

@@ -62,3 +62,42 @@ def test_engine_share_fits_the_engines_or_says_what_to_change():
     assert engine_share(None, 4, 2, decode_256, 79.2) == 0.225  # TP 2 halves each GPU's share
     with pytest.raises(SystemExit, match=r"at most 0\.95"):
         engine_share(0.5, 2, 1, decode_32, 139.8)
+
+
+def test_traffic_shapes_and_their_prompts():
+    """``shared``: one system prompt for every request and run of a batch size, a new turn
+    each run; ``resend``: the timed turn resends the first turn's prompt and output."""
+    from types import SimpleNamespace
+
+    from overhead import (
+        FOLLOW_UP,
+        SYSTEM_PROMPT,
+        TURN,
+        second_turns,
+        shared_prompts,
+        traffic_shapes,
+    )
+
+    shapes, traffic = traffic_shapes(["fresh", "shared", "resend"], [32], prefill=False)
+    assert [traffic[name] for name, *_ in shapes] == ["fresh", "shared", "resend"]
+    assert [prompt for _, _, prompt, _ in shapes] == [128, SYSTEM_PROMPT + TURN,
+                                                      2 * TURN + FOLLOW_UP]
+    a, b = shared_prompts(4, seed=1), shared_prompts(4, seed=2)
+    heads = {tuple(p["prompt_token_ids"][:SYSTEM_PROMPT]) for p in a + b}
+    assert len(heads) == 1 and a[0]["prompt_token_ids"] != b[0]["prompt_token_ids"]
+    first = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5, 6]}]
+    outs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7, 8])])] * 2
+    turns = second_turns(first, outs, seed=3)
+    assert [t["prompt_token_ids"][:5] for t in turns] == [[1, 2, 3, 7, 8], [4, 5, 6, 7, 8]]
+    assert all(len(t["prompt_token_ids"]) == 5 + FOLLOW_UP for t in turns)
+
+
+def test_dict_scenarios_hand_each_request_a_dict_of_its_own():
+    from overhead import DICT_DISTINCT, Specs
+
+    specs = Specs(threshold=0.0)
+    params = specs.params("dict-16", 20, 4)
+    first, again = params[0].extra_args["dynsteer"], params[DICT_DISTINCT].extra_args["dynsteer"]
+    assert isinstance(first, dict) and first == again and first is not again
+    assert isinstance(first["steer"][0]["vector"], list)
+    assert isinstance(specs.params("inline-32", 2, 4)[0].extra_args["dynsteer"], str)
