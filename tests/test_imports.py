@@ -1,6 +1,7 @@
 """Import boundaries: controller/ and probes/ are usable without vLLM (and without torch);
 inside engine_ext/ only the adapter package touches vLLM, so the next vLLM release is a change
-in one place; the adapter never imports dynsteer back; loading the plugin is cheap."""
+in one place; the adapter never imports dynsteer back; loading the plugin, and the top-level
+package (api/) every import of dynsteer loads first, is cheap."""
 
 from __future__ import annotations
 
@@ -47,9 +48,32 @@ def test_controller_and_probes_import_without_vllm_or_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_importing_the_top_level_package_is_cheap():
+    """Every ``dynsteer.*`` import (the plugin's in every vLLM process) imports ``dynsteer``
+    first: it loads no submodule and none of vLLM, torch, numpy, pydantic or scikit-learn, also
+    when listed; its names load on first use."""
+    code = (
+        "import json, sys; before = set(sys.modules); import dynsteer; dir(dynsteer); "
+        "print(json.dumps(sorted(m for m in set(sys.modules) - before "
+        "if m.split('.')[0] in ('dynsteer', 'vllm', 'torch', 'numpy', 'pydantic', 'sklearn'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["dynsteer"]
+
+
+def test_the_top_level_package_is_not_a_dynsteer_folder():
+    """The top-level package lives in ``api/`` (pyproject.toml's package-dir maps it): a
+    ``dynsteer/`` folder in the repository root would shadow the installed package wherever the
+    root is on ``sys.path`` (``python -m pytest`` there, as on the GPU host, where the project is
+    installed non-editable) and hide ``dynsteer.engine_ext`` and the other subpackages."""
+    assert not (ROOT / "dynsteer").exists()
+    assert (ROOT / "api" / "__init__.py").is_file()
+
+
 def test_only_the_adapter_touches_vllm():
     imports, attributes = {}, {}
-    for path in _sources("engine_ext", "controller", "probes"):
+    for path in _sources("api", "engine_ext", "controller", "probes"):
         if ADAPTER in path.parents:
             continue
         name = str(path.relative_to(ROOT))

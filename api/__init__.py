@@ -1,0 +1,79 @@
+"""dynsteer: dynamic, activation-conditioned steering for vLLM.
+
+The names users import::
+
+    from dynsteer import Steering, SteeringSpec, Probe, from_sklearn, DynsteerClient
+
+* :class:`Steering`: global steering and named vectors on an offline ``LLM`` started with
+  ``additional_config={"dynsteer": {}}``.
+* :class:`SteeringSpec` and its parts (:class:`SteerEntry`, :class:`GateSpec`,
+  :class:`InlineProbe`), :func:`parse_spec` and :class:`SpecError`: the per-request spec.
+* :class:`Probe`, :class:`ProbeSite`, :class:`ModelFingerprint`, :func:`from_sklearn` and
+  :func:`upload`: linear probes for gates.
+* :class:`DynsteerClient`: the ``/v1/dynsteer/`` routes of a running server.
+
+Controllers subclass the bases in :mod:`dynsteer.controller`. Everything else is private.
+
+Every name is imported on first use: vLLM imports ``dynsteer.engine_ext.plugin`` in every
+process, which imports this package first, so importing it loads none of vLLM, torch, pydantic
+or the submodules. (Its folder is ``api/`` in the checkout, not ``dynsteer/``: a ``dynsteer/``
+folder in the repository root would shadow the installed package for ``python -m`` run there.)
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dynsteer.controller.client import DynsteerClient
+    from dynsteer.controller.contract import SpecError
+    from dynsteer.controller.spec import GateSpec, InlineProbe, SteerEntry, SteeringSpec, parse_spec
+    from dynsteer.engine_ext.frontend.offline_api import Steering
+    from dynsteer.probes import ModelFingerprint, Probe, ProbeSite, from_sklearn, upload
+
+_EXPORTS = {
+    "Steering": "dynsteer.engine_ext.frontend.offline_api",
+    "SteeringSpec": "dynsteer.controller.spec",
+    "SteerEntry": "dynsteer.controller.spec",
+    "GateSpec": "dynsteer.controller.spec",
+    "InlineProbe": "dynsteer.controller.spec",
+    "parse_spec": "dynsteer.controller.spec",
+    "SpecError": "dynsteer.controller.contract",
+    "Probe": "dynsteer.probes",
+    "ProbeSite": "dynsteer.probes",
+    "ModelFingerprint": "dynsteer.probes",
+    "from_sklearn": "dynsteer.probes",
+    "upload": "dynsteer.probes",
+    "DynsteerClient": "dynsteer.controller.client",
+}
+"""Public name -> the module that defines it."""
+
+__all__ = [
+    "DynsteerClient",
+    "GateSpec",
+    "InlineProbe",
+    "ModelFingerprint",
+    "Probe",
+    "ProbeSite",
+    "SpecError",
+    "SteerEntry",
+    "Steering",
+    "SteeringSpec",
+    "from_sklearn",
+    "parse_spec",
+    "upload",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
