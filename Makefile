@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.dynsteer-installed
 
-.PHONY: install demo pirate-demo serve-demo test lint gpukit gpu-test
+.PHONY: install demo pirate-demo serve-demo test test-fast lint gpukit gpu-test
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +32,11 @@ serve-demo: install
 test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra --durations=15 tests
+
+# The fast lane: ruff and every test that starts no engine (a few minutes).
+test-fast: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -ra --durations=10 -m "not engine" tests
 
 lint: install
 	$(VENV)/bin/ruff check .

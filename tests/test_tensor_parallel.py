@@ -58,8 +58,9 @@ def _outputs(path, **parallel: int):
         steering.clear_global()
         cleared = run(llm, PROMPTS[:1], [params()])
         capture = steering.capture(PROMPTS[2:4], CAPTURE_SITES, reduce="all")
+        info = steering.info()  # the checksums of SPECS' controllers, before the guard's latch
         guard = guard_run(llm, steering, str(path))
-        return outs, [*under_global, *cleared], capture, steering.info(), guard
+        return outs, [*under_global, *cleared], capture, info, guard
     finally:
         stop_llm(llm)
 

@@ -74,8 +74,8 @@ def run_layout(layout: str, model: str, out: Path) -> None:
         steering.clear_global()
         (cleared,) = run(llm, prompts[:1], [params(8)])
         capture = steering.capture(prompts[1:3], CAPTURE_SITES, reduce="all")
+        info = steering.info()  # the checksums of the specs' controllers, before the guard's
         guard = guard_run(llm, steering, model)
-        info = steering.info()
     finally:
         stop_llm(llm)
 
