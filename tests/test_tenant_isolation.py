@@ -88,9 +88,9 @@ def completion(server, session: str) -> dict:
             "temperature": 0.0, "logprobs": 1, **xargs(session)}
 
 
-def post(server, path: str, body: dict | bytes, key: str | None, **headers) -> tuple[int, object]:
+def post(server, path: str, body: dict | bytes, key: str | None) -> tuple[int, object]:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return http("POST", server.url + path, raw=raw, api_key=key, **headers)
+    return http("POST", server.url + path, raw=raw, api_key=key)
 
 
 def bodies(server, session: str) -> dict[str, dict]:

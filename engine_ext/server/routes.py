@@ -12,8 +12,6 @@ the last free place.
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,6 +37,7 @@ from ..compat.server import vllm_version
 from ..frontend.control_plane import ConflictError, UnknownNameError
 from ..options import KERNEL_ABI, PLUGIN_VERSION
 from .runtime import DynsteerServer
+from .settings import is_configured_key
 
 PREFIX = "/v1/dynsteer"
 
@@ -58,11 +57,7 @@ def require_key(request: Request) -> None:
     if not server.api_keys:
         return
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    digest = hashlib.sha256(token.encode()).digest()
-    ok = scheme.lower() == "bearer" and any(
-        secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest())
-        for k in server.api_keys)
-    if not ok:
+    if not (scheme.lower() == "bearer" and is_configured_key(token, server.api_keys)):
         raise HTTPException(401, "Authorization: missing or wrong API key (send "
                                  "'Authorization: Bearer <key>')")
 

@@ -18,9 +18,9 @@ request's bearer key.
 from __future__ import annotations
 
 import hashlib
-import hmac
 
 from ..frontend.caller import Caller
+from .settings import is_configured_key
 
 NAMESPACE_CHARS = 16
 
@@ -37,8 +37,7 @@ def client(api_key: str | None, api_keys: list[str]) -> Caller:
     """The caller presenting ``api_key`` (None: no bearer) to a server with ``api_keys``."""
     if not api_keys:
         return Caller(namespace=None, client=True)
-    known = api_key is not None and any(
-        hmac.compare_digest(api_key.encode(), k.encode()) for k in api_keys)
-    return Caller(namespace=key_namespace(api_key) if known and api_key else ANONYMOUS,
-                  client=True)
+    if api_key is not None and is_configured_key(api_key, api_keys):
+        return Caller(namespace=key_namespace(api_key), client=True)
+    return Caller(namespace=ANONYMOUS, client=True)
 

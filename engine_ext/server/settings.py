@@ -7,7 +7,9 @@ vLLM logs and hashes into its compile-cache key).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +68,13 @@ def api_keys(settings: ServerSettings, vllm_api_key: Any) -> list[str]:
     if os.environ.get("VLLM_API_KEY"):
         keys.append(os.environ["VLLM_API_KEY"])
     return keys
+
+
+def is_configured_key(token: str | None, keys: list[str]) -> bool:
+    """Whether ``token`` is one of ``keys``, compared in constant time (digests, so neither a
+    key's content nor its length leaks through timing)."""
+    if not token:
+        return False
+    digest = hashlib.sha256(token.encode()).digest()
+    return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest())
+               for k in keys)
