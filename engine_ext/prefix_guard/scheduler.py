@@ -1,8 +1,9 @@
 """The guard's state machine on the scheduler, one :class:`GuardedRequest` per steered request.
 
 The adapter (:mod:`dynsteer.engine_ext.compat.scheduler`) calls it at vLLM's decision points;
-this module decides. A gated request's blocks are cached only up to its *clean frontier*: the
-positions the workers reported processed with no dynamic contribution (:func:`.guard.frontier`).
+this module decides. A withheld request's blocks (a gate under a controller) are cached only
+up to its *clean frontier*: the positions the workers reported processed with no dynamic
+contribution (:func:`.guard.frontier`).
 """
 
 from __future__ import annotations

@@ -81,8 +81,9 @@ class DynsteerCollector(Collector):
             "dynsteer_requests_waiting_for_rows", "Requests kept waiting for a row at the last "
             "step", value=guard.get("waiting_for_rows", 0))
         yield CounterMetricFamily(
-            "dynsteer_prefix_guarded_requests", "Gated requests whose blocks were cached only "
-            "once reported free of dynamic steering", value=guard.get("guarded_requests", 0))
+            "dynsteer_prefix_guarded_requests", "Controlled gated requests whose blocks were "
+            "cached only once reported free of dynamic steering",
+            value=guard.get("guarded_requests", 0))
         yield from _host_time_metrics(stats.get("host_time", {}))
         fills = CounterMetricFamily(
             "dynsteer_index_fills", "Steps whose per-token index was filled, by where: the "
