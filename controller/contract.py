@@ -9,7 +9,7 @@ cheap (no pydantic model, no vLLM, no torch) and every rule exists once:
   half the depth), several separated by commas (:func:`resolve_sites`, the only parser);
   sites sort in forward order (:func:`site_order`);
 * **names** of registered vectors and probes (:data:`NAME_PATTERN`);
-* **keys** in vLLM's ``SamplingParams.extra_args`` (:data:`SPEC_KEY`);
+* **keys** in vLLM's ``SamplingParams.extra_args`` (:data:`.extra_args.SPEC_KEY`);
 * **float32 on the wire**: little-endian float32 bytes (:func:`f32_bytes`), in JSON as their
   base64 (:func:`encode_f32`, :func:`decode_f32`);
 * the messages for a site the engine was not configured with (:func:`unconfigured_site`) or
@@ -31,9 +31,6 @@ HOOKS: tuple[Hook, ...] = ("pre_attn", "post_attn", "post_block")
 
 Site = tuple[Hook, int]
 """One ``(hook, layer)`` pair."""
-
-SPEC_KEY = "dynsteer"
-"""Key of a request's spec in ``SamplingParams.extra_args`` (and of the top-level body field)."""
 
 NAME_RULE = "1-64 characters from A-Z a-z 0-9 _ . -, not starting with '.'"
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")

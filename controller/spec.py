@@ -22,14 +22,8 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .contract import (
-    SPEC_KEY,
-    Hook,
-    decode_f32,
-    site_order,
-    unconfigured_site,
-    unmonitored_site,
-)
+from .contract import Hook, decode_f32, site_order, unconfigured_site, unmonitored_site
+from .extra_args import SPEC_KEY
 from .limits import (
     DEFAULT_MAX_STEER_NORM,
     FLOAT32_MAX,

@@ -2,16 +2,17 @@
 
 A client's spec (JSON floats, base64, names) is parsed and checked once, in the process that
 admits the request (:mod:`dynsteer.controller.spec`). What travels on to the engine core and
-every worker is this form, in ``SamplingParams.extra_args[WIRE_KEY]``: plain lists, numbers,
-strings and ``bytes`` (vLLM's msgpack carries them as they are), with vectors as little-endian
-float32 bytes, so a worker builds its rows with ``np.frombuffer`` and no JSON or pydantic work,
-and the prefix-cache fingerprint hashes bytes, not decimal text.
+every worker is this form, in ``SamplingParams.extra_args[WIRE_KEY]`` (:mod:`.extra_args`):
+plain lists, numbers, strings and ``bytes`` (vLLM's msgpack carries them as they are), with
+vectors as little-endian float32 bytes, so a worker builds its rows with ``np.frombuffer`` and
+no JSON or pydantic work, and the prefix-cache fingerprint hashes bytes, not decimal text.
 
 Layout (positional, so msgpack stays small):
 
-* entry: ``[hook, layers, phase, scale, vector, op, value]`` (indices :data:`HOOK` ...
-  :data:`VALUE`), ``vector`` = float32 bytes or a registered vector's name, ``op`` = ``add``,
-  ``ablate`` or ``clamp``, ``value`` = the clamp's target (None for the others);
+* entry: ``[hook, layers, phase, scale, vector, op, value]`` (:data:`RawEntry`; readers take
+  it through :class:`WireEntry`'s named fields, :func:`read_entries`), ``vector`` = float32
+  bytes or a registered vector's name, ``op`` = ``add``, ``ablate`` or ``clamp``, ``value`` =
+  the clamp's target (None for the others);
 * spec: ``{"steer": [entry...], "gate": gate or None, "controller": {"name", "params"} or
   None, "key": hex, "session": str or None}``; ``key`` is a content hash of everything but the
   session, so workers can reuse what they built for an identical spec and the prefix-cache
@@ -27,40 +28,48 @@ No vLLM import.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 from .contract import F32, f32_bytes
 from .spec import GateSpec, SteerEntry, SteeringSpec, check_controller
 
-WIRE_KEY = "dynsteer_wire"
-"""Key of the resolved spec in ``SamplingParams.extra_args`` (set by the frontend only)."""
-GLOBAL_KEY = "dynsteer_global"
-"""Key of the fingerprint of the global steering a request was admitted under, in
-``SamplingParams.extra_args`` (set by the frontend only; absent: none). A request keeps that
-global steering for its whole life, preemptions included; a change steers later requests."""
-REGISTRY_KEY = "dynsteer_registry"
-"""Key of the registry generation a request was admitted under, in
-``SamplingParams.extra_args`` (set by the frontend only): the names in its spec resolve to the
-vectors and probes registered then, even when one is replaced or deleted before the request is
-scheduled or while it is preempted."""
+__all__ = ["F32", "RawEntry", "WireEntry", "WireProbe", "entry_to_wire", "fingerprint",
+           "gate_to_wire", "probe_to_wire", "read_entries", "spec_to_wire"]
 
-__all__ = ["F32", "GLOBAL_KEY", "HOOK", "LAYERS", "OP", "PHASE", "REGISTRY_KEY", "SCALE",
-           "VALUE", "VECTOR", "WIRE_KEY", "WireEntry", "WireProbe", "entry_to_wire",
-           "fingerprint", "gate_to_wire", "probe_to_wire", "spec_to_wire"]
+RawEntry = list[Any]
+"""An entry as it travels: :class:`WireEntry`'s fields, in its order, as a plain list."""
 
-WireEntry = list[Any]
-HOOK, LAYERS, PHASE, SCALE, VECTOR, OP, VALUE = range(7)
-"""Positions in a wire entry."""
+
+class WireEntry(NamedTuple):
+    """One steering entry, resolved: how every reader takes a :data:`RawEntry`."""
+
+    hook: str
+    layers: list[int]
+    phase: str
+    """``all``, ``prefill`` or ``decode``."""
+    scale: float
+    vector: bytes | str
+    """float32 bytes, or a registered vector's name."""
+    op: str
+    """``add``, ``ablate`` or ``clamp``."""
+    value: float | None
+    """The clamp's target (None for the others)."""
+
+
+def read_entries(raw: Iterable[Sequence[Any]]) -> list[WireEntry]:
+    """Raw entries (lists, as msgpack delivers them) through their named fields."""
+    return [WireEntry._make(e) for e in raw]
 
 WireProbe = list[Any]
 """``[weights bytes, threshold, sharpness]``: an inline probe, and what a worker is sent when a
 probe is registered."""
 
 
-def entry_to_wire(entry: SteerEntry) -> WireEntry:
+def entry_to_wire(entry: SteerEntry) -> RawEntry:
     vector = entry.name if entry.name is not None else f32_bytes(entry.values())
-    return [entry.hook, list(entry.layers), entry.phase, float(entry.scale), vector, entry.op,
-            None if entry.value is None else float(entry.value)]
+    return list(WireEntry(entry.hook, list(entry.layers), entry.phase, float(entry.scale), vector,
+                          entry.op, None if entry.value is None else float(entry.value)))
 
 
 def probe_to_wire(weights: Any, threshold: float, sharpness: float) -> WireProbe:

@@ -17,10 +17,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dynsteer.controller.contract import SPEC_KEY
+from dynsteer.controller.extra_args import GUARD_KEY, SPEC_KEY
 
 from . import parent_watch
-from .prefix_guard import GUARD_KEY
 
 CONFIG_KEY = "dynsteer"
 """Key of the plugin's options in vLLM's ``additional_config``."""

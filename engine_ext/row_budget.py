@@ -28,11 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynsteer.controller.contract import SpecError
-from dynsteer.controller.wire import PHASE, SCALE, WireEntry, fingerprint
+from dynsteer.controller.extra_args import CLAIMS_KEY
+from dynsteer.controller.wire import RawEntry, fingerprint, read_entries
 
-CLAIMS_KEY = "dynsteer_rows"
-"""Key of a request's row claims in ``SamplingParams.extra_args`` (set by the frontend only):
-``{"rows": [keys], "gates": [keys]}``."""
 PHASES = ("prefill", "decode")
 
 
@@ -47,22 +45,22 @@ class Claims:
         return {"rows": sorted(self.rows), "gates": sorted(self.gates)}
 
 
-def claims_for(wire: dict[str, Any] | None, global_wire: Sequence[WireEntry],
+def claims_for(wire: dict[str, Any] | None, global_wire: Sequence[RawEntry],
                global_key: str | None, registry_generation: int) -> Claims | None:
     """What a request (resolved spec ``wire``, admitted under this global steering and
     registry generation) takes on the workers; None: nothing (it runs from row 0)."""
     gate = wire["gate"] if wire else None
     entries = [*global_wire, *(wire["steer"] if wire else ()),
                *(gate["steer"] if gate is not None else ())]
-    active = [e for e in entries if e[SCALE] != 0]
+    active = [e for e in read_entries(entries) if e.scale != 0]
     if not active and gate is None:
         return None
     base = fingerprint(wire["key"] if wire else "-", global_key or "-",
                        registry_generation).hex()
-    if {e[PHASE] for e in active} == {"all"}:
+    if {e.phase for e in active} == {"all"}:
         rows = {f"{base}|all"}  # equal contents in both phases: one row on the workers
     else:
-        rows = {f"{base}|{p}" for p in PHASES if any(e[PHASE] in ("all", p) for e in active)}
+        rows = {f"{base}|{p}" for p in PHASES if any(e.phase in ("all", p) for e in active)}
     return Claims(rows=frozenset(rows), gates=frozenset({base} if gate is not None else ()))
 
 

@@ -27,6 +27,7 @@ from hf_reference import CAPTURE_ATOL, assert_capture_matches_hf, load_hf, recor
 from tiny_models import HIDDEN, LAYERS, vec
 
 from dynsteer.controller.contract import site_name
+from dynsteer.controller.extra_args import CAPTURE_KEY
 from dynsteer.engine_ext import Steering
 from dynsteer.engine_ext.frontend.capture import (
     _drive,
@@ -39,7 +40,6 @@ from dynsteer.engine_ext.frontend.capture import (
     plan_capture,
 )
 from dynsteer.engine_ext.options import EngineOptions
-from dynsteer.engine_ext.worker.capture_buffers import CAPTURE_KEY
 from dynsteer.engine_ext.worker.sites import SiteOp
 from dynsteer.engine_ext.worker.state import SteeringState
 

@@ -18,8 +18,9 @@ MAX_BATCH = 8
 
 
 def _kinds() -> dict[str, Any]:
+    from dynsteer.controller.extra_args import WIRE_KEY
     from dynsteer.controller.spec import parse_spec
-    from dynsteer.controller.wire import WIRE_KEY, spec_to_wire
+    from dynsteer.controller.wire import spec_to_wire
 
     def resolved(spec: dict[str, Any]) -> dict[str, Any]:
         return {WIRE_KEY: spec_to_wire(parse_spec(spec))}
@@ -314,8 +315,9 @@ print(json.dumps(slot_reuse_steps("cpu")))
 
 
 def _gated_spec(trace: bool = False, **extra: Any) -> dict[str, Any]:
+    from dynsteer.controller.extra_args import WIRE_KEY
     from dynsteer.controller.spec import parse_spec
-    from dynsteer.controller.wire import WIRE_KEY, spec_to_wire
+    from dynsteer.controller.wire import spec_to_wire
 
     gate = {"probe": {"weights": [1, 0, 0, 0], "threshold": 0.5}, "layer": 1, "trace": trace,
             "hook": "post_block", "steer": [{"vector": [0, 0, 0, 1], "layers": [2]}]}
@@ -330,7 +332,7 @@ def test_steps_that_need_the_host_are_filled_there(case):
     interpreter) and the index is the host's."""
     import torch
 
-    from dynsteer.engine_ext.worker.capture_buffers import CAPTURE_KEY
+    from dynsteer.controller.extra_args import CAPTURE_KEY
     from dynsteer.engine_ext.worker.state import SteeringState
 
     states = [SteeringState(SITES, 4, max_rows=8, max_tokens=WIDTH, max_slots=4,

@@ -32,7 +32,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from dynsteer.controller.contract import SPEC_KEY, SpecError, encode_f32
+from dynsteer.controller.contract import SpecError, encode_f32
+from dynsteer.controller.extra_args import SPEC_KEY
 from dynsteer.controller.http_models import GlobalSteering, ProbeUpload, VectorIn
 from dynsteer.controller.spec import parse_gate, validation_message
 from dynsteer.engine_ext.frontend.admission import FrontendState, admit, admitted

@@ -124,5 +124,27 @@ def test_loading_the_plugin_where_it_is_not_enabled_is_cheap():
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     allowed = {"dynsteer", "dynsteer.engine_ext", "dynsteer.engine_ext.plugin",
                "dynsteer.engine_ext.parent_watch", "dynsteer.engine_ext.prefix_guard",
-               "dynsteer.controller", "dynsteer.controller.contract"}
+               "dynsteer.controller", "dynsteer.controller.contract",
+               "dynsteer.controller.extra_args"}
     assert {m for m in loaded if not m.startswith("dynsteer.engine_ext.compat")} <= allowed, loaded
+
+
+def test_extra_args_keys_are_defined_in_one_module() -> None:
+    """Every key a request's ``extra_args`` carries is spelled once, in
+    ``controller/extra_args.py``: no other product module writes one of them as a literal (so a
+    key renamed there cannot leave a stale copy that the frontend writes and a worker never
+    reads)."""
+    from dynsteer.controller import extra_args
+
+    keys = set(extra_args.FRONTEND_KEYS)  # SPEC_KEY, "dynsteer", names many other things
+    assert all(k.startswith(extra_args.RESERVED_PREFIX) for k in extra_args.FRONTEND_KEYS)
+    home = ROOT / "controller" / "extra_args.py"
+    spelled = []
+    for path in _sources("engine_ext", "controller", "probes", "api"):
+        if path == home:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in keys:
+                spelled.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not spelled, "extra_args keys spelled outside controller/extra_args.py:\n" + \
+        "\n".join(spelled)

@@ -20,8 +20,9 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.utils import PPMissingLayer
 
 from dynsteer.controller.contract import resolve_sites
+from dynsteer.controller.extra_args import GLOBAL_KEY
 from dynsteer.controller.spec import parse_entries
-from dynsteer.controller.wire import GLOBAL_KEY, entry_to_wire
+from dynsteer.controller.wire import entry_to_wire
 from dynsteer.engine_ext.compat.model import (
     SUPPORTED_ARCHITECTURES,
     SteeredLayer,

@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynsteer.controller.extra_args import GLOBAL_KEY, WIRE_KEY
 from dynsteer.controller.spec import parse_entries, parse_spec
-from dynsteer.controller.wire import GLOBAL_KEY, WIRE_KEY, entry_to_wire, spec_to_wire
+from dynsteer.controller.wire import entry_to_wire, spec_to_wire
 from dynsteer.engine_ext.worker import ops
 from dynsteer.engine_ext.worker.rows import Projection, RowTable
 from dynsteer.engine_ext.worker.state import GLOBAL_HISTORY, SteeringState

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from dynsteer.controller.extra_args import WIRE_KEY
 from dynsteer.controller.spec import parse_spec
-from dynsteer.controller.wire import WIRE_KEY, spec_to_wire
+from dynsteer.controller.wire import spec_to_wire
 from dynsteer.engine_ext.worker.state import SteeringState
 
 HIDDEN = 64

@@ -19,30 +19,25 @@ import msgspec
 import numpy as np
 
 from dynsteer.controller.contract import Site, SpecError, site_name
-from dynsteer.controller.limits import FLOAT32_MAX
-from dynsteer.controller.spec import (
-    SPEC_KEY,
-    ModelShape,
-    SteeringSpec,
-    check_against_model,
-    parse_spec,
-)
-from dynsteer.controller.wire import (
+from dynsteer.controller.extra_args import (
+    CLAIMS_KEY,
     GLOBAL_KEY,
+    GUARD_KEY,
     REGISTRY_KEY,
+    RESERVED_PREFIX,
+    SPEC_KEY,
     WIRE_KEY,
-    WireEntry,
-    fingerprint,
-    spec_to_wire,
 )
+from dynsteer.controller.limits import FLOAT32_MAX
+from dynsteer.controller.spec import ModelShape, SteeringSpec, check_against_model, parse_spec
+from dynsteer.controller.wire import RawEntry, fingerprint, spec_to_wire
 from dynsteer.probes import ModelFingerprint, Probe
 
 from ..compat.frontend import EngineFacts, prompt_request_ids
 from ..options import CONFIG_KEY, EngineOptions, options_from_additional_config
-from ..prefix_guard import GUARD_KEY
 from ..prefix_guard.guard import CacheGuard
 from ..prefix_guard.key import guard_for
-from ..row_budget import CLAIMS_KEY, Claims, check_claims, claims_for
+from ..row_budget import Claims, check_claims, claims_for
 from .caller import TRUSTED, Caller, current
 
 MAX_SESSIONS = 65536
@@ -98,7 +93,7 @@ class FrontendState:
     from bare weights (``Steering.register_probe(name, weights=...)``)."""
     global_entries: list[dict[str, Any]] = field(default_factory=list)
     """Current global steering entries as clients gave them (what ``GET /global`` returns)."""
-    global_wire: list[WireEntry] = field(default_factory=list)
+    global_wire: list[RawEntry] = field(default_factory=list)
     """The same entries resolved (what the workers hold)."""
     global_key: str | None = None
     """Fingerprint of the global steering (None when there is none)."""
@@ -146,7 +141,7 @@ class FrontendState:
         merged["session"] = wire["session"]
         return merged
 
-    def set_global(self, entries: list[dict[str, Any]], wire: list[WireEntry],
+    def set_global(self, entries: list[dict[str, Any]], wire: list[RawEntry],
                    key: str | None) -> None:
         """Record new global steering (after every worker holds it under ``key``)."""
         self.global_entries = entries
@@ -273,11 +268,6 @@ def engine_state(facts: EngineFacts) -> FrontendState | None:
         architecture=facts.architecture,
         dtype_max=facts.dtype_max,
     )
-
-
-RESERVED_PREFIX = f"{SPEC_KEY}_"
-"""``extra_args`` keys starting with it are dynsteer's own (resolved spec, prefix-cache guard,
-row claims, capture, ...): only the frontend sets them, never a client."""
 
 
 def _refuse_reserved(extra_args: dict[str, Any]) -> None:

@@ -51,9 +51,10 @@ from dynsteer.controller.contract import (
     site_name,
     unmonitored_site,
 )
+from dynsteer.controller.extra_args import CAPTURE_KEY
 
 from ..compat import frontend as vllm_frontend
-from ..worker.capture_buffers import CAPTURE_KEY, REDUCES, Reduce, capture_key
+from ..worker.capture_buffers import REDUCES, Reduce, capture_key
 from .caller import TRUSTED, acting_as
 
 CaptureResult = dict[str, np.ndarray | list[np.ndarray]]

@@ -32,6 +32,3 @@ The guard in one place: :mod:`.guard` (the guard, its hash key and frontier, the
 (:mod:`dynsteer.engine_ext.compat.scheduler`) only calls them at vLLM's decision points.
 """
 
-GUARD_KEY = "dynsteer_cache"
-"""Key of the guard in ``SamplingParams.extra_args`` (set by the frontend, read by the
-scheduler; a client-supplied value is overwritten)."""

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dynsteer.controller.wire import PHASE, SCALE, WireEntry, fingerprint
+from dynsteer.controller.wire import RawEntry, fingerprint, read_entries
 
 from .guard import CacheGuard
 
 
-def guard_for(wire: dict[str, Any] | None, global_wire: Sequence[WireEntry],
+def guard_for(wire: dict[str, Any] | None, global_wire: Sequence[RawEntry],
               global_key: str | None, registry_generation: int,
               prompt_len: int) -> CacheGuard | None:
     """How a request's blocks may be shared (None: unsteered, share everything).
@@ -30,15 +30,15 @@ def guard_for(wire: dict[str, Any] | None, global_wire: Sequence[WireEntry],
     """
     own = wire["steer"] if wire else []
     gate = wire["gate"] if wire else None
-    static = [e for e in (*global_wire, *own) if e[SCALE] != 0]
-    if gate is not None or any(e[PHASE] != "decode" for e in static):
+    static = [e for e in read_entries((*global_wire, *own)) if e.scale != 0]
+    if gate is not None or any(e.phase != "decode" for e in static):
         fork = 0
     elif static:
         fork = prompt_len
     else:
         return None
     entries = [*global_wire, *own, *(gate["steer"] if gate is not None else [])]
-    phase_specific = any(e[PHASE] != "all" for e in entries)
+    phase_specific = any(e.phase != "all" for e in read_entries(entries))
     key = fingerprint(wire["key"] if wire else "-", global_key or "-", registry_generation,
                       prompt_len if phase_specific else -1)
     controlled = gate is not None and wire is not None and wire.get("controller") is not None

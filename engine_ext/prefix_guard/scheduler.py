@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import GUARD_KEY
+from dynsteer.controller.extra_args import GUARD_KEY
+
 from .guard import STATS, CacheGuard, fork_keys, frontier
 
 

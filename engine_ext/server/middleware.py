@@ -34,7 +34,8 @@ import msgspec
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dynsteer.controller.contract import SPEC_KEY, SpecError
+from dynsteer.controller.contract import SpecError
+from dynsteer.controller.extra_args import SPEC_KEY
 from dynsteer.controller.spec import MAX_JSON_DEPTH, check_json_depth
 
 from ..frontend import admission

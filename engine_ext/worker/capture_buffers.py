@@ -28,12 +28,10 @@ import numpy as np
 import torch
 
 from dynsteer.controller.contract import Site, f32_bytes, parse_site_name, site_name
+from dynsteer.controller.extra_args import CAPTURE_KEY
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
-
-CAPTURE_KEY = "dynsteer_capture"
-"""Key in ``SamplingParams.extra_args`` of a capture request: ``"<ticket>:<item>"``."""
 
 Reduce = Literal["last", "mean", "all"]
 REDUCES: tuple[Reduce, ...] = ("last", "mean", "all")

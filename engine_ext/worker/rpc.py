@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynsteer.controller.wire import WireEntry, WireProbe
+from dynsteer.controller.wire import RawEntry, WireProbe
 
 from ..compat import worker as vllm_worker
 from .state import SteeringState
@@ -35,7 +35,7 @@ class DynsteerWorkerExtension:
     def dynsteer_unregister_vector(self, name: str, generation: int) -> None:
         self._dynsteer().unregister_vector(name, generation)
 
-    def dynsteer_set_global(self, entries: list[WireEntry], key: str) -> None:
+    def dynsteer_set_global(self, entries: list[RawEntry], key: str) -> None:
         """``key``: the fingerprint requests admitted under these entries carry."""
         self._dynsteer().set_global(entries, key)
 

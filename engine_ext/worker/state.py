@@ -20,21 +20,8 @@ import torch
 
 from dynsteer.controller.contract import Site, site_name
 from dynsteer.controller.controllers import Action
-from dynsteer.controller.wire import (
-    F32,
-    GLOBAL_KEY,
-    HOOK,
-    LAYERS,
-    OP,
-    PHASE,
-    REGISTRY_KEY,
-    SCALE,
-    VALUE,
-    VECTOR,
-    WIRE_KEY,
-    WireEntry,
-    WireProbe,
-)
+from dynsteer.controller.extra_args import GLOBAL_KEY, REGISTRY_KEY, WIRE_KEY
+from dynsteer.controller.wire import F32, RawEntry, WireProbe, read_entries
 
 from . import gate_stats
 from .capture_buffers import CaptureBuffers
@@ -91,7 +78,7 @@ class _Registry:
 class _Global:
     """One global steering, resolved: what a row adds to a request's own steering."""
 
-    entries: list[WireEntry]
+    entries: list[RawEntry]
     adds: dict[str, Contents]
     projections: dict[str, Projections]
 
@@ -309,7 +296,7 @@ class SteeringState:
             generation = self._generation
         return generation
 
-    def set_global(self, entries: list[WireEntry], key: str) -> None:
+    def set_global(self, entries: list[RawEntry], key: str) -> None:
         """Replace global steering (resolved entries, see :mod:`dynsteer.controller.wire`)
         for requests admitted from now on, which carry ``key``; live requests keep the one
         they were admitted under (their prefix-cache key names it)."""
@@ -642,36 +629,36 @@ class SteeringState:
     def _steers(self, slot: int) -> bool:
         return bool(self._prefill_row[slot] or self._decode_row[slot] or self._probe_row[slot])
 
-    def _contents(self, entries: list[WireEntry], vectors: dict[str, np.ndarray],
+    def _contents(self, entries: list[RawEntry], vectors: dict[str, np.ndarray],
                   gated: bool = False) -> tuple[dict[str, Contents], dict[str, Projections]]:
         """The entries' adds and projections per phase (``gated``: scaled by the gate), named
         vectors taken from ``vectors``."""
         adds: dict[str, Contents] = {p: {} for p in PHASES}
         projections: dict[str, Projections] = {p: {} for p in PHASES}
-        for entry in entries:
-            if entry[SCALE] == 0:
+        for entry in read_entries(entries):
+            if entry.scale == 0:
                 continue
-            vec = entry[VECTOR]
+            vec = entry.vector
             values = vectors[vec] if isinstance(vec, str) else np.frombuffer(vec, dtype=F32)
             if values.shape != (self.hidden_size,):
                 raise ValueError(f"vector length {values.shape[0]} != hidden {self.hidden_size}")
-            if entry[OP] == "add":
-                scaled = values * np.float32(entry[SCALE])
-                part = {(entry[HOOK], layer): scaled for layer in entry[LAYERS]}
+            if entry.op == "add":
+                scaled = values * np.float32(entry.scale)
+                part = {(entry.hook, layer): scaled for layer in entry.layers}
                 for phase in PHASES:
-                    if entry[PHASE] in ("all", phase):
+                    if entry.phase in ("all", phase):
                         adds[phase] = add_contents(adds[phase], part)
                 continue
             norm = float(np.linalg.norm(values.astype(np.float64)))
             if not 0 < norm < np.inf:
-                raise ValueError(f"op {entry[OP]!r} needs a vector with a direction")
-            scale = float(entry[SCALE])
+                raise ValueError(f"op {entry.op!r} needs a vector with a direction")
+            scale = float(entry.scale)
             item = (Projection(direction=(values / norm).astype(F32), static=0.0 if gated else
-                               scale, gated=scale if gated else 0.0, value=entry[VALUE] or 0.0),)
+                               scale, gated=scale if gated else 0.0, value=entry.value or 0.0),)
             for phase in PHASES:
-                if entry[PHASE] in ("all", phase):
+                if entry.phase in ("all", phase):
                     projections[phase] = add_projections(
-                        projections[phase], {(entry[HOOK], layer): item for layer in entry[LAYERS]})
+                        projections[phase], {(entry.hook, layer): item for layer in entry.layers})
         return adds, projections
 
     def _ensure_slot(self, slot: int) -> None:
@@ -752,7 +739,7 @@ class SteeringState:
         if action == Action.SWITCH_VECTOR:
             if name not in self.vectors:
                 raise KeyError(f"no registered vector {name!r}")
-            gate["steer"] = [[*e[:VECTOR], name, *e[VECTOR + 1:]] for e in gate["steer"]]
+            gate["steer"] = [list(e._replace(vector=name)) for e in read_entries(gate["steer"])]
         elif action == Action.SWITCH_PROBE:
             if name not in self.probes:
                 raise KeyError(f"no registered probe {name!r}")
