@@ -21,13 +21,14 @@ would have computed it differently. The frontend gives each steered request a
   Caching happens when a report arrives, never ahead of it, so async scheduling (the next step
   scheduled before this one's output is processed) cannot expose a block early.
 
-The workers' report is :meth:`~dynsteer.engine_ext.worker.telemetry.GateTelemetry.cache_report`
-(built with :func:`.guard.grown_frontiers`):
+The workers' report is :class:`.report.CleanPrefixReport`'s (made each step from the gate
+statistics' snapshot, with :func:`.guard.grown_frontiers`):
 ``{request id: (positions processed, first dynamically steered position or None)}``. Any source
 of dynamic steering (a later controller) plugs in by producing the same report.
 
 The guard in one place: :mod:`.guard` (the guard, its hash key and frontier, the counters),
 :mod:`.key` (what a request's guard is, computed by the frontend at admission),
+:mod:`.report` (the workers' report of each step),
 :mod:`.scheduler` (the state machine the engine core runs per request). The adapter
 (:mod:`dynsteer.engine_ext.compat.scheduler`) only calls them at vLLM's decision points.
 """

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from ..compat.worker import is_internal_id_of
-from ..prefix_guard.guard import DYNAMIC_EPSILON, NONE, grown_frontiers
+from ..prefix_guard.guard import DYNAMIC_EPSILON, NONE
+from ..prefix_guard.report import CleanPrefixReport
 from . import cuda_events
 from .gate_stats import (
     COUNTERS,
@@ -127,7 +128,6 @@ class GateTelemetry:
         self._window_end = 0
         """The step number at which the next monitor summary is due."""
         self._sites = sites
-        self._block = block_size
         self._keep = keep
         self._on_host = values.device.type == "cpu"
         if not self._on_host:
@@ -141,20 +141,8 @@ class GateTelemetry:
         self._in_flight: list[_Step] = []
         self._live: dict[str, _Request] = {}
         self._done: OrderedDict[str, _Request] = OrderedDict()
-        self._req_of_slot = np.full(max_slots, None, dtype=object)
-        """Live gated request id of each runner slot, or None (the prefix-guard report's ids;
-        an object array, so a step's report picks its ids without a Python loop)."""
-        self._reported = np.zeros(max_slots, dtype=np.int64)
-        """Blocks of each slot's clean prefix reported so far."""
-        self._reported_snapshot = -1
-        """The statistics snapshot (:attr:`.GateStats.snapshot_folds`) the last report was
-        made of."""
-        self._live_slot = np.zeros(max_slots, dtype=bool)
-        """Slots holding a live gated request: ``_req_of_slot``'s non-None entries as a mask,
-        which the object array cannot give without a Python comparison per slot."""
-        self._settled = False
-        """Every live gated request's clean prefix stopped growing (its first dynamic
-        position known and reported): no report until the next admission."""
+        self._prefix = CleanPrefixReport(max_slots, block_size)
+        """The prefix guard's report of the live gated requests (:meth:`cache_report`)."""
         self._record_of_slot = np.zeros(max_slots, dtype=np.int64)
         """The runner's request slot -> the record of the request holding it."""
         self._req_of_record: list[str | None] = []
@@ -203,8 +191,7 @@ class GateTelemetry:
         self._upto[record] = column[UPTO]
         req.record, req.slot, req.req_id, req.session = record, slot, req_id, session
         req.column = None
-        self._req_of_slot[slot], self._reported[slot] = req_id, 0
-        self._live_slot[slot], self._settled = True, False
+        self._prefix.admit(slot, req_id)
         self._trace[record] = req.trace
         self._win_tokens[record], self._win_gated[record], self._win_max[record] = 0, 0, np.nan
         self._live[req_id] = req
@@ -220,9 +207,7 @@ class GateTelemetry:
         if req is None:
             return
         self._req_of_record[req.record] = None
-        if self._req_of_slot[req.slot] == req_id:
-            self._req_of_slot[req.slot] = None  # no more prefix-guard reports
-            self._live_slot[req.slot] = False
+        self._prefix.finish(req.slot, req_id)  # no more prefix-guard reports
         self.launch_copy()  # its last step's fold comes before the read-out
         self._stats.read(req.slot, req)
         self._retiring.append((self._steps_started, req_id, req))
@@ -276,40 +261,18 @@ class GateTelemetry:
             self._fold(wait=True, limit=1)
 
     def cache_report(self) -> dict[str, tuple[int, int | None]]:
-        """Requests whose cacheable prefix grew by a whole block: (positions processed, first
-        dynamically steered position or None). The scheduler caches only blocks below the
-        first dynamic position (or, while there is none, below ``processed``).
+        """The prefix guard's report of this step (:class:`.CleanPrefixReport`): requests
+        whose clean prefix grew by a whole block, (positions processed, first dynamically
+        steered position or None). The scheduler caches only blocks below the first dynamic
+        position (or, while there is none, below ``processed``).
 
         This runs after every step, so it is also the step's one fold of what landed
-        (finished requests' counters, per-token steps). The report is empty after a few
-        whole-array operations when no gated request is live, when no replay landed since
-        the last report (no frontier can have grown), when every live gated request's
-        frontier has settled (its first dynamic position was reached and reported: the clean
-        prefix ends there for good; until the next admission) or when no frontier grew by a
-        block (most steps: a decode step adds one position per request)."""
+        (finished requests' counters, per-token steps)."""
         self.launch_copy()
         if self._in_flight:
             self._fold(wait=False)
         self._retire_landed()  # takes what landed, the newest snapshot included
-        snapshot = self._stats.snapshot_folds
-        if not self._live or self._settled or snapshot == self._reported_snapshot:
-            return {}
-        self._reported_snapshot = snapshot
-        upto, first_dynamic = self._stats.frontiers()
-        grown, blocks = grown_frontiers(upto, first_dynamic, self._reported, self._block)
-        if not grown.size:
-            # Settled: processed past the first dynamic position (which only ever lowers),
-            # every block below it reported, and the snapshot describes every slot.
-            self._settled = self._stats.all_current() and not np.count_nonzero(
-                self._live_slot & (first_dynamic > upto))
-            return {}
-        grown = grown[self._stats.current(grown)]  # not those admitted since the snapshot
-        self._reported[grown] = blocks[grown]
-        slots = grown[np.not_equal(self._req_of_slot[grown], None)]
-        first = first_dynamic[slots]
-        return dict(zip(self._req_of_slot[slots].tolist(),
-                        zip(upto[slots].tolist(), np.where(first == NONE, None, first).tolist(),
-                            strict=True), strict=True))
+        return self._prefix.report(self._stats, bool(self._live))
 
     # ---- queries -------------------------------------------------------------------------
     def drain(self) -> None:
@@ -363,7 +326,7 @@ class GateTelemetry:
     def launch_copy(self) -> None:
         """Fold the step begun last into the counters (queued on the device) and queue its
         per-token read-back (no-op when done already)."""
-        self._stats.flush(quiet=self._settled)  # a settled report reads no snapshot
+        self._stats.flush(quiet=self._prefix.settled)  # a settled report reads no snapshot
         self._launch_copy()
 
     def _launch_copy(self) -> None:
