@@ -12,12 +12,13 @@ vLLM runs it), so the ~40 us Python launch path of an eager call is not counted;
 time of one call is reported beside it.
 
 ``--against FILE...`` compares the kernel with other versions of
-``engine_ext/worker/triton_kernels.py`` (e.g. ``git show HEAD~1:engine_ext/worker/triton_kernels.py
-> old.py``; each named by its file) in one process: all run in turn over rounds (graph
-replays), idle and gated, at 1, 32 and 256 tokens of hidden size 4096, once *hot* (launch after
-launch, the op's buffers in L2) and once *cold* (each launch after a write of 128 MB, as a site
-in a decoder layer runs after its layer's weights streamed through L2; the write alone is timed
-and subtracted), and the per-launch times and their paired ratio to the first file's are
+``engine_ext/worker/kernels/steer.py`` (e.g. ``git show
+HEAD~1:engine_ext/worker/kernels/steer.py > old.py``; with ``--norm``, of
+``kernels/steer_norm.py``; each named by its file) in one process: all run in turn over rounds
+(graph replays), idle and gated, at 1, 32 and 256 tokens of hidden size 4096, once *hot* (launch
+after launch, the op's buffers in L2) and once *cold* (each launch after a write of 128 MB, as a
+site in a decoder layer runs after its layer's weights streamed through L2; the write alone is
+timed and subtracted), and the per-launch times and their paired ratio to the first file's are
 printed and written.
 
 ``--norm`` times the site and the RMSNorm after it as one kernel (``steer_norm_triton``, the
@@ -84,7 +85,7 @@ MODES = {"gated": 4, "idle": 2, "capture": 6}
 
 
 def case(tokens: int, hidden: int, mode: str) -> dict[str, Any]:
-    from dynsteer.engine_ext.worker.triton_kernels import steer_triton
+    from dynsteer.engine_ext.worker.kernels.steer import steer_triton
 
     run = steer_call(steer_triton, tokens, hidden, mode)
     eager_ms = _time_ms(run, 50)
@@ -104,16 +105,15 @@ def steer_inputs(tokens: int, hidden: int, mode: str) -> tuple[Any, Any, Any, fl
     """``(x, h, buffers, limit)`` of ``mode``'s traffic, fresh, on the GPU."""
     import torch
 
-    from dynsteer.engine_ext.worker.ops import (
+    from dynsteer.engine_ext.worker.layout import (
         CTL_COLS,
         INDEX_CAPTURE,
         INDEX_PROBE,
         INDEX_ROW,
         INDEX_ROWS,
         PROJ_PARAMS,
-        SteerBuffers,
-        stream_limit,
     )
+    from dynsteer.engine_ext.worker.ops import SteerBuffers, stream_limit
     steered = mode == "gated"
     captured = mode == "capture"
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -142,13 +142,18 @@ def steer_inputs(tokens: int, hidden: int, mode: str) -> tuple[Any, Any, Any, fl
 
 
 def load_kernels(path: Path):
-    """Another version of ``triton_kernels.py`` as a module of its own (its relative imports
-    made absolute; Triton reads a kernel's source from its file, so it is imported from one)."""
+    """Another version of a kernel module (``kernels/steer.py`` or ``kernels/steer_norm.py``) as
+    a module of its own (its relative imports made absolute; Triton reads a kernel's source from
+    its file, so it is imported from one)."""
     import importlib.util
+    import re
     import tempfile
 
-    source = path.read_text().replace("from ..", "from dynsteer.engine_ext.")
-    source = source.replace("from . import", "from dynsteer.engine_ext.worker import")
+    packages = {1: "dynsteer.engine_ext.worker.kernels", 2: "dynsteer.engine_ext.worker",
+                3: "dynsteer.engine_ext"}
+    source = re.sub(r"^(\s*)from (\.+)(\w*)",
+                    lambda m: f"{m[1]}from {packages[len(m[2])]}{'.' if m[3] else ''}{m[3]}",
+                    path.read_text(), flags=re.M)
     copy = Path(tempfile.mkdtemp()) / "kernels_against.py"
     copy.write_text(source)
     spec = importlib.util.spec_from_file_location("kernels_against", copy)
@@ -249,25 +254,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--against", type=Path, nargs="+", default=[],
-                    help="other versions of triton_kernels.py to compare with (named by file)")
+                    help="other versions of kernels/steer.py (with --norm: "
+                         "kernels/steer_norm.py) to compare with (named by file)")
     ap.add_argument("--norm", action="store_true",
                     help="time the site + RMSNorm kernel against Inductor's stock norm")
     args = ap.parse_args()
     import torch
 
-    from dynsteer.engine_ext.worker import triton_kernels
+    from dynsteer.engine_ext.worker.kernels import steer, steer_norm
 
     others = {path.stem: load_kernels(path) for path in args.against}
     if args.norm:
         contenders = {"inductor": lambda t, m: inductor_norm_call(t, 4096, m)}
-        for name, kernels in {"new": triton_kernels, **others}.items():
+        for name, kernels in {"new": steer_norm, **others}.items():
             contenders[name] = partial(_norm_contender, kernels.steer_norm_triton)
         compare(contenders, args.out)
         return
     if others:
         contenders = {name: partial(_steer_contender, kernels.steer_triton)
                       for name, kernels in others.items()}
-        contenders["new"] = partial(_steer_contender, triton_kernels.steer_triton)
+        contenders["new"] = partial(_steer_contender, steer.steer_triton)
         compare(contenders, args.out)
         return
     bw = copy_bandwidth()

@@ -13,7 +13,7 @@ from triton_interpreter import run_interpreted
 from dynsteer.controller.contract import SpecError
 from dynsteer.controller.controllers import BUILTINS, Action, Actions
 from dynsteer.controller.spec import ModelShape, check_against_model, parse_spec
-from dynsteer.engine_ext.worker import ops
+from dynsteer.engine_ext.worker import layout, ops
 
 NAN = float("nan")
 
@@ -24,20 +24,20 @@ def reference_fold(row: list[float], gates: list[float], scores: list[float]) ->
     kind, floor, scale, count, p0, p1, p2 = row[:7]
     if not gates:
         return row
-    if kind == ops.KIND_LATCH:
+    if kind == layout.KIND_LATCH:
         count += sum((s > p1) if not math.isnan(p1) else (g > 0.5)
                      for g, s in zip(gates, scores, strict=True))
         floor = 1.0 if count >= p0 else floor
-    elif kind == ops.KIND_HYSTERESIS:
+    elif kind == layout.KIND_HYSTERESIS:
         for s in scores:
             if s > p0:
                 scale = 1.0
             elif s < p1:
                 scale = 0.0
-    elif kind == ops.KIND_PROPORTIONAL:
+    elif kind == layout.KIND_PROPORTIONAL:
         if not math.isnan(scores[-1]):
             scale = p0 * min(max(scores[-1] - p1, 0.0), p2)
-    elif kind == ops.KIND_BUDGET:
+    elif kind == layout.KIND_BUDGET:
         count += sum(g > 0.5 for g in gates)
         scale = 0.0 if count >= p0 else scale
     return [kind, floor, scale, count, p0, p1, p2, row[7]]
@@ -47,13 +47,13 @@ def _rows() -> torch.Tensor:
     """Row 0 unused; then every kind, one Python row (kind 0), and variants."""
     return torch.tensor([
         [0, 0, 0, 0, 0, 0, 0, 0],
-        [ops.KIND_LATCH, 0, 1, 0, 6, NAN, NAN, 0],
-        [ops.KIND_LATCH, 0, 1, 0, 4, 0.8, NAN, 0],
-        [ops.KIND_HYSTERESIS, 1, 0, 0, 0.6, -0.4, NAN, 0],
-        [ops.KIND_PROPORTIONAL, 1, 0, 0, 2.0, 0.2, 0.5, 0],
-        [ops.KIND_BUDGET, 0, 1, 0, 9, NAN, NAN, 0],
+        [layout.KIND_LATCH, 0, 1, 0, 6, NAN, NAN, 0],
+        [layout.KIND_LATCH, 0, 1, 0, 4, 0.8, NAN, 0],
+        [layout.KIND_HYSTERESIS, 1, 0, 0, 0.6, -0.4, NAN, 0],
+        [layout.KIND_PROPORTIONAL, 1, 0, 0, 2.0, 0.2, 0.5, 0],
+        [layout.KIND_BUDGET, 0, 1, 0, 9, NAN, NAN, 0],
         [0, 0.5, 0.25, 0, NAN, NAN, NAN, 0],
-        [ops.KIND_HYSTERESIS, 1, 1, 0, 0.0, 0.0, NAN, 0],
+        [layout.KIND_HYSTERESIS, 1, 1, 0, 0.0, 0.0, NAN, 0],
     ], dtype=torch.float32)
 
 
@@ -64,26 +64,26 @@ def _steps(seed: int, n_steps: int = 12, width: int = 64):
     g = torch.Generator().manual_seed(seed)
     for step in range(n_steps):
         tokens = 1 + int(torch.randint(0, width - 4, (1,), generator=g))
-        index = torch.zeros(ops.INDEX_ROWS, width, dtype=torch.int32)
-        index[ops.INDEX_CONTROL, :tokens] = torch.randint(0, 8, (tokens,), generator=g,
+        index = torch.zeros(layout.INDEX_ROWS, width, dtype=torch.int32)
+        index[layout.INDEX_CONTROL, :tokens] = torch.randint(0, 8, (tokens,), generator=g,
                                                           dtype=torch.int32)
         gate_score = torch.rand(2, width, generator=g)
-        gate_score[ops.SCORE] = torch.randn(width, generator=g)
+        gate_score[layout.SCORE] = torch.randn(width, generator=g)
         if step % 3 == 0:
-            gate_score[ops.SCORE, 0] = NAN
+            gate_score[layout.SCORE, 0] = NAN
         yield tokens, index, gate_score
 
 
 def _reference_run(seed: int) -> torch.Tensor:
     rows = _rows().tolist()
     for tokens, index, gate_score in _steps(seed):
-        k = index[ops.INDEX_CONTROL, :tokens].tolist()
+        k = index[layout.INDEX_CONTROL, :tokens].tolist()
         for r in range(1, len(rows)):
-            if rows[r][ops.CTL_KIND] == 0:
+            if rows[r][layout.CTL_KIND] == 0:
                 continue
             mine = [t for t in range(tokens) if k[t] == r]
-            rows[r] = reference_fold(rows[r], [float(gate_score[ops.GATE, t]) for t in mine],
-                                     [float(gate_score[ops.SCORE, t]) for t in mine])
+            rows[r] = reference_fold(rows[r], [float(gate_score[layout.GATE, t]) for t in mine],
+                                     [float(gate_score[layout.SCORE, t]) for t in mine])
     return torch.tensor(rows, dtype=torch.float32)
 
 
@@ -98,14 +98,14 @@ def test_control_step_matches_the_sequential_reference(seed):
 TRITON_CHECK = """
 import json
 from test_controllers import _rows, _steps
-from dynsteer.engine_ext.worker import triton_kernels as tk
-tk.FOLD_BLOCK = 16  # a step spans several blocks
+from dynsteer.engine_ext.worker.kernels import _tl, control_fold
+_tl.FOLD_BLOCK = 16  # a step spans several blocks
 out = []
 for seed in (0, 1, 2):
     control = _rows()
-    scratch = tk.new_fold_scratch(control)
+    scratch = control_fold.new_fold_scratch(control)
     for tokens, index, gate_score in _steps(seed):
-        tk.control_step_triton(index, gate_score, control, scratch)
+        control_fold.control_step_triton(index, gate_score, control, scratch)
     out.append(control.tolist())
 print(json.dumps(out))
 """

@@ -68,7 +68,7 @@ class _Pair:
         are relative; columns past the step must be zero)."""
         import torch
 
-        from dynsteer.engine_ext.worker import ops
+        from dynsteer.engine_ext.worker import layout
         from dynsteer.engine_ext.worker.token_rows import expand_positions
 
         tokens = int(sched.sum())
@@ -84,17 +84,18 @@ class _Pair:
         a = self.host.token_rows.buffer.cpu().numpy()
         b = self.dev.token_rows.buffer.cpu().numpy()
         mismatch: list[Any] = []
-        for row in (ops.INDEX_ROW, ops.INDEX_PROBE, ops.INDEX_CAPTURE, ops.INDEX_CONTROL):
+        for row in (layout.INDEX_ROW, layout.INDEX_PROBE, layout.INDEX_CAPTURE,
+                    layout.INDEX_CONTROL):
             if not np.array_equal(a[row], b[row]):
                 mismatch.append([row, a[row, :tokens + 2].tolist(), b[row, :tokens + 2].tolist()])
-        probe = b[ops.INDEX_PROBE, :tokens] != 0  # slot and position: read for these only
-        entry = b[ops.INDEX_POS, :tokens]  # the position, or (relative) the host's offset
-        right = np.where(entry & ops.POS_ABSOLUTE, entry == positions | ops.POS_ABSOLUTE,
-                         entry == a[ops.INDEX_POS, :tokens])
+        probe = b[layout.INDEX_PROBE, :tokens] != 0  # slot and position: read for these only
+        entry = b[layout.INDEX_POS, :tokens]  # the position, or (relative) the host's offset
+        right = np.where(entry & layout.POS_ABSOLUTE, entry == positions | layout.POS_ABSOLUTE,
+                         entry == a[layout.INDEX_POS, :tokens])
         if np.count_nonzero(probe & ~right):
-            mismatch.append(["pos", a[ops.INDEX_POS, :tokens].tolist(), entry.tolist()])
-        if not np.array_equal(np.where(probe, a[ops.INDEX_SLOT, :tokens], 0),
-                              np.where(probe, b[ops.INDEX_SLOT, :tokens], 0)):
+            mismatch.append(["pos", a[layout.INDEX_POS, :tokens].tolist(), entry.tolist()])
+        if not np.array_equal(np.where(probe, a[layout.INDEX_SLOT, :tokens], 0),
+                              np.where(probe, b[layout.INDEX_SLOT, :tokens], 0)):
             mismatch.append(["slot"])
         if b[:, tokens:].any():
             mismatch.append(["past the step's tokens"])

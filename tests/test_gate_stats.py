@@ -11,14 +11,14 @@ from triton_interpreter import run_interpreted
 
 from dynsteer.engine_ext.prefix_guard.guard import DYNAMIC_EPSILON, NONE
 from dynsteer.engine_ext.worker import gate_stats as gs
-from dynsteer.engine_ext.worker import ops
+from dynsteer.engine_ext.worker import layout
 
 SLOTS, SITES, WIDTH = 6, 3, 40
 
 
 def _initial() -> tuple[np.ndarray, np.ndarray]:
     """Slots 1-4 hold requests (prompt lengths, dynamic-from positions and sites differ)."""
-    stats = np.zeros((gs.STAT_COLS, SLOTS), dtype=np.int64)
+    stats = np.zeros((layout.STAT_COLS, SLOTS), dtype=np.int64)
     for k, (prompt, dynamic_from, site) in enumerate(
             [(3, 0, 0), (5, 5, 1), (2, NONE, 2), (4, 0, 1)], start=1):
         stats[:, k] = gs.fresh_column(prompt, dynamic_from, site)
@@ -41,7 +41,7 @@ def _steps(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     ended = dict.fromkeys(range(1, 6), 0)
     steps = []
     for i in range(6):
-        index = np.zeros((ops.INDEX_ROWS, WIDTH), dtype=np.int32)
+        index = np.zeros((layout.INDEX_ROWS, WIDTH), dtype=np.int32)
         gate_score = np.zeros((2, WIDTH), dtype=np.float32)
         t = 0
         for k in rng.permutation(5 if i >= 3 else 4) + 1:
@@ -49,22 +49,22 @@ def _steps(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
                 frontier[k] = ended[k] = 0
             start = frontier[k] - (2 if rng.random() < 0.2 and frontier[k] > 2 else 0)
             n = int(rng.integers(1, 6))
-            index[ops.INDEX_PROBE, t:t + n] = 1
-            index[ops.INDEX_SLOT, t:t + n] = k
+            index[layout.INDEX_PROBE, t:t + n] = 1
+            index[layout.INDEX_SLOT, t:t + n] = k
             if start == ended[k] and rng.random() < 0.8:
-                index[ops.INDEX_POS, t:t + n] = np.arange(n)
+                index[layout.INDEX_POS, t:t + n] = np.arange(n)
             else:
-                index[ops.INDEX_POS, t:t + n] = np.arange(start, start + n) | ops.POS_ABSOLUTE
+                index[layout.INDEX_POS, t:t + n] = np.arange(start, start + n) | layout.POS_ABSOLUTE
             frontier[k] = max(frontier[k], start + n)
             ended[k] = start + n
             t += n
-        index[ops.INDEX_PROBE, t] = 1
-        index[ops.INDEX_SLOT, t] = SLOTS + 3  # ignored
+        index[layout.INDEX_PROBE, t] = 1
+        index[layout.INDEX_SLOT, t] = SLOTS + 3  # ignored
         gates = rng.choice([0.0, DYNAMIC_EPSILON, 0.002, 0.5, 0.7, 1.0], size=t + 1)
         scores = rng.normal(size=t + 1).astype(np.float32) * 4
         scores[rng.random(t + 1) < 0.1] = np.nan
         scores[rng.random(t + 1) < 0.1] = -0.0
-        gate_score[ops.GATE, : t + 1], gate_score[ops.SCORE, : t + 1] = gates, scores
+        gate_score[layout.GATE, : t + 1], gate_score[layout.SCORE, : t + 1] = gates, scores
         steps.append((index, gate_score))
     return steps
 
@@ -92,38 +92,39 @@ def test_numpy_fold_matches_a_per_token_reference():
             stats[:, slot] = column
             best.pop(slot, None)
             ended[slot] = 0
-        frontier = stats[gs.UPTO].copy()
+        frontier = stats[layout.UPTO].copy()
         started = dict(ended)
         for t in range(WIDTH):
-            k, e = int(index[ops.INDEX_SLOT, t]), int(index[ops.INDEX_POS, t])
-            if not index[ops.INDEX_PROBE, t] or k >= SLOTS:
+            k, e = int(index[layout.INDEX_SLOT, t]), int(index[layout.INDEX_POS, t])
+            if not index[layout.INDEX_PROBE, t] or k >= SLOTS:
                 continue
-            p = e - ops.POS_ABSOLUTE if e >= ops.POS_ABSOLUTE else started[k] + e
+            p = e - layout.POS_ABSOLUTE if e >= layout.POS_ABSOLUTE else started[k] + e
             ended[k] = p + 1
-            g, s = gate_score[ops.GATE, t], gate_score[ops.SCORE, t]  # compared in float32
-            on = g > gs.GATE_ON
-            sites[stats[gs.SITE, k]] += (1, on)
+            g, s = gate_score[layout.GATE, t], gate_score[layout.SCORE, t]  # compared in float32
+            on = g > layout.GATE_ON
+            sites[stats[layout.SITE, k]] += (1, on)
             if p >= frontier[k]:
-                stats[gs.MONITORED, k] += 1
-                prompt = p < stats[gs.PROMPT_LEN, k]
-                stats[gs.GATED_PREFILL, k] += on and prompt
-                stats[gs.GATED_DECODE, k] += on and not prompt
+                stats[layout.MONITORED, k] += 1
+                prompt = p < stats[layout.PROMPT_LEN, k]
+                stats[layout.GATED_PREFILL, k] += on and prompt
+                stats[layout.GATED_DECODE, k] += on and not prompt
                 if on and not prompt:
-                    stats[gs.FIRST_DECODE_GATED, k] = min(stats[gs.FIRST_DECODE_GATED, k], p)
+                    first = layout.FIRST_DECODE_GATED
+                    stats[first, k] = min(stats[first, k], p)
             if not math.isnan(s):
                 best[k] = max(best.get(k, -math.inf), float(s))
-            if g > DYNAMIC_EPSILON and p >= stats[gs.DYNAMIC_FROM, k]:
-                stats[gs.FIRST_DYNAMIC, k] = min(stats[gs.FIRST_DYNAMIC, k], p)
-            stats[gs.UPTO, k] = max(stats[gs.UPTO, k], p + 1)
-        stats[gs.FRONTIER] = stats[gs.UPTO]
+            if g > DYNAMIC_EPSILON and p >= stats[layout.DYNAMIC_FROM, k]:
+                stats[layout.FIRST_DYNAMIC, k] = min(stats[layout.FIRST_DYNAMIC, k], p)
+            stats[layout.UPTO, k] = max(stats[layout.UPTO, k], p + 1)
+        stats[layout.FRONTIER] = stats[layout.UPTO]
     got, got_sites, _ = _numpy_run(0)
     for k in range(1, SLOTS):  # slot 0 holds no request
-        assert gs.key_score(int(got[gs.MAX_SCORE, k])) == best.get(k), k
-    got[gs.MAX_SCORE] = stats[gs.MAX_SCORE]
-    got[[gs.START, gs.NEXT]] = stats[[gs.START, gs.NEXT]]
+        assert gs.key_score(int(got[layout.MAX_SCORE, k])) == best.get(k), k
+    got[layout.MAX_SCORE] = stats[layout.MAX_SCORE]
+    got[[layout.START, layout.NEXT]] = stats[[layout.START, layout.NEXT]]
     np.testing.assert_array_equal(got, stats)
     np.testing.assert_array_equal(got_sites, sites)
-    assert (stats[gs.MONITORED, 1:6] > 0).all() and stats[gs.FIRST_DYNAMIC, 3] == NONE
+    assert (stats[layout.MONITORED, 1:6] > 0).all() and stats[layout.FIRST_DYNAMIC, 3] == NONE
 
 
 def test_score_keys_order_like_the_floats():
@@ -139,12 +140,13 @@ TRITON_CHECK = """
 import json
 import numpy as np, torch
 from test_gate_stats import OPS, _initial, _steps
-from dynsteer.engine_ext.worker import gate_stats as gs, triton_kernels as tk
-tk.FOLD_BLOCK = 16  # a step spans several blocks
+from dynsteer.engine_ext.worker import layout, gate_stats as gs
+from dynsteer.engine_ext.worker.kernels import _tl, gate_stats as kernels
+_tl.FOLD_BLOCK = 16  # a step spans several blocks
 out = []
 for seed in (0, 1):
     stats, sites = (torch.from_numpy(a) for a in _initial())
-    ops = torch.zeros(gs.OPS_HEAD + (2 + gs.STAT_COLS) * stats.shape[1], dtype=torch.int64)
+    ops = torch.zeros(layout.OPS_HEAD + (2 + layout.STAT_COLS) * stats.shape[1], dtype=torch.int64)
     readout = torch.zeros_like(stats)
     readouts = []
     for i, (index, gate_score) in enumerate(_steps(seed)):
@@ -152,13 +154,13 @@ for seed in (0, 1):
         values = [len(reads), len(writes), 1, *reads, *writes]
         values += [int(v) for column in writes.values() for v in column]
         ops[:len(values)] = torch.tensor(values)
-        tk.stats_step_triton(ops, torch.from_numpy(index), torch.from_numpy(gate_score),
+        kernels.stats_step_triton(ops, torch.from_numpy(index), torch.from_numpy(gate_score),
                              stats, sites, readout)
         readouts.append(readout[:, :len(reads)].T.tolist())
         assert ops[:3].tolist() == [0, 0, 1]
     before = (stats.clone(), sites.clone())
     ops[2] = 0  # an ops-only replay (a query between steps) folds nothing
-    tk.stats_step_triton(ops, torch.from_numpy(index), torch.from_numpy(gate_score), stats,
+    kernels.stats_step_triton(ops, torch.from_numpy(index), torch.from_numpy(gate_score), stats,
                          sites, readout)
     assert torch.equal(stats, before[0]) and torch.equal(sites, before[1])
     out.append([stats.tolist(), sites.tolist(), readouts])

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynsteer.engine_ext.worker import ops  # defines torch.ops.dynsteer.steer
+from dynsteer.engine_ext.worker import (
+    layout,
+    ops,  # defines torch.ops.dynsteer.steer
+)
 
 SITE = 3
 LANE = 2
@@ -38,13 +41,13 @@ def make_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, extreme
     x = (torch.randn(tokens, hidden, generator=g) * 10).to(dtype)
     h = (torch.randn(tokens, hidden, generator=g) * 10).to(dtype)
     width = tokens + 3
-    index = torch.zeros(ops.INDEX_ROWS, width, dtype=torch.int32)
-    rows, probe_rows, capture_rows = (index[i] for i in (ops.INDEX_ROW, ops.INDEX_PROBE,
-                                                         ops.INDEX_CAPTURE))
+    index = torch.zeros(layout.INDEX_ROWS, width, dtype=torch.int32)
+    rows, probe_rows, capture_rows = (index[i] for i in (layout.INDEX_ROW, layout.INDEX_PROBE,
+                                                         layout.INDEX_CAPTURE))
     rows[:tokens] = torch.randint(0, rows_n, (tokens,), generator=g, dtype=torch.int32)
     probe_rows[:tokens] = torch.randint(0, probes_n, (tokens,), generator=g, dtype=torch.int32)
     gate_score = torch.zeros(2, width)
-    gate_score[ops.GATE] = torch.rand(width, generator=g)  # stale values from "an earlier site"
+    gate_score[layout.GATE] = torch.rand(width, generator=g)  # stale values from "an earlier site"
     capacity = tokens + 5
     capture = torch.full((3, capacity + 1, hidden), SENTINEL)
     capture_rows[:] = (torch.randperm(capacity, generator=g)[:width] + 1).to(torch.int32)
@@ -56,20 +59,20 @@ def make_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, extreme
     site_lane[SITE] = LANE
     site_lane[SITE + 1] = 0  # another site's lane: not this op's business
     # Controller rows: none, a latched one, a scaled one, a switched-off one.
-    control = torch.zeros(4, ops.CTL_COLS)
-    control[1:, ops.CTL_FLOOR] = torch.tensor([1.0, 0.0, 0.3])
-    control[1:, ops.CTL_SCALE] = torch.tensor([1.0, 0.4, 0.0])
-    index[ops.INDEX_CONTROL, :tokens] = torch.randint(0, 4, (tokens,), generator=g,
+    control = torch.zeros(4, layout.CTL_COLS)
+    control[1:, layout.CTL_FLOOR] = torch.tensor([1.0, 0.0, 0.3])
+    control[1:, layout.CTL_SCALE] = torch.tensor([1.0, 0.4, 0.0])
+    index[layout.INDEX_CONTROL, :tokens] = torch.randint(0, 4, (tokens,), generator=g,
                                                       dtype=torch.int32)
     # Projection slots (2): rows 2 and 3 have two, row 4 one (its second slot unused).
-    flags[2:] |= ops.PROJECT_FLAG
+    flags[2:] |= layout.PROJECT_FLAG
     proj_dir = torch.randn(rows_n, 2, hidden, generator=g, dtype=torch.float64)
     proj_dir /= proj_dir.norm(dim=-1, keepdim=True)
     proj_dir[:2] = 0
     proj_dir[4, 1] = 0
-    proj_par = torch.zeros(rows_n, 2, ops.PROJ_PARAMS)
-    proj_par[2:] = torch.randn(rows_n - 2, 2, ops.PROJ_PARAMS, generator=g)
-    proj_par[2:, :, ops.PROJ_VALUE] *= 5
+    proj_par = torch.zeros(rows_n, 2, layout.PROJ_PARAMS)
+    proj_par[2:] = torch.randn(rows_n - 2, 2, layout.PROJ_PARAMS, generator=g)
+    proj_par[2:, :, layout.PROJ_VALUE] *= 5
     proj_par[4, 1] = 0
     proj_gram = (proj_dir @ proj_dir.transpose(1, 2)).float()
     return x, h, ops.SteerBuffers(index=index, gate_score=gate_score, table=table, dyn=dyn,
@@ -84,7 +87,7 @@ def projection_reference(stream: torch.Tensor, gate: float, r: int, b: ops.Steer
     """float64: what row ``r``'s projection slots add to one token's ``stream``, applying them
     one after the other to the stream as each left it (no Gram matrix)."""
     z = stream.double().clone()
-    if not int(b.flags[r]) & ops.PROJECT_FLAG:
+    if not int(b.flags[r]) & layout.PROJECT_FLAG:
         return torch.zeros_like(z)
     for d in range(b.proj_dir.shape[1]):
         direction = b.proj_dir[r, d].double()
@@ -107,10 +110,10 @@ def reference(x, h, b: ops.SteerBuffers):
     """float64 math, written independently of the op (call it before the op: the op writes
     ``gate_score`` in place)."""
     tokens = x.shape[0]
-    rows, probe_rows = b.index[ops.INDEX_ROW, :tokens], b.index[ops.INDEX_PROBE, :tokens]
+    rows, probe_rows = b.index[layout.INDEX_ROW, :tokens], b.index[layout.INDEX_PROBE, :tokens]
     table, dyn, probes, params = b.table, b.dyn, b.probes, b.params
     out = x.double().clone()
-    gate = b.gate_score[ops.GATE]
+    gate = b.gate_score[layout.GATE]
     gates, scores = gate.double().clone(), torch.full_like(gate.double(), float("nan"))
     for t in range(tokens):
         p = int(probe_rows[t])
@@ -118,9 +121,10 @@ def reference(x, h, b: ops.SteerBuffers):
             s = ((x[t].double() + h[t].double()) * probes[p].double()).sum()
             z = params[p, 1].double() * (s - params[p, 0].double())
             gates[t] = torch.sigmoid(z)
-            k = int(b.index[ops.INDEX_CONTROL, t])
+            k = int(b.index[layout.INDEX_CONTROL, t])
             if k:  # the controller's floor and scale
-                floor, scale = (float(b.control[k, c]) for c in (ops.CTL_FLOOR, ops.CTL_SCALE))
+                floor, scale = (float(b.control[k, c])
+                                for c in (layout.CTL_FLOOR, layout.CTL_SCALE))
                 gates[t] = max(float(gates[t]), floor) * scale
             scores[t] = s
         r = int(rows[t])
@@ -135,7 +139,7 @@ def capture_reference(x, h, b: ops.SteerBuffers):
     want = b.capture.double().clone()
     lane = int(b.site_lane[SITE])
     for t in range(x.shape[0]):
-        c = int(b.index[ops.INDEX_CAPTURE, t])
+        c = int(b.index[layout.INDEX_CAPTURE, t])
         if c and lane >= 0:
             want[lane, c] = x[t].double() + (h[t].double() if h is not None else 0)
     return want
@@ -154,13 +158,13 @@ def test_steer_matches_float64(tokens, hidden, dtype, device):
     x, h, b = make_inputs(tokens, hidden, dtype, seed=tokens * hidden)
     want, gates, scores = reference(x, h, b)
     want_capture = capture_reference(x, h, b)
-    untouched = b.index[ops.INDEX_ROW, :tokens] == 0
-    b.index[ops.INDEX_ROW] |= ops.site_bit(tokens % 8, 8)
+    untouched = b.index[layout.INDEX_ROW, :tokens] == 0
+    b.index[layout.INDEX_ROW] |= layout.site_bit(tokens % 8, 8)
     stale = b.gate_score[:, tokens:].clone()
     xd, hd, bd = on(device, x, h, b)
     out = steer(xd, hd, bd).cpu()
     gate_score = bd.gate_score.cpu()
-    gate, score = gate_score[ops.GATE], gate_score[ops.SCORE]
+    gate, score = gate_score[layout.GATE], gate_score[layout.SCORE]
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want.to(dtype).double(), rtol=tol, atol=tol * 10)
     monitored = ~torch.isnan(scores[:tokens])
@@ -182,13 +186,14 @@ INTERPRETED = """
 import json
 import torch
 from test_ops import INTERPRETED_CASES, SITE, make_inputs
-from dynsteer.engine_ext.worker import ops, triton_kernels as tk
+from dynsteer.engine_ext.worker import layout, ops
+from dynsteer.engine_ext.worker.kernels import steer as tk
 out = []
 for tokens, hidden, dtype, with_h in INTERPRETED_CASES:
     x, h, b = make_inputs(tokens, hidden, getattr(torch, dtype), seed=tokens * hidden)
     if not with_h:
-        b.index[ops.INDEX_PROBE] = 0
-    b.index[ops.INDEX_ROW] |= ops.site_bit(tokens % 8, 8)
+        b.index[layout.INDEX_PROBE] = 0
+    b.index[layout.INDEX_ROW] |= layout.site_bit(tokens % 8, 8)
     steered = tk.steer_triton(x, h if with_h else None, b, SITE, ops.stream_limit(x.dtype))
     out.append([steered.float().tolist(), b.gate_score.tolist(), b.capture.tolist()])
 print(json.dumps(out))
@@ -208,14 +213,14 @@ def test_steer_kernel_matches_float64_in_the_interpreter():
         x, h, b = make_inputs(tokens, hidden, getattr(torch, dtype), seed=tokens * hidden)
         h = h if with_h else None
         if h is None:  # as the script: no monitor without h (the reference's probe reads x + h)
-            b.index[ops.INDEX_PROBE] = 0
+            b.index[layout.INDEX_PROBE] = 0
         want, gates, scores = reference(x, h, b)
         tol = 1e-4 if x.dtype == torch.float32 else 2e-2
         torch.testing.assert_close(torch.tensor(out).double(), want.to(x.dtype).double(),
                                    rtol=tol, atol=tol * 10)
         monitored = ~torch.isnan(scores[:tokens])
         assert bool(monitored.any()) is with_h
-        torch.testing.assert_close(torch.tensor(gate_score)[ops.GATE, :tokens][monitored]
+        torch.testing.assert_close(torch.tensor(gate_score)[layout.GATE, :tokens][monitored]
                                    .double(), gates[:tokens][monitored], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(torch.tensor(capture).double(), capture_reference(x, h, b),
                                    rtol=1e-6, atol=1e-5)
@@ -232,7 +237,7 @@ def test_capture_stores_the_pre_steering_stream(with_h, device):
     want = capture_reference(x, h, b)
     xd, hd, bd = on(device, x, h, b)
     steer(xd, hd, bd)
-    capture, capture_rows = bd.capture.cpu(), b.index[ops.INDEX_CAPTURE, :40]
+    capture, capture_rows = bd.capture.cpu(), b.index[layout.INDEX_CAPTURE, :40]
     assert (capture_rows != 0).any() and (capture_rows == 0).any()
     torch.testing.assert_close(capture.double(), want, rtol=0, atol=0)  # bf16 sums are exact
     written = capture[LANE][capture_rows[capture_rows != 0].long()]
@@ -250,7 +255,7 @@ def test_site_without_lane_captures_nothing():
 def test_extreme_scores_saturate_without_nan():
     x, h, b = make_inputs(512, 256, torch.float32, seed=1, extreme=True)
     out = steer(x, h, b)
-    gate = b.gate_score[ops.GATE]
+    gate = b.gate_score[layout.GATE]
     assert torch.isfinite(out).all() and torch.isfinite(gate).all()
     assert ((gate >= 0) & (gate <= 1)).all()
 
@@ -274,11 +279,11 @@ def test_overflowing_rows_leave_the_stream_finite(dtype, device):
     out = steer(x, h, b)
     assert torch.isfinite(out).all()
     assert (out.float().abs() <= ops.stream_limit(dtype)).all()
-    rows, probe_rows = b.index[ops.INDEX_ROW, :64], b.index[ops.INDEX_PROBE, :64]
+    rows, probe_rows = b.index[layout.INDEX_ROW, :64], b.index[layout.INDEX_PROBE, :64]
     poisoned = rows == 1
     assert poisoned.any()
     assert torch.equal(out[poisoned], x[poisoned])  # every element of row 1 overflowed
-    gate, score = b.gate_score[ops.GATE, :64], b.gate_score[ops.SCORE, :64]
+    gate, score = b.gate_score[layout.GATE, :64], b.gate_score[layout.SCORE, :64]
     nan_scored = probe_rows == 1
     assert nan_scored.any() and torch.isnan(score[nan_scored]).all()
     assert (gate[nan_scored] == 0).all()
@@ -311,15 +316,15 @@ def test_compiled_graph_reads_buffers_in_place():
     from dynsteer.engine_ext.worker.sites import SiteBuffers, SiteOp
 
     x0, h0, b = make_inputs(8, 16, torch.float32, seed=5)
-    b.flags.bitwise_and_(~ops.PROJECT_FLAG)  # adds only (projections: the float64 tests)
+    b.flags.bitwise_and_(~layout.PROJECT_FLAG)  # adds only (projections: the float64 tests)
     b.index.zero_()
-    rows, probe_rows, capture_rows = (b.index[i] for i in (ops.INDEX_ROW, ops.INDEX_PROBE,
-                                                           ops.INDEX_CAPTURE))
+    rows, probe_rows, capture_rows = (b.index[i] for i in (layout.INDEX_ROW, layout.INDEX_PROBE,
+                                                           layout.INDEX_CAPTURE))
     capture, dyn, probes, params = b.capture, b.dyn, b.probes, b.params
     sites = SITE + 2
 
     def site_op(position: int, monitor: bool) -> SiteOp:
-        return SiteOp(SiteBuffers(position, monitor, ops.site_bit(position, sites), b))
+        return SiteOp(SiteBuffers(position, monitor, layout.site_bit(position, sites), b))
 
     first, second = site_op(SITE, True), site_op(SITE + 1, True)
     fused = site_op(SITE - 1, False)  # no probe monitors here, no lane
@@ -331,7 +336,7 @@ def test_compiled_graph_reads_buffers_in_place():
     x, h = x0[:5], h0[:5]
     assert torch.equal(f(x, h), x)
     assert (capture == SENTINEL).all()
-    rows[1] = ops.row_entry(2, range(sites), sites)  # dynamic-only row: only the gate decides
+    rows[1] = layout.row_entry(2, range(sites), sites)  # dynamic-only row: only the gate decides
     probe_rows[1] = 1
     out = f(x, h)
     s = ((x[1] + h[1]) * probes[1]).sum()
@@ -356,13 +361,13 @@ def test_steer_add_matches_float64(tokens, hidden, dtype, device):
     x, h, b = make_inputs(tokens, hidden, dtype, seed=tokens + hidden)
     b.table[3, 0] = float("inf")
     b.table[4, 1] = 2 * ops.stream_limit(dtype)
-    b.gate_score[ops.GATE, ::3] = 0.0  # closed gates: the dynamic row adds 0
-    here, elsewhere = ops.site_bit(3, 8), ops.site_bit(6, 8)
-    entries = b.index[ops.INDEX_ROW]
+    b.gate_score[layout.GATE, ::3] = 0.0  # closed gates: the dynamic row adds 0
+    here, elsewhere = layout.site_bit(3, 8), layout.site_bit(6, 8)
+    entries = b.index[layout.INDEX_ROW]
     steered_here = torch.arange(entries.numel()) % 4 != 1
     rows = torch.where(steered_here, entries, 0)[:tokens].long()
     entries |= torch.where(steered_here, here, elsewhere).to(torch.int32)
-    gate = b.gate_score[ops.GATE, :tokens, None].double()
+    gate = b.gate_score[layout.GATE, :tokens, None].double()
     want = x.double() + b.table[rows].double() + gate * b.dyn[rows].double()
     for t in range(tokens):
         want[t] += projection_reference(x[t].double() + h[t].double(), float(gate[t]),
@@ -387,8 +392,8 @@ def test_steer_add_leaves_x_where_h_is_nan(device):
     x, h, b = make_inputs(4, 64, torch.float32, seed=11)
     b = b._replace(proj_dir=b.proj_dir[:, :0], proj_par=b.proj_par[:, :0],
                    proj_gram=b.proj_gram[:, :0, :0])  # no slots (they read the whole stream)
-    here = ops.site_bit(0, 1)
-    b.index[ops.INDEX_ROW] = 1 | here  # static-only row
+    here = layout.site_bit(0, 1)
+    b.index[layout.INDEX_ROW] = 1 | here  # static-only row
     h[2, 5] = float("nan")
     want = x + b.table[1]
     want[2, 5] = x[2, 5]
@@ -408,11 +413,11 @@ def test_steer_add_without_site_groups_reads_plain_rows(device):
     x, h, b = make_inputs(4, 64, torch.float32, seed=12)
     b = b._replace(proj_dir=b.proj_dir[:, :0], proj_par=b.proj_par[:, :0],
                    proj_gram=b.proj_gram[:, :0, :0])
-    b.index[ops.INDEX_ROW] = torch.tensor([1, 0, 1, 2] + [0] * (b.index.shape[1] - 4),
+    b.index[layout.INDEX_ROW] = torch.tensor([1, 0, 1, 2] + [0] * (b.index.shape[1] - 4),
                                           dtype=torch.int32)
-    b.gate_score[ops.GATE] = 0.5
+    b.gate_score[layout.GATE] = 0.5
     h[2, 5] = float("nan")
-    rows = b.index[ops.INDEX_ROW, :4].long()
+    rows = b.index[layout.INDEX_ROW, :4].long()
     want = x + b.table[rows] + 0.5 * b.dyn[rows]
     xd, hd, bd = on(device, x, h, b)
     args = (xd, hd, bd.index, bd.gate_score, bd.table, bd.dyn, bd.proj_dir, bd.proj_par,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from dynsteer.controller.extra_args import GLOBAL_KEY, WIRE_KEY
 from dynsteer.controller.spec import parse_entries, parse_spec
 from dynsteer.controller.wire import entry_to_wire, spec_to_wire
-from dynsteer.engine_ext.worker import ops
+from dynsteer.engine_ext.worker import layout
 from dynsteer.engine_ext.worker.rows import Projection, RowTable
 from dynsteer.engine_ext.worker.state import GLOBAL_HISTORY, SteeringState
 from dynsteer.engine_ext.worker.token_rows import TokenRows
@@ -67,18 +67,19 @@ def test_a_rows_index_entry_names_the_site_groups_it_steers():
     a = rows.acquire({("post_block", 1): v})
     b = rows.acquire({}, {("pre_attn", 0): v})
     assert rows.entries[0] == 0
-    assert rows.entries[a] == a | ops.site_bit(2, n)
-    assert rows.entries[b] == b | ops.site_bit(0, n)
-    assert ops.site_bit(1, n) & (rows.entries[a] | rows.entries[b]) == 0
+    assert rows.entries[a] == a | layout.site_bit(2, n)
+    assert rows.entries[b] == b | layout.site_bit(0, n)
+    assert layout.site_bit(1, n) & (rows.entries[a] | rows.entries[b]) == 0
     rows.release(a)
     c = rows.acquire({}, projections={("post_block", 0): (Projection(v, 1.0, 0.0, 0.0),)})
-    assert c == a and rows.entries[c] == c | ops.site_bit(1, n)
+    assert c == a and rows.entries[c] == c | layout.site_bit(1, n)
     every = RowTable(SITES, hidden_size=4, max_rows=2, device=torch.device("cpu"),
                      site_groups=False)
     d = every.acquire({("post_block", 1): v})
     assert every.entries[d] == d
-    groups = {ops.site_bit(i, 32) for i in range(32)}
-    assert len(groups) == ops.SITE_GROUPS and max(groups) < 2**31 and min(groups) > ops.ROW_MASK
+    groups = {layout.site_bit(i, 32) for i in range(32)}
+    assert len(groups) == layout.SITE_GROUPS
+    assert max(groups) < 2**31 and min(groups) > layout.ROW_MASK
 
 
 def test_empty_contents_use_row_zero():
@@ -157,7 +158,7 @@ def test_fill_captures_prompt_positions_only(reqs):
 def token_row(state: SteeringState, token: int = 0) -> int:
     """The steering row of a token of the last filled step (its entry without the site-group
     bits)."""
-    return int(state.token_rows.rows[token]) & ops.ROW_MASK
+    return int(state.token_rows.rows[token]) & layout.ROW_MASK
 
 
 def _post_block_1(state, slot):
@@ -180,17 +181,17 @@ def test_a_forward_without_requests_folds_the_last_step_then_clears_the_index():
                      "controller": {"name": "latch", "k": 2}})
     state.add_request("g", 2, spec, prompt_len=3)
     state.fill(np.array([2]), np.array([0]), np.array([3]))
-    row = int(state.token_rows.buffer[ops.INDEX_CONTROL, 0])
+    row = int(state.token_rows.buffer[layout.INDEX_CONTROL, 0])
     assert row != 0
     state.gate[:3] = torch.tensor([0.9, 0.2, 0.9])
     state.score[:3] = torch.tensor([1.0, -1.0, 1.0])
     state.skip_step()  # what the runner's _dummy_run hook calls
     assert not state.token_rows.buffer.any()
-    assert float(state.control.table[row, ops.CTL_FLOOR]) == 1.0  # latched: two above
+    assert float(state.control.table[row, layout.CTL_FLOOR]) == 1.0  # latched: two above
     state.fill(np.array([2]), np.array([3]), np.array([1]))
     state.gate[:1] = 0.0
     state.skip_step()
-    assert float(state.control.table[row, ops.CTL_FLOOR]) == 1.0
+    assert float(state.control.table[row, layout.CTL_FLOOR]) == 1.0
 
 
 def test_a_request_keeps_the_global_steering_it_was_admitted_under():
@@ -292,14 +293,14 @@ def test_gated_positions_are_relative_until_a_request_jumps():
                               "steer": [{"vector": [0, 1, 0, 0], "layers": [1]}]}})
     state.add_request("a", 1, spec, prompt_len=3)
     state.add_request("b", 2, spec, prompt_len=2)
-    absolute = ops.POS_ABSOLUTE
+    absolute = layout.POS_ABSOLUTE
 
     def step(slots, computed, scheduled):
         state.fill(np.array(slots), np.array(computed), np.array(scheduled))
         n = sum(scheduled)
         state.gate[:n] = 0.9
         state.score[:n] = 1.0
-        entries = state.token_rows.buffer[ops.INDEX_POS, :n].tolist()
+        entries = state.token_rows.buffer[layout.INDEX_POS, :n].tolist()
         state.cache_report()
         return entries
 
@@ -396,7 +397,7 @@ def test_specs_with_equal_contents_share_one_row():
     info = state.info()
     assert (info["rows_in_use"], info["rows_rejected"], info["probe_rows_in_use"]) == (1, 0, 32)
     state.fill(np.arange(1, 33), np.zeros(32, np.int64), np.full(32, 2))
-    rows = (state.token_rows.rows[:64] & ops.ROW_MASK).tolist()
+    rows = (state.token_rows.rows[:64] & layout.ROW_MASK).tolist()
     assert len(set(rows)) == 1 and rows[0] != 0
     state.remove_request("r0")
     state.add_request("again", 1, {WIRE_KEY: spec_to_wire(parse_spec(spec))}, 3)
@@ -423,7 +424,7 @@ def test_projections_fill_their_slots_in_order():
     state.fill(np.array([1]), np.array([0]), np.array([2]))
     row = token_row(state)
     i = state.rows.site_index(("post_block", 1))
-    assert int(state.rows.flags[i, row]) & ops.PROJECT_FLAG
+    assert int(state.rows.flags[i, row]) & layout.PROJECT_FLAG
     directions = state.rows.proj_dir[i, row].numpy()
     np.testing.assert_allclose(directions, [[0, 1, 0, 0], [0.8, 0.6, 0, 0], [0, 0, 0, -1]],
                                rtol=1e-6)
@@ -433,7 +434,7 @@ def test_projections_fill_their_slots_in_order():
                                directions @ directions.T, atol=1e-7)
     assert np.isfinite(directions).all()
     j = state.rows.site_index(("post_block", 0))
-    assert not int(state.rows.flags[j, row]) & ops.PROJECT_FLAG
+    assert not int(state.rows.flags[j, row]) & layout.PROJECT_FLAG
     assert not state.rows.proj_dir[j].any()
 
 

@@ -9,7 +9,7 @@ import torch
 from test_ops import DEVICES, SITE, make_inputs, on, reference
 from triton_interpreter import require_interpreter, run_interpreted
 
-from dynsteer.engine_ext.worker import ops
+from dynsteer.engine_ext.worker import layout, ops
 
 EPS = 1e-5
 
@@ -17,9 +17,9 @@ EPS = 1e-5
 def without_projections(b: ops.SteerBuffers) -> ops.SteerBuffers:
     """``b`` as an engine without projection slots has it (what the fused kernel takes)."""
     rows, hidden = b.table.shape
-    return b._replace(flags=b.flags & ~ops.PROJECT_FLAG,
+    return b._replace(flags=b.flags & ~layout.PROJECT_FLAG,
                       proj_dir=torch.zeros(rows, 0, hidden),
-                      proj_par=torch.zeros(rows, 0, ops.PROJ_PARAMS),
+                      proj_par=torch.zeros(rows, 0, layout.PROJ_PARAMS),
                       proj_gram=torch.zeros(rows, 0, 0))
 
 
@@ -29,9 +29,9 @@ def inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, monitor: boo
     ``monitor`` False: no token is monitored (a site without probes; tokens are still
     captured, which such a site never sees, to show that the kernel then looks at neither)."""
     x, h, b = make_inputs(tokens, hidden, dtype, seed)
-    b.index[ops.INDEX_PROBE, 0], b.index[ops.INDEX_ROW, 0] = 1, 3
+    b.index[layout.INDEX_PROBE, 0], b.index[layout.INDEX_ROW, 0] = 1, 3
     if not monitor:
-        b.index[ops.INDEX_PROBE] = 0
+        b.index[layout.INDEX_PROBE] = 0
     weight = (1 + 0.5 * torch.randn(hidden, generator=torch.Generator().manual_seed(seed)))
     return x, h, without_projections(b), weight.to(dtype)
 
@@ -54,7 +54,7 @@ def check(got_normed, got_stream, got_gate_score, want, tokens: int, dtype,
                                rtol=tol, atol=tol * 10)
     torch.testing.assert_close(got_normed.double(), normed.to(dtype).double(),
                                rtol=tol, atol=tol)
-    torch.testing.assert_close(got_gate_score[ops.GATE, :tokens].double(), gates[:tokens],
+    torch.testing.assert_close(got_gate_score[layout.GATE, :tokens].double(), gates[:tokens],
                                rtol=1e-4, atol=1e-5)
     assert bool((~torch.isnan(scores[:tokens])).any()) is monitored
 
@@ -78,23 +78,23 @@ INTERPRETED_CASES = ((1, 64, "float32", True, False), (5, 96, "float32", True, F
                      (6, 64, "float32", True, True))
 """``(tokens, hidden, dtype, monitor, groups)``: a row narrower than its block (96 of 128),
 bfloat16 rounding, a site compiled without its probe and capture code, and site groups."""
-GROUP_BIT = ops.site_bit(3, 8)
+GROUP_BIT = layout.site_bit(3, 8)
 """The site's group bit in the ``groups`` case: every token's entry carries it but token 1's
 (steered by row 3, which then steers nothing at this site)."""
 
 
 def grouped(b: ops.SteerBuffers) -> ops.SteerBuffers:
     """``b`` with site-group bits in the entries (see GROUP_BIT)."""
-    b.index[ops.INDEX_ROW] |= GROUP_BIT
-    b.index[ops.INDEX_ROW, 1] = 3
+    b.index[layout.INDEX_ROW] |= GROUP_BIT
+    b.index[layout.INDEX_ROW, 1] = 3
     return b
 
 
 def ungrouped(b: ops.SteerBuffers) -> ops.SteerBuffers:
     """What ``grouped(b)`` steers here, as plain rows: token 1 unsteered."""
     b = ops.SteerBuffers(*(t.clone() for t in b))
-    b.index[ops.INDEX_ROW] &= ops.ROW_MASK
-    b.index[ops.INDEX_ROW, 1] = 0
+    b.index[layout.INDEX_ROW] &= layout.ROW_MASK
+    b.index[layout.INDEX_ROW, 1] = 0
     return b
 
 INTERPRETED = """
@@ -102,7 +102,8 @@ import json
 import torch
 from test_steer_norm import EPS, GROUP_BIT, INTERPRETED_CASES, grouped, inputs
 from test_ops import SENTINEL, SITE
-from dynsteer.engine_ext.worker import ops, triton_kernels as tk
+from dynsteer.engine_ext.worker import ops
+from dynsteer.engine_ext.worker.kernels import steer_norm as tk
 out = []
 for tokens, hidden, dtype, monitor, groups in INTERPRETED_CASES:
     x, h, b, weight = inputs(tokens, hidden, getattr(torch, dtype), tokens + hidden, monitor)
@@ -136,7 +137,7 @@ def test_steer_norm_kernel_refuses_projection_slots():
     """Engines with projection slots keep the unfused site (SiteOp.fuses_norm); the kernel's
     launcher says so if it is called anyway."""
     pytest.importorskip("triton")
-    from dynsteer.engine_ext.worker import triton_kernels as tk
+    from dynsteer.engine_ext.worker.kernels import steer_norm as tk
 
     x, h, b = make_inputs(2, 64, torch.float32, seed=0)
     with pytest.raises(ValueError, match="2 projection slots"):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynsteer.engine_ext.worker import ops
+from dynsteer.engine_ext.worker import layout
 from dynsteer.engine_ext.worker.telemetry import DYNAMIC_EPSILON, GATE_ON, GateTelemetry
 
 SITES = ["post_block@0", "post_block@1"]
@@ -22,7 +22,7 @@ class _Tele(GateTelemetry):
 
 def make() -> tuple[_Tele, torch.Tensor]:
     values = torch.zeros(2, 64)
-    index = torch.zeros(ops.INDEX_ROWS, 64, dtype=torch.int32)
+    index = torch.zeros(layout.INDEX_ROWS, 64, dtype=torch.int32)
     tele = _Tele(values, index, SITES, BLOCK, max_slots=4)
     tele.index = index
     return tele, values
@@ -40,9 +40,9 @@ def step(tele, values, rng, batch):
     else:
         tele.before_step(tokens, True)
     tele.index.zero_()
-    tele.index[ops.INDEX_PROBE, :tokens] = 1
-    tele.index[ops.INDEX_SLOT, :tokens] = torch.from_numpy(slot)
-    tele.index[ops.INDEX_POS, :tokens] = torch.from_numpy(pos | ops.POS_ABSOLUTE)
+    tele.index[layout.INDEX_PROBE, :tokens] = 1
+    tele.index[layout.INDEX_SLOT, :tokens] = torch.from_numpy(slot)
+    tele.index[layout.INDEX_POS, :tokens] = torch.from_numpy(pos | layout.POS_ABSOLUTE)
     values[:, :tokens] = torch.from_numpy(rng.random((2, tokens)).astype(np.float32))
     values[1, :tokens] = values[1, :tokens] * 10 - 5
     return {(int(s), int(p)): (float(values[0, i]), float(values[1, i]))

@@ -13,7 +13,8 @@ from ..compat import model as vllm_model
 from ..compat import worker as vllm_worker
 from ..options import EngineOptions, options_from_additional_config
 from .events import EngineEvents, EventPublisher
-from .ops import PERSISTENT_SITE_ROW, steer_add
+from .layout import PERSISTENT_SITE_ROW
+from .ops import steer_add
 from .sites import install_sites
 from .state import SteeringState
 

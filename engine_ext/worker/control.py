@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from . import cuda_events
-from .ops import CTL_COLS, CTL_FLOOR, CTL_KIND, CTL_P0, CTL_SCALE, control_step
+from .layout import CTL_COLS, CTL_FLOOR, CTL_KIND, CTL_P0, CTL_SCALE
+from .ops import control_step
 
 
 class ControlTable:
@@ -100,7 +101,8 @@ class ControlTable:
     def _capture_fold(self) -> torch.cuda.CUDAGraph:
         """The CUDA fold as a graph (compiled first, outside the capture). Every row is 0
         (no controller) here, so running it changes nothing."""
-        from .triton_kernels import captured, control_step_triton, new_fold_scratch
+        from .kernels._tl import captured
+        from .kernels.control_fold import control_step_triton, new_fold_scratch
 
         self._scratch = new_fold_scratch(self.table)
         return captured(lambda: control_step_triton(self._index, self._gate_score, self.table,

@@ -43,7 +43,7 @@ from dynsteer.controller.controllers import (
 )
 
 from .control import ControlTable
-from .ops import CTL_FLOOR, CTL_SCALE
+from .layout import CTL_FLOOR, CTL_SCALE
 
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
 

@@ -37,7 +37,7 @@ index does not change and needs no upload)::
 
 and then ``FRONTIER = UPTO`` and, for slots with tokens in the step, ``START = NEXT``
 (``NEXT = 0`` again). :func:`fold_numpy` is that, in numpy (the CPU implementation and
-the reference of the Triton kernels, :func:`.triton_kernels.stats_step_triton`). Every update
+the reference of the Triton kernels, :func:`.kernels.gate_stats.stats_step_triton`). Every update
 is order-free (sums, minima, maxima), so the kernel uses atomics.
 
 Order within a step: read-outs (requests that finished before it: their last step was folded
@@ -55,25 +55,37 @@ import torch
 
 from ..prefix_guard.guard import DYNAMIC_EPSILON, NONE
 from . import cuda_events
-from .ops import GATE, INDEX_POS, INDEX_PROBE, INDEX_SLOT, POS_ABSOLUTE, SCORE
+from .layout import (
+    DYNAMIC_FROM,
+    FIRST_DECODE_GATED,
+    FIRST_DYNAMIC,
+    FRONTIER,
+    GATE,
+    GATE_ON,
+    GATED_DECODE,
+    GATED_PREFILL,
+    INDEX_POS,
+    INDEX_PROBE,
+    INDEX_SLOT,
+    MAX_SCORE,
+    MONITORED,
+    NEXT,
+    OPS_HEAD,
+    POS_ABSOLUTE,
+    PROMPT_LEN,
+    SCORE,
+    SITE,
+    START,
+    STAT_COLS,
+    UPTO,
+)
 from .step_upload import Layout, StepUpload
 
-GATE_ON = 0.5
-"""A token counts as gated when its gate is above this."""
-
-(FIRST_DYNAMIC, UPTO, MONITORED, GATED_PREFILL, GATED_DECODE, FIRST_DECODE_GATED, MAX_SCORE,
- FRONTIER, PROMPT_LEN, DYNAMIC_FROM, SITE, START, NEXT) = range(13)
-STAT_COLS = 13
-"""Rows of ``stats`` (one value per slot each): the first two are the per-step read-back."""
 COUNTERS = [MONITORED, GATED_PREFILL, GATED_DECODE, FIRST_DECODE_GATED, MAX_SCORE,
             FIRST_DYNAMIC, UPTO]
 """What a request's summary reads (and a resumed request gets back)."""
 NO_SCORE = np.iinfo(np.int64).min
 """``MAX_SCORE`` of a request without a (non-NaN) score yet."""
-OPS_HEAD = 3
-"""The op buffer: [reads, writes, fold (0: the replay applies the ops only), read slots,
-write slots, written columns (a write's ``STAT_COLS`` values in a row)]; each replay resets
-the head to [0, 0, 1]."""
 RING = 4
 """Replays in flight; a fifth waits for the oldest."""
 OPS_IDLE = np.array([0, 0, 1], dtype=np.int64)
@@ -354,7 +366,8 @@ class GateStats:
         """A step's replay into ring buffer ``ring`` (``reads``: with the read-outs' copy;
         ``None``: no copy at all), compiled first, outside the capture (the op buffer and
         index are all zeros here, so running it changes nothing)."""
-        from .triton_kernels import captured, stats_step_triton
+        from .kernels._tl import captured
+        from .kernels.gate_stats import stats_step_triton
 
         def step() -> None:
             stats_step_triton(self._ops, self._index, self._gate_score, self.stats,

@@ -83,115 +83,47 @@ output, so no compiler pass can move the read before the write (the expression i
 the kernel that consumes ``x``; the gate alone is a view, never a buffer of its own).
 ``capture`` is written in place and not declared either; nothing in the graph reads it: it is
 read between steps, by an RPC, after the forward.
-CUDA runs the Triton kernel in :mod:`.triton_kernels`; other devices run torch.
+CUDA runs the Triton kernels in :mod:`.kernels`; other devices run torch.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from dynsteer.controller.limits import STREAM_ABS_LIMIT
 
+from .buffers import SteerBuffers
+from .layout import (
+    CTL_COUNT,
+    CTL_FLOOR,
+    CTL_KIND,
+    CTL_P0,
+    CTL_P1,
+    CTL_P2,
+    CTL_SCALE,
+    DYNAMIC_FLAG,
+    GATE,
+    INDEX_CAPTURE,
+    INDEX_CONTROL,
+    INDEX_PROBE,
+    INDEX_ROW,
+    KIND_BUDGET,
+    KIND_HYSTERESIS,
+    KIND_LATCH,
+    KIND_PROPORTIONAL,
+    PARAM_SHARPNESS,
+    PARAM_SITE,
+    PARAM_THRESHOLD,
+    PROJ_GATED,
+    PROJ_STATIC,
+    PROJ_VALUE,
+    PROJECT_FLAG,
+    ROW_MASK,
+    SCORE,
+)
+
 OP_NAMESPACE = "dynsteer"
-STATIC_FLAG = 1
-DYNAMIC_FLAG = 2
-PROJECT_FLAG = 4
-"""Bits of ``flags[row]``: the row uses ``table`` (static) / ``dyn`` (gated) / projection
-slots (``proj_*``)."""
-PROJ_STATIC, PROJ_GATED, PROJ_VALUE = 0, 1, 2
-PROJ_PARAMS = 3
-"""Columns of ``proj_par[row, slot]``: the slot's static coefficient, its gated coefficient
-(times the token's gate) and its target projection (0 for ``ablate``)."""
-PARAM_THRESHOLD, PARAM_SHARPNESS, PARAM_SITE = 0, 1, 2
-PARAMS = 3
-"""Columns of ``params[probe]``."""
-INDEX_ROW, INDEX_PROBE, INDEX_CAPTURE, INDEX_CONTROL, INDEX_SLOT, INDEX_POS = range(6)
-"""Rows of ``index``: steering row, probe row, capture row, controller row of each token; the
-request slot and position of each token with a probe row (read by the gate statistics' fold
-after the forward, :mod:`.gate_stats`, not by the op)."""
-INDEX_ROWS = 6
-POS_ABSOLUTE = 1 << 30
-"""An ``INDEX_POS`` entry with this bit is the token's position (the bit cleared); without it,
-the token's offset in its request's part of the step, counted from where the request's
-previous step ended (so a decode step's entries do not change from step to step)."""
-ROW_BITS = 13
-"""Low bits of an ``INDEX_ROW`` entry: the token's steering row (``max_rows`` <= 4096)."""
-ROW_MASK = (1 << ROW_BITS) - 1
-SITE_GROUPS = 18
-"""Bits of an ``INDEX_ROW`` entry above the row (below the sign bit): one per group of
-consecutive sites, set where the token's row steers at a site of that group (see
-:func:`site_bit`). A site without monitor reads the row only where its group's bit is set, so
-a row that steers a few layers costs the other sites no row load, and the bits cost no load of
-their own: they arrive with the row."""
-CTL_KIND, CTL_FLOOR, CTL_SCALE, CTL_COUNT, CTL_P0, CTL_P1, CTL_P2 = range(7)
-CTL_COLS = 8
-"""Columns of ``control[k]``: the controller's kind (0: Python, run on the host; else a
-built-in's ``kind``), the floor and scale the monitor applies, a counter, three parameters."""
-KIND_LATCH, KIND_HYSTERESIS, KIND_PROPORTIONAL, KIND_BUDGET = 1, 2, 3, 4
-"""The built-in controllers' kinds (:mod:`dynsteer.controller.controllers`)."""
-GATE, SCORE = 0, 1
-"""Rows of ``gate_score``."""
-
-
-def site_bit(position: int, sites: int) -> int:
-    """The ``INDEX_ROW`` bit of the group of the site at ``position`` of ``sites`` (groups of
-    consecutive sites in forward order: a layer range is a few groups)."""
-    return 1 << (ROW_BITS + position * SITE_GROUPS // sites)
-
-
-def row_entry(row: int, positions: Iterable[int], sites: int) -> int:
-    """The ``INDEX_ROW`` entry of ``row`` for contents at the sites at ``positions``."""
-    entry = row
-    for position in positions:
-        entry |= site_bit(position, sites)
-    return entry
-
-
-class SteerBuffers(NamedTuple):
-    """The op's persistent buffers, in the op's argument order (after ``x`` and ``h``, before
-    ``site``): the one place that lists them. Callers pass ``*buffers``."""
-
-    index: torch.Tensor
-    """int32 ``[INDEX_ROWS, T]``: each token's steering, probe and capture row (0: none)."""
-    gate_score: torch.Tensor
-    """float32 ``[2, T]``: each token's gate and probe score (written at its monitor site)."""
-    table: torch.Tensor
-    """float32 ``[R, H]``: this site's static tier per steering row."""
-    dyn: torch.Tensor
-    """float32 ``[R, H]``: this site's gated tier per steering row."""
-    flags: torch.Tensor
-    """int32 ``[R]``: ``STATIC_FLAG | DYNAMIC_FLAG`` bits of the tiers each row uses."""
-    probes: torch.Tensor
-    """float32 ``[P, H]``: probe weights."""
-    params: torch.Tensor
-    """float32 ``[P, 3]``: threshold, sharpness and monitor site of each probe."""
-    capture: torch.Tensor
-    """float32 ``[K, C + 1, H]``, contiguous: the capture buffer shared by all sites."""
-    site_lane: torch.Tensor
-    """int32 ``[S]``: each site's capture lane (-1: not captured)."""
-    control: torch.Tensor
-    """float32 ``[K, CTL_COLS]``: per-request controller state (row 0: none)."""
-    proj_dir: torch.Tensor
-    """float32 ``[R, D, H]``: this site's projection directions (unit) per steering row."""
-    proj_par: torch.Tensor
-    """float32 ``[R, D, PROJ_PARAMS]``: each slot's coefficients and target."""
-    proj_gram: torch.Tensor
-    """float32 ``[R, D, D]``: dot products of each row's directions."""
-
-
-MAX_NORM_ROW = 16384
-"""The widest row ``dynsteer::steer_norm`` normalizes on CUDA (one block of at most 32 warps
-holds the row)."""
-PERSISTENT_SITE_ROW = 4096
-"""The widest row whose fused site's kernel is asked to be a persistent reduction (engine
-option ``persistent_sites``, :mod:`dynsteer.engine_ext.compat.inductor`). Inductor launches a
-persistent kernel with at most 8 warps up to 8192 elements (16 elements a thread at 4096, 32
-at 8192, where stock's persistent norm configs keep 16); it is measured at 4096 only, so
-wider rows keep Inductor's looped kernel until a measurement says otherwise."""
 _BUFFER_ARGS = "".join(f"Tensor {f}, " for f in SteerBuffers._fields)
 STEER_SCHEMA = f"(Tensor x, Tensor? h, {_BUFFER_ARGS}int site) -> Tensor"
 """The op's schema, derived from :class:`SteerBuffers` (nothing declared as mutated: see the
@@ -366,11 +298,11 @@ def control_step(index: torch.Tensor, gate_score: torch.Tensor, control: torch.T
     into the rows of built-in controllers, in place (see :mod:`dynsteer.controller.controllers`
     for what each does). Runs on the step's stream after its forward and before the next one
     (so before the index is refilled). Other devices run torch; CUDA runs two Triton kernels
-    with fixed arguments (:func:`.triton_kernels.control_step_triton`, which the worker replays
-    as a CUDA graph): they read the whole index, whose columns past the step's tokens are zero,
-    and keep counters in ``scratch`` (:func:`.triton_kernels.new_fold_scratch`)."""
+    with fixed arguments (:func:`.kernels.control_fold.control_step_triton`, which the worker
+    replays as a CUDA graph): they read the whole index, whose columns past the step's tokens
+    are zero, and keep counters in ``scratch`` (:func:`.kernels.control_fold.new_fold_scratch`)."""
     if control.is_cuda:
-        from .triton_kernels import control_step_triton, new_fold_scratch
+        from .kernels.control_fold import control_step_triton, new_fold_scratch
 
         control_step_triton(index, gate_score, control,
                             new_fold_scratch(control) if scratch is None else scratch)
@@ -449,7 +381,7 @@ def steer(x: torch.Tensor, h: torch.Tensor | None, *args) -> torch.Tensor:
         raise ValueError(f"dynsteer::steer: {tokens} tokens, but index {tuple(b.index.shape)} "
                          f"and gate_score {tuple(b.gate_score.shape)}")
     if x.is_cuda:
-        from .triton_kernels import steer_triton
+        from .kernels.steer import steer_triton
 
         return steer_triton(x, h, b, site, stream_limit(x.dtype))
     return steer_torch(x, h, b, site)
@@ -474,12 +406,12 @@ def steer_norm(x: torch.Tensor, h: torch.Tensor, *args) -> tuple[torch.Tensor, t
     read and the steered stream stored and read back between the norm's two loops); on CUDA
     this is one Triton program per token that loads the stream, ``h``, the weight and the
     token's index in one round trip, reads no row for an unsteered token, and normalizes the
-    row from registers (``triton_kernels._steer_norm_kernel``). Engines with projection slots
+    row from registers (``kernels.steer_norm._steer_norm_kernel``). Engines with projection slots
     (``max_projections``) keep the unfused form (see :meth:`.sites.SiteOp.fuses_norm`)."""
     *buffers, site, weight, eps, monitor, site_bit = args
     b = SteerBuffers(*buffers)
     if x.is_cuda:
-        from .triton_kernels import steer_norm_triton
+        from .kernels.steer_norm import steer_norm_triton
 
         return steer_norm_triton(x, h, b, site, stream_limit(x.dtype), weight, eps, monitor,
                                  site_bit)

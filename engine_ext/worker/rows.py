@@ -29,7 +29,7 @@ import torch
 
 from dynsteer.controller.contract import Site
 
-from .ops import (
+from .layout import (
     DYNAMIC_FLAG,
     PARAM_SHARPNESS,
     PARAM_SITE,
@@ -223,7 +223,7 @@ class RowTable:
         self.site_groups = site_groups
         self.entries = np.arange(max_rows + 1, dtype=np.int32)
         """Per row: its token-index entry, the row and the bits of the site groups its
-        contents occupy (:func:`.ops.row_entry`); row 0's is 0."""
+        contents occupy (:func:`.layout.row_entry`); row 0's is 0."""
         self.entries_version = 0
         """Counts the changes of :attr:`entries` (the device fill's slot table follows)."""
 

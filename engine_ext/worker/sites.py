@@ -28,7 +28,9 @@ from torch import nn
 from dynsteer.controller.contract import Site
 
 from ..compat.model import wrap_sites
-from .ops import MAX_NORM_ROW, SteerBuffers, steer_add
+from .buffers import SteerBuffers
+from .layout import MAX_NORM_ROW
+from .ops import steer_add
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class SiteBuffers:
     monitor: bool
     """Whether probes read (and capture records) the stream here."""
     site_bit: int
-    """This site's group bit in a token's ``INDEX_ROW`` entry (see :func:`.ops.site_bit`;
+    """This site's group bit in a token's ``INDEX_ROW`` entry (see :func:`.layout.site_bit`;
     0: the engine runs without site groups)."""
     buffers: SteerBuffers
     """The op's buffers; ``table``, ``dyn`` and ``flags`` are this site's."""

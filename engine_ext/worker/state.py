@@ -24,12 +24,13 @@ from dynsteer.controller.extra_args import GLOBAL_KEY, REGISTRY_KEY, WIRE_KEY
 from dynsteer.controller.wire import F32, RawEntry, WireProbe, read_entries
 
 from . import gate_stats
+from .buffers import SteerBuffers
 from .capture_buffers import CaptureBuffers
 from .control import ControlTable
 from .controllers import ControllerRunner
 from .events import EngineEvents
 from .host_time import HostTime
-from .ops import GATE, POS_ABSOLUTE, SCORE, SteerBuffers
+from .layout import GATE, POS_ABSOLUTE, SCORE
 from .rows import (
     Contents,
     ProbeRow,

@@ -41,8 +41,8 @@ from ..compat.worker import is_internal_id_of
 from ..prefix_guard.guard import DYNAMIC_EPSILON, NONE
 from ..prefix_guard.report import CleanPrefixReport
 from . import cuda_events
-from .gate_stats import (
-    COUNTERS,
+from .gate_stats import COUNTERS, GateStats, fresh_column, key_score
+from .layout import (
     FIRST_DECODE_GATED,
     FRONTIER,
     GATE_ON,
@@ -51,9 +51,6 @@ from .gate_stats import (
     MAX_SCORE,
     MONITORED,
     UPTO,
-    GateStats,
-    fresh_column,
-    key_score,
 )
 from .step_upload import StepUpload
 

@@ -37,7 +37,7 @@ import functools
 import numpy as np
 import torch
 
-from .ops import (
+from .layout import (
     INDEX_CAPTURE,
     INDEX_CONTROL,
     INDEX_POS,
@@ -45,6 +45,11 @@ from .ops import (
     INDEX_ROW,
     INDEX_ROWS,
     INDEX_SLOT,
+    SLOT_DECODE,
+    SLOT_PREFILL,
+    SLOT_PROBE,
+    SLOT_PROMPT_LEN,
+    SLOT_ROWS,
 )
 from .step_upload import Layout, Staged, StepUpload
 
@@ -65,13 +70,6 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two arrays hold the same values (same dtype and shape assumed; a differing
     one reads as different): ``np.array_equal`` at a tenth of its overhead."""
     return a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
-SLOT_PREFILL, SLOT_DECODE, SLOT_PROBE, SLOT_PROMPT_LEN = range(4)
-"""Rows of the per-slot table the device fill reads (:meth:`TokenRows.fill_from_slots`): a
-request slot's ``INDEX_ROW`` entry for prompt positions and for generated positions, its
-probe row and its prompt length."""
-SLOT_ROWS = 4
 
 
 def fill_layout(max_slots: int, batch: int) -> Layout:
@@ -129,7 +127,8 @@ class DeviceFill:
 
     def __init__(self, rows: TokenRows, max_slots: int, query_start_loc: torch.Tensor,
                  positions: torch.Tensor, upload: StepUpload | None = None) -> None:
-        from .triton_kernels import captured, index_fill_triton
+        from .kernels._tl import captured
+        from .kernels.index_fill import index_fill_triton
 
         batch = query_start_loc.shape[0] - 1
         if upload is None:
@@ -216,7 +215,7 @@ class TokenRows:
         into row ``c + p``; generated tokens never are (None: nothing is captured). Every
         token of a request uses its ``control_rows`` value (None: no controller). With
         ``slots`` (the requests' slots, given when a probe row is set) the slot row is set
-        too, and the position row to ``pos_entries`` (per token, see ``ops.POS_ABSOLUTE``).
+        too, and the position row to ``pos_entries`` (per token, see ``layout.POS_ABSOLUTE``).
         ``tokens``: the sum of ``num_scheduled``, where the caller has it already.
         """
         counts = num_scheduled.astype(np.int64, copy=False)

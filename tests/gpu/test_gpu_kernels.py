@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from dynsteer.engine_ext.worker import layout
+
 KERNEL_SHAPES = [(1, 2048), (33, 4096), (4096, 4096), (16384, 8192), (7, 576)]
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -29,17 +31,16 @@ def test_fused_op_matches_float64(dtype: torch.dtype, tokens: int, hidden: int,
     gates within 1e-4, capture rows within 1e-4; finite, and row-0 tokens untouched."""
     from test_ops import capture_reference, make_inputs, on, reference, steer
 
-    from dynsteer.engine_ext.worker import ops
 
     x, h, b = make_inputs(tokens, hidden, dtype, seed=tokens + hidden, extreme=extreme)
     want, gates, scores = reference(x, h, b)
     want_capture = capture_reference(x, h, b)
     xc, hc, bc = on("cuda", x, h, b)
     out = steer(xc, hc, bc).cpu()
-    gate = bc.gate_score[ops.GATE].cpu()
+    gate = bc.gate_score[layout.GATE].cpu()
     capture = bc.capture.cpu()
     monitored = ~torch.isnan(scores[:tokens])
-    row0 = b.index[ops.INDEX_ROW, :tokens] == 0
+    row0 = b.index[layout.INDEX_ROW, :tokens] == 0
     rel = ((out.double() - want).abs() / (want.abs() + 1)).max().item()
     assert rel <= (1e-4 if dtype == torch.float32 else 8e-3)
     if monitored.any():
@@ -69,8 +70,8 @@ def test_poisoned_rows_are_never_written(dtype: torch.dtype) -> None:
 
     x, h, b = on("cuda", *poison_inputs(64, 4096, dtype, seed=3))
     out = steer(x, h, b)
-    rows, probe_rows = b.index[ops.INDEX_ROW, :64], b.index[ops.INDEX_PROBE, :64]
-    gate = b.gate_score[ops.GATE, :64]
+    rows, probe_rows = b.index[layout.INDEX_ROW, :64], b.index[layout.INDEX_PROBE, :64]
+    gate = b.gate_score[layout.GATE, :64]
     assert torch.isfinite(out).all()
     assert (out.float().abs() <= ops.stream_limit(dtype)).all()
     assert torch.equal(out[rows == 1], x[rows == 1])
@@ -95,11 +96,10 @@ def test_gate_statistics_step_matches_numpy(seed: int) -> None:
     """The compiled Triton step of the gate statistics (read-outs, writes, fold)."""
     from test_gate_stats import OPS, _initial, _numpy_run, _steps
 
-    from dynsteer.engine_ext.worker import gate_stats as gs
-    from dynsteer.engine_ext.worker.triton_kernels import stats_step_triton
+    from dynsteer.engine_ext.worker.kernels.gate_stats import stats_step_triton
 
     stats, sites = (torch.from_numpy(a).cuda() for a in _initial())
-    ops = torch.zeros(gs.OPS_HEAD + (2 + gs.STAT_COLS) * stats.shape[1], dtype=torch.int64,
+    ops = torch.zeros(layout.OPS_HEAD + (2 + layout.STAT_COLS) * stats.shape[1], dtype=torch.int64,
                       device="cuda")
     readout = torch.zeros_like(stats)
     readouts = []
@@ -204,14 +204,13 @@ def test_step_upload_regions_read_what_was_last_written() -> None:
 def _publish(device: str) -> list[np.ndarray]:
     """TokenRows' publish (whole-buffer staging, two turns) over widths that grow, shrink and
     clear."""
-    from dynsteer.engine_ext.worker import ops
     from dynsteer.engine_ext.worker.token_rows import TokenRows
 
     rows = TokenRows(64, torch.device(device))
     rng = np.random.default_rng(5)
     seen = []
     for n in (10, 40, 3, 0, 64, 17, 0, 0, 33):
-        rows._publish(rng.integers(1, 100, (ops.INDEX_ROWS, n)).astype(np.int32))
+        rows._publish(rng.integers(1, 100, (layout.INDEX_ROWS, n)).astype(np.int32))
         seen.append(rows.buffer.cpu().numpy().copy())
     return seen
 

@@ -1,0 +1,100 @@
+"""The worker data plane's module graph: no import cycle among its modules (module-level and
+function-level imports alike), the layout a plain module, and every module importable on its
+own."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "engine_ext" / "worker"
+PACKAGE = "dynsteer.engine_ext.worker"
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name (under the worker package) -> file, packages by their ``__init__``."""
+    out = {}
+    for path in sorted(WORKER.rglob("*.py")):
+        parts = list(path.relative_to(WORKER).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _worker_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The worker modules ``name`` imports, wherever in the file (a function-level import closes
+    a cycle as surely as a top-level one)."""
+    package = name.split(".")[:-1] if path.name != "__init__.py" else name.split(".")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                if node.level - 1 > len(package):
+                    continue  # above the worker package
+                target = [*base, *(node.module.split(".") if node.module else [])]
+            elif node.module and node.module.startswith(PACKAGE + "."):
+                target = node.module[len(PACKAGE) + 1:].split(".")
+            else:
+                continue
+            dotted = ".".join(target)
+            for alias in node.names:  # ``from . import ops`` names a module
+                sub = f"{dotted}.{alias.name}" if dotted else alias.name
+                if sub in modules:
+                    found.add(sub)
+                elif dotted in modules:
+                    found.add(dotted)
+    found.discard(name)
+    return found
+
+
+def test_no_import_cycle_among_worker_modules():
+    modules = _modules()
+    graph = {name: _worker_imports(name, path, modules) for name, path in modules.items()}
+    assert graph["ops"] and graph["kernels.steer"], "the parser finds imports"
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for nxt in sorted(graph[name]):
+            if state.get(nxt) == 1:
+                cycle = [*trail[trail.index(nxt):], nxt] if nxt in trail else [name, nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[name] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
+
+
+def test_layout_is_a_plain_module():
+    """Every kernel and op imports the layout; it imports nothing of theirs (nor torch)."""
+    tree = ast.parse((WORKER / "layout.py").read_text())
+    imported = {n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names}
+    assert imported <= {"__future__", "collections.abc", "typing"}, imported
+
+
+def test_each_worker_module_imports_alone():
+    """One fresh interpreter per module would take minutes; one interpreter imports them in
+    an order where each is the first of its kind to load its dependencies (reverse sorted),
+    and reports any that fails."""
+    names = [f"{PACKAGE}.{n}" if n else PACKAGE for n in _modules()]
+    code = (
+        "import importlib, json, sys, traceback\n"
+        f"failed = {{}}\nfor name in {sorted(names, reverse=True)!r}:\n"
+        "    try:\n        importlib.import_module(name)\n"
+        "    except Exception:\n        failed[name] = traceback.format_exc(limit=3)\n"
+        "print(json.dumps(failed))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=300)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
