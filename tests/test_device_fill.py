@@ -1,5 +1,5 @@
 """The device fill of the token index (V2 runner on CUDA) against the host fill, driven
-through :meth:`SteeringState.fill` as the runner hook drives it: here the kernel's code runs in
+through :meth:`.StepIndex.fill` as the runner hook drives it: here the kernel's code runs in
 Triton's CPU interpreter; ``gpu/test_gpu_kernels.py`` runs :func:`compare_fills` compiled, on
 CUDA (and the engine tests there run the device fill under graph replay)."""
 
@@ -364,7 +364,7 @@ def test_steps_that_need_the_host_are_filled_there(case):
 def kept_path_steps(device: str) -> dict[str, Any]:
     """A static and a gated request decoding as one batch, with in between an idle forward
     (a data-parallel dummy batch clears the index), a plain request admitted outside the
-    step's batch and one removed: per decode step, which path :meth:`SteeringState.fill`
+    step's batch and one removed: per decode step, which path :meth:`.StepIndex.fill`
     took (``fast``: kept by the byte comparisons alone; ``full``: the slot look-ups ran),
     whether the kernel was launched, and whether the index and the prefix-guard report equal
     the host fill's."""
@@ -375,8 +375,8 @@ def kept_path_steps(device: str) -> dict[str, Any]:
     full: list[int] = []
     launch = pair.dev.device_fill._launch
     pair.dev.device_fill._launch = lambda **kw: launches.append(1) or launch(**kw)
-    on_device = pair.dev._fill_on_device
-    pair.dev._fill_on_device = lambda *a: full.append(1) or on_device(*a)
+    on_device = pair.dev.index._fill_on_device
+    pair.dev.index._fill_on_device = lambda *a: full.append(1) or on_device(*a)
     pair.add("static", 1, kinds["static"], 3)
     pair.add("gated", 4, kinds["gated"], 3)
     slots, computed = [4, 1], np.array([0, 0], np.int64)

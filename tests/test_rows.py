@@ -11,8 +11,10 @@ from dynsteer.controller.extra_args import GLOBAL_KEY, WIRE_KEY
 from dynsteer.controller.spec import parse_entries, parse_spec
 from dynsteer.controller.wire import entry_to_wire, spec_to_wire
 from dynsteer.engine_ext.worker import layout
-from dynsteer.engine_ext.worker.rows import Projection, RowTable
-from dynsteer.engine_ext.worker.state import GLOBAL_HISTORY, SteeringState
+from dynsteer.engine_ext.worker.global_steering import GLOBAL_HISTORY
+from dynsteer.engine_ext.worker.resolve import Projection
+from dynsteer.engine_ext.worker.rows import RowTable
+from dynsteer.engine_ext.worker.state import SteeringState
 from dynsteer.engine_ext.worker.token_rows import TokenRows
 
 SITES = (("pre_attn", 0), ("post_block", 0), ("post_block", 1))

@@ -87,6 +87,17 @@ def test_layout_is_a_plain_module():
     assert imported <= {"__future__", "collections.abc", "typing"}, imported
 
 
+def test_wire_resolution_is_pure_numpy():
+    """Resolving a request's spec needs no device: numpy and the vLLM-free controller package
+    only (its unit tests, ``test_resolve.py``, run without an engine)."""
+    tree = ast.parse((WORKER / "resolve.py").read_text())
+    imported = {n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names}
+    allowed = {"__future__", "collections.abc", "dataclasses", "typing", "numpy"}
+    assert all(m in allowed or m.startswith("dynsteer.controller.") for m in imported), imported
+
+
 def test_each_worker_module_imports_alone():
     """One fresh interpreter per module would take minutes; one interpreter imports them in
     an order where each is the first of its kind to load its dependencies (reverse sorted),

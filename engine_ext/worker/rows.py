@@ -45,41 +45,7 @@ from .layout import (
     row_entry,
     site_bit,
 )
-
-Contents = dict[Site, np.ndarray]
-"""What a row adds at each site (float32 vectors of hidden size); absent sites add zero."""
-
-
-@dataclass(frozen=True)
-class Projection:
-    """One ablate / clamp entry at one site: the stream ``z`` becomes
-    ``z + (static + gate * gated) * (value - z·direction) * direction``."""
-
-    direction: np.ndarray
-    """float32 unit vector."""
-    static: float
-    gated: float
-    value: float
-
-
-Projections = dict[Site, tuple[Projection, ...]]
-"""A row's projections per site, in the order they apply."""
-
-
-def add_projections(a: Projections, b: Projections) -> Projections:
-    """``a``'s projections, then ``b``'s, per site."""
-    out = dict(a)
-    for site, items in b.items():
-        out[site] = out.get(site, ()) + items
-    return out
-
-
-def add_contents(a: Contents, b: Contents) -> Contents:
-    """Sum of two row contents."""
-    out = {site: vec.copy() for site, vec in a.items()}
-    for site, vec in b.items():
-        out[site] = out[site] + vec if site in out else vec.copy()
-    return out
+from .resolve import Contents, ProbeRow, Projection, Projections
 
 
 def _nonzero(contents: Contents, sites: dict[Site, int]) -> Contents:
@@ -363,16 +329,6 @@ def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     that work instead. PyTorch's pinned allocator keeps the buffer until the copy has run.
     """
     return torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
-
-
-@dataclass(frozen=True)
-class ProbeRow:
-    """A probe placed at a monitor site."""
-
-    weights: np.ndarray
-    threshold: float
-    sharpness: float
-    site: Site
 
 
 class ProbeTable:

@@ -260,7 +260,7 @@ class TokenRows:
         ``steady``: given (not None) for a step whose every token is the one decode token of a
         request that continues where its previous step ended; with positions relative to
         there, the index of such a step depends on its batch and the slot table only, so a
-        key of those (see :meth:`.SteeringState.fill`). When the index was last written by a
+        key of those (see :meth:`.StepIndex.fill`). When the index was last written by a
         device fill with the same key, it already holds this step's: nothing is launched,
         and False is returned (True: filled)."""
         if steady is not None and steady == self._steady:
