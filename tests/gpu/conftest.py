@@ -21,6 +21,9 @@ CUDA = torch.cuda.is_available()
 SKIP = pytest.mark.skip(reason="needs CUDA (the GPU host: python -m pytest tests/gpu)")
 
 if CUDA:
+    # The test process holds CUDA (the kernels' tests, the HF references): engine processes it
+    # starts cannot be forked from it.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     # A function sent by ``collective_rpc`` (``replays.count_replays``) is pickled.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     # ``server_utils.Server``'s share of the GPU (the offline engine beside it takes as much).
