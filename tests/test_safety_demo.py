@@ -24,7 +24,8 @@ def demo(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("demo")
     with safety_experiment(tmp_path_factory) as common:
-        safety_demo.main(["--prompts", str(PLANTED), "--train-per-label", "16",
+        safety_demo.main(["--prompts", str(PLANTED), "--eval-prompts", str(PLANTED),
+                          "--train-per-label", "16",
                           "--test-per-label", "6", "--max-tokens", "8", "--out", str(out),
                           *common])
     return out, json.loads((out / "results.json").read_text())
@@ -45,6 +46,12 @@ def test_outputs_are_written(demo):
     summary = results["summary"]
     assert summary["tpr"][1] == summary["fpr"][1] == 6
     assert set(summary["refusals"]) == set(safety_demo_arms())
+    # The cross-source line: every planted prompt (one source, "planted") scored, the
+    # held-out rows split by phrasing.
+    assert summary["cross_source"]["planted"]["n"] == 48
+    phrased = summary["by_phrasing"]
+    assert sum(phrased[f"harmful {s}"][1] for s in ("question", "imperative")) == 6
+    assert sum(phrased[f"benign {s}"][1] for s in ("question", "imperative")) == 6
 
 
 def test_the_gate_fires_on_planted_harmful_requests(demo):
