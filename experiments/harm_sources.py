@@ -179,11 +179,17 @@ def held_out_source(examples: Sequence[Example], source: str
     return [e for e in examples if e.kind != source], test
 
 
-def training_pool(cache_dir: Path, seed: int = 0, per: int = TRAINING_PER_SOURCE
-                  ) -> list[Example]:
-    """Every training source, at most ``per`` prompts of each (the safety experiments' default
-    data)."""
-    names = [name for name, source in SOURCES.items() if source.role == "train"]
+TRAINING_SOURCES = tuple(name for name, source in SOURCES.items() if source.role == "train")
+
+
+def training_pool(cache_dir: Path, seed: int = 0, per: int = TRAINING_PER_SOURCE,
+                  names: Sequence[str] = TRAINING_SOURCES) -> list[Example]:
+    """The training sources ``names`` (default: all), at most ``per`` prompts of each (the
+    safety experiments' data). Evaluation-only sources are refused."""
+    refused = [n for n in names if n not in SOURCES or SOURCES[n].role != "train"]
+    if refused:
+        raise ValueError(f"not a training source: {', '.join(refused)} (training sources: "
+                         f"{', '.join(TRAINING_SOURCES)})")
     return per_source(load_sources(cache_dir, names), per, seed)
 
 

@@ -39,7 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from harm_sources import training_pool  # beside this file: a script's folder is on its path
+from harm_sources import (  # beside this file: a script's folder is first on its path
+    TRAINING_PER_SOURCE,
+    TRAINING_SOURCES,
+    training_pool,
+)
 from safety_data import Example, balanced, load_labelled_jsonl, split
 
 from dynsteer.engine_ext.default_model import cache_root
@@ -62,6 +66,12 @@ def add_common_args(ap: argparse.ArgumentParser, *, train: int = 128, test: int 
     """The data, probe and output arguments every safety experiment takes."""
     ap.add_argument("--prompts", type=Path, help="labelled JSONL ({text, label}) instead of "
                     "the training sources of harm_sources.py")
+    ap.add_argument("--sources", default=",".join(TRAINING_SOURCES),
+                    help="training sources of harm_sources.py, comma-separated "
+                    "(advbench,benign: AdvBench against the repo's benign requests)")
+    ap.add_argument("--per-source", type=int, default=TRAINING_PER_SOURCE,
+                    help="prompts drawn from each source before the split (all of a smaller "
+                    "one; 520 keeps every AdvBench prompt)")
     ap.add_argument("--train-per-label", type=int, default=train)
     ap.add_argument("--test-per-label", type=int, default=test)
     ap.add_argument("--fpr", type=float, default=0.0, help="fraction of held-back benign "
@@ -88,7 +98,8 @@ def progress(items: Any, desc: str, total: int | None = None) -> Any:
 def load_sets(args: argparse.Namespace) -> tuple[list[Example], list[Example]]:
     """(train, test): the fixed split for ``--seed``, balanced per label."""
     examples = (load_labelled_jsonl(args.prompts) if args.prompts
-                else training_pool(args.cache / "data", args.seed))
+                else training_pool(args.cache / "data", args.seed, args.per_source,
+                                   args.sources.split(",")))
     train_set, test_set = split(examples, seed=args.seed)
     return (balanced(train_set, args.train_per_label, seed=args.seed),
             balanced(test_set, args.test_per_label, seed=args.seed))
@@ -278,7 +289,7 @@ def prepare(client: Any, model: str, tokenizer: Any, train_set: Sequence[Example
     labels = np.array([e.label for e in train_set])
     site = f"post_block@{LAYER}"
     streams = capture(client, ids, [site], desc="capture (probe)")[site]
-    source = str(args.prompts) if args.prompts else "harm_sources.training_pool"
+    source = str(args.prompts) if args.prompts else f"harm_sources:{args.sources}"
     probe = train_probe(streams, [len(p) for p in prompts], labels, shared_suffix(prompts),
                         args, {"data": source})
     directions, targets = refusal_directions(client, tokenizer,

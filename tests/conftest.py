@@ -12,6 +12,15 @@ import pytest
 from tiny_models import ARCHITECTURES, make_tiny_model, stable_model_dir
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``-m "not engine"`` (the fast lane) a test that starts an engine fails, naming
+    the mark it lacks (``engine_utils.refuse_in_fast_lane``)."""
+    if config.option.markexpr.replace(" ", "") == "notengine":
+        import os
+
+        os.environ["DYNSTEER_FAST_LANE"] = "1"
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir():
     """``tiny_model_dir(arch)`` -> path of a tiny random model (the same path in every run,

@@ -21,10 +21,20 @@ ENGINE_DEFAULTS: dict[str, Any] = dict(
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def refuse_in_fast_lane() -> None:
+    """The fast lane (``make test-fast``: ``-m "not engine"``) starts no engine: a test that
+    does must be marked ``engine``, or the lane's time grows unnoticed."""
+    if os.environ.get("DYNSTEER_FAST_LANE"):
+        import pytest
+
+        pytest.fail("this test starts an engine: mark it @pytest.mark.engine")
+
+
 def start_llm(path: Any, dynsteer: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     """A real vLLM engine (compile on, the CPU default), with the plugin when ``dynsteer``."""
     from vllm import LLM
 
+    refuse_in_fast_lane()
     args = {**ENGINE_DEFAULTS, **kwargs}
     if dynsteer is not None:
         args["additional_config"] = {"dynsteer": dynsteer}
@@ -43,6 +53,7 @@ async def start_async_llm(path: Any, dynsteer: dict[str, Any] | None = None,
     output handler lives there; every later call must run on that same loop."""
     from vllm import AsyncEngineArgs, AsyncLLMEngine
 
+    refuse_in_fast_lane()
     args = {**ENGINE_DEFAULTS, **kwargs}
     if dynsteer is not None:
         args["additional_config"] = {"dynsteer": dynsteer}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_utils import refuse_in_fast_lane
 from tiny_models import make_tiny_model
 
 from dynsteer.controller.launch import ServerProcess
@@ -39,6 +40,7 @@ class Server(ServerProcess):
     """`dynsteer serve MODEL` for tests: the tiny model's settings, fp32, seed 0."""
 
     def __init__(self, model: Path, log: Path, *extra: str) -> None:
+        refuse_in_fast_lane()
         args = [str(model), "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs",
                 "8", "--seed", "0", *extra]
         if os.environ.get("DYNSTEER_TEST_GPU_MEMORY"):

@@ -95,7 +95,8 @@ def test_per_request_steering_is_served_by_both_engines(server):
 
 def test_more_than_one_api_server_is_refused(chat_model, tmp_path):
     """Each API server process would keep its own registry and prefix-cache fingerprints:
-    ``--api-server-count 2`` stops at startup with a message naming the flag."""
+    ``--api-server-count 2`` stops before any engine starts, with a message naming the flag
+    (``vllm serve`` with the plugin refuses it when the API server starts)."""
     srv = Server(chat_model, tmp_path / "serve.log", "--api-server-count", "2")
     try:
         with pytest.raises((RuntimeError, TimeoutError)):

@@ -72,6 +72,16 @@ def test_evaluation_sources_stay_out_of_the_training_pool(cache):
     assert not {e.kind for e in pool} & {"harmbench", "donotanswer"}
     assert max(Counter(e.kind for e in pool).values()) == 5
     assert {e.kind for e in hs.evaluation_set(cache, per=2)} == {"harmbench", "donotanswer"}
+    with pytest.raises(ValueError, match="not a training source: harmbench"):
+        hs.training_pool(cache, names=["advbench", "harmbench"])
+
+
+def test_two_sources_in_full_keep_their_order(cache):
+    """``--sources advbench,benign --per-source 520``: AdvBench then the benign set, whole."""
+    pool = hs.training_pool(cache, per=520, names=["advbench", "benign"])
+    assert [e.kind for e in pool] == ["advbench"] * 6 + ["benign"] * (len(pool) - 6)
+    assert [e.text for e in pool if e.kind == "benign"] == [
+        e.text for e in sd.load_labelled_jsonl(sd.BENIGN_PATH)]
 
 
 def test_duplicates_across_sources_keep_the_first(cache, monkeypatch):

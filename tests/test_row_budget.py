@@ -111,6 +111,7 @@ def crowded(llm):
     return specs, outs, stats["requests_waited_for_rows"] - before, info, refused
 
 
+@pytest.mark.engine
 def test_every_request_is_steered_as_alone(crowded, hf_llama):
     """No request ran without its row: each equals HF steered with its own spec."""
     specs, outs, waited, info, _ = crowded
@@ -122,12 +123,14 @@ def test_every_request_is_steered_as_alone(crowded, hf_llama):
     assert all(rank["rows_in_use"] == 0 for rank in info)
 
 
+@pytest.mark.engine
 def test_a_request_needing_more_rows_than_the_engine_has_is_refused(crowded):
     message = str(crowded[-1].value)
     assert message.startswith("dynsteer.max_rows: this request needs 2 steering rows"), message
     assert f"the engine has {MAX_ROWS}" in message
 
 
+@pytest.mark.engine
 def test_waiting_requests_keep_the_named_vectors_and_probes_they_were_admitted_with(
         llm, hf_llama):
     """The registry changes while requests wait in the scheduler's queue (deterministically:

@@ -28,11 +28,11 @@ def test_model_and_vllm_flags_pass_through(monkeypatch):
     assert "dynsteer" in env["VLLM_PLUGINS"].split(",")
 
 
-@pytest.mark.parametrize("given", [["--api-server-count", "2"], ["-asc=3"], ["--headless"]])
+@pytest.mark.parametrize("given", [["--api-server-count", "1"], ["-asc=1"], ["--headless"]])
 def test_one_api_server_unless_told_otherwise(given):
     """vLLM would start one API server per data-parallel rank; dynsteer's registry lives in
-    the API server, so ``dynsteer serve`` asks for one, but passes a given count (refused at
-    startup when above 1) and headless nodes (no API server) through untouched."""
+    the API server, so ``dynsteer serve`` asks for one, but passes a given count of one and
+    headless nodes (no API server) through untouched."""
     argv = prepare(["/m", "--data-parallel-size", "2"], {})
     assert argv[argv.index("--api-server-count") + 1] == "1"
     argv = prepare(["/m", *given], {})
@@ -82,6 +82,8 @@ def test_config_file_yaml_and_json(tmp_path: Path):
     (["/m", "--dynsteer-max-body-bytes", "12"], "DYNSTEER_MAX_BODY_BYTES"),
     (["/m", "--dynsteer-config", "/nonexistent.yaml"], "cannot read"),
     (["/m", "--additional-config", "{x"], "--additional-config: not valid JSON"),
+    (["/m", "--api-server-count", "2"], r"--api-server-count 2: --api-server-count > 1 is not"),
+    (["/m", "-asc=3"], r"-asc 3: --api-server-count > 1 is not supported"),
 ])
 def test_bad_arguments_name_the_flag(argv, message):
     with pytest.raises(ServeError, match=message):

@@ -226,6 +226,12 @@ def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
             flag = next((f for f, o in _ENGINE_FLAGS.items() if o == first["loc"][0]),
                         _CONFIG_FLAG)
             raise ServeError(f"{flag}: {first['msg']}") from e
+    for flag in ("-asc", "--api-server-count"):
+        found = _option_value(rest, flag)
+        if found is not None and found[1].strip() not in ("0", "1"):
+            raise ServeError(
+                f"{flag} {found[1]}: --api-server-count > 1 is not supported (each API server "
+                "process would keep its own registry and prefix-cache fingerprints); use 1")
     if not any(a.partition("=")[0] in ("-asc", "--api-server-count", "--headless")
                for a in rest):
         # vLLM starts one API server per local data-parallel rank unless told otherwise; the
