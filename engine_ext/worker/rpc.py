@@ -30,10 +30,10 @@ class DynsteerWorkerExtension:
     # which writes it into every request it admits from then on).
     def dynsteer_register_vector(self, name: str, data: bytes, generation: int) -> None:
         """``data``: the vector's little-endian float32 bytes."""
-        self._dynsteer().register_vector(name, data, generation)
+        self._dynsteer().registry.register_vector(name, data, generation)
 
     def dynsteer_unregister_vector(self, name: str, generation: int) -> None:
-        self._dynsteer().unregister_vector(name, generation)
+        self._dynsteer().registry.unregister_vector(name, generation)
 
     def dynsteer_set_global(self, entries: list[RawEntry], key: str) -> None:
         """``key``: the fingerprint requests admitted under these entries carry."""
@@ -41,15 +41,15 @@ class DynsteerWorkerExtension:
 
     def dynsteer_register_probe(self, name: str, probe: WireProbe, generation: int) -> None:
         """``probe``: ``[weights float32 bytes, threshold, sharpness]``."""
-        self._dynsteer().register_probe(name, probe, generation)
+        self._dynsteer().registry.register_probe(name, probe, generation)
 
     def dynsteer_update_probe(self, name: str, threshold: float, sharpness: float | None,
                               generation: int) -> None:
         """New threshold (and sharpness) of a registered probe, for requests admitted later."""
-        self._dynsteer().update_probe(name, threshold, sharpness, generation)
+        self._dynsteer().registry.update_probe(name, threshold, sharpness, generation)
 
     def dynsteer_unregister_probe(self, name: str, generation: int) -> None:
-        self._dynsteer().unregister_probe(name, generation)
+        self._dynsteer().registry.unregister_probe(name, generation)
 
     def dynsteer_telemetry(self, request_id: str) -> dict[str, Any] | None:
         return self._dynsteer().telemetry.report(request_id)

@@ -18,9 +18,7 @@ from .global_steering import NO_GLOBAL, GlobalSteering
 from .resolve import (
     PHASES,
     UNSTEERED,
-    Contents,
-    ProbeRow,
-    Projections,
+    Resolved,
     add_contents,
     add_projections,
     static_only,
@@ -35,13 +33,9 @@ class Admitted:
     """A live request as the worker holds it."""
 
     slot: int
-    own: dict[str, Contents]
-    """Its own static steering per phase (global steering excluded)."""
-    gated: dict[str, Contents]
-    """Its gated steering per phase."""
-    projections: dict[str, Projections]
-    """Its ablate / clamp entries per phase (own, then gated)."""
-    probe: ProbeRow | None
+    resolved: Resolved
+    """What its spec builds: its own static, gated and projection entries (global steering
+    excluded) and its probe."""
     wire: dict[str, Any] | None = None
     """The resolved spec (None: unsteered)."""
     control_row: int = 0
@@ -112,10 +106,10 @@ class SlotTable:
         each with a warning: a step must never fail because of one request."""
         if req.key == "-" and req.global_key == NO_GLOBAL:
             return
-        gated, projections = req.gated, req.projections
+        own, gated, projections = req.resolved.own, req.resolved.gated, req.resolved.projections
         key = f"{req.key}|r{req.generation}"
-        if req.probe is not None:
-            probe_row = self.probe_table.acquire(req.probe, key=key.encode())
+        if req.resolved.probe is not None:
+            probe_row = self.probe_table.acquire(req.resolved.probe, key=key.encode())
             if probe_row is None:
                 # Without a monitor the token's gate buffer holds another token's gate: the
                 # gated tier must not be read at all.
@@ -129,7 +123,7 @@ class SlotTable:
                 row = self.rows.acquire_keyed(
                     f"{key}|{phase}|g{req.global_key}".encode(),
                     lambda p=phase, g=gated, j=projections: (
-                        add_contents(glob.adds[p], req.own[p]), g[p],
+                        add_contents(glob.adds[p], own[p]), g[p],
                         add_projections(glob.projections[p], j[p])))
             except ValueError as e:  # global + own projections past max_projections
                 logger.warning("dynsteer: a request runs unsteered in %s: %s (raise "

@@ -20,7 +20,7 @@ import torch
 from dynsteer.controller.contract import Site, site_name
 from dynsteer.controller.controllers import Action
 from dynsteer.controller.extra_args import WIRE_KEY
-from dynsteer.controller.wire import RawEntry, WireProbe
+from dynsteer.controller.wire import RawEntry
 
 from . import gate_stats
 from .buffers import SteerBuffers
@@ -105,40 +105,13 @@ class SteeringState:
         """Requests admitted with a nonzero row (counter)."""
 
     # ---- control plane -------------------------------------------------------------------
-    # ``generation``: the registry generation the change creates, numbered by the frontend;
-    # requests it admits from then on carry it (``REGISTRY_KEY``); requests admitted earlier
-    # keep what they were admitted with.
-    @property
-    def vectors(self) -> dict[str, np.ndarray]:
-        """Registered vectors (current generation)."""
-        return self.registry.vectors
-
-    @property
-    def probes(self) -> dict[str, WireProbe]:
-        """Registered probes (current generation)."""
-        return self.registry.probes
-
-    def register_vector(self, name: str, data: bytes, generation: int) -> None:
-        self.registry.register_vector(name, data, generation)
-
-    def unregister_vector(self, name: str, generation: int) -> None:
-        self.registry.unregister_vector(name, generation)
-
-    def register_probe(self, name: str, probe: WireProbe, generation: int) -> None:
-        self.registry.register_probe(name, probe, generation)
-
-    def update_probe(self, name: str, threshold: float, sharpness: float | None,
-                     generation: int) -> None:
-        self.registry.update_probe(name, threshold, sharpness, generation)
-
-    def unregister_probe(self, name: str, generation: int) -> None:
-        self.registry.unregister_probe(name, generation)
-
+    # Named vectors and probes change through :attr:`registry` (generations: see
+    # :mod:`.registry`); requests admitted earlier keep what they were admitted with.
     def set_global(self, entries: list[RawEntry], key: str) -> None:
         """Replace global steering (resolved entries, see :mod:`dynsteer.controller.wire`)
         for requests admitted from now on, which carry ``key``; live requests keep the one
         they were admitted under (their prefix-cache key names it)."""
-        self.globals.set(entries, key, self.vectors, self.hidden_size)
+        self.globals.set(entries, key, self.registry.vectors, self.hidden_size)
 
     def set_events(self, events: EngineEvents) -> None:
         """Publish request and monitor events (see :mod:`.events`)."""
@@ -166,8 +139,7 @@ class SteeringState:
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 logger.warning("dynsteer: request %s runs unsteered: %s", req_id, e)
         probe = resolved.probe
-        req = Admitted(slot=slot, own=resolved.own, gated=resolved.gated,
-                       projections=resolved.projections, probe=probe, key=key,
+        req = Admitted(slot=slot, resolved=resolved, key=key,
                        wire=wire if resolved is not UNSTEERED else None,
                        global_key=self.globals.hold(req_id, extra_args), generation=generation)
         self.slots.place(slot, prompt_len)
@@ -205,7 +177,7 @@ class SteeringState:
                                     req.control_row)
             self.slots.control_row[req.slot] = 0
         self.telemetry.finish(req_id)  # publishes the finished event of a gated request
-        if self.events is not None and req.probe is None:
+        if self.events is not None and req.resolved.probe is None:
             self.events.request_finished(req_id, (req.wire or {}).get("session"), None)
 
     def after_updates(self, empty: bool) -> None:
@@ -234,12 +206,12 @@ class SteeringState:
         under steering the request's cache key does not describe, so the prefix guard stops
         sharing it here."""
         req = self._requests[req_id]
-        wire = switched(req.wire or {}, req.key, action, name, self.vectors, self.probes)
+        wire = switched(req.wire or {}, req.key, action, name, self.registry.vectors,
+                         self.registry.probes)
         resolved = self.registry.resolve(wire, self.registry.current)
         self.slots.release(req)
-        req.own, req.gated, req.wire, req.key = resolved.own, resolved.gated, wire, wire["key"]
-        req.projections = resolved.projections
-        req.probe, req.generation = resolved.probe, self.registry.current
+        req.resolved, req.wire, req.key = resolved, wire, wire["key"]
+        req.generation = self.registry.current
         self.slots.assign(req, self.globals[req.global_key])
         record = self.telemetry.record_of_slot(req.slot)
         self.telemetry.mark_dynamic(req.slot, self.telemetry.processed(record))
@@ -302,8 +274,8 @@ class SteeringState:
             "steered_requests_live": self.slots.num_steered,
             "requests_steered_total": self.requests_steered,
             "probe_rows_in_use": self.probe_table.in_use,
-            "vectors": sorted(self.vectors),
-            "probes": sorted(self.probes),
+            "vectors": sorted(self.registry.vectors),
+            "probes": sorted(self.registry.probes),
             "global_entries": len(self.globals[self.globals.current].entries),
             "global_steerings_held": len(self.globals),
             "registry_generation": self.registry.current,
