@@ -22,7 +22,15 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .contract import Hook, decode_f32, site_order, unconfigured_site, unmonitored_site
+from .contract import (
+    Hook,
+    Site,
+    decode_f32,
+    resolve_sites,
+    site_order,
+    unconfigured_site,
+    unmonitored_site,
+)
 from .extra_args import SPEC_KEY
 from .limits import (
     DEFAULT_MAX_STEER_NORM,
@@ -34,6 +42,7 @@ from .limits import (
     check_steer_magnitude,
     float_error_message,
 )
+from .positions import Positions
 
 Phase = Literal["all", "prefill", "decode"]
 """``prefill``: prompt positions; ``decode``: generated positions; ``all``: both."""
@@ -180,6 +189,25 @@ class ControllerSpec(BaseModel):
 
 SESSION_PATTERN = r"^[A-Za-z0-9_.:@/-]{1,256}$"
 
+CaptureDtype = Literal["float32", "bfloat16", "float16"]
+
+
+class CaptureSpec(BaseModel):
+    """Activations of this request, returned with its output: the residual stream at some
+    monitor sites, at the positions the engine computed for it (its prompt and every generated
+    token but the last), read before each site's own steering."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sites: str | list[str]
+    """Sites in the site grammar (``"post_block@12"``, ``["pre_attn@20", "post_block@*"]``);
+    each must be a monitor site of the engine (``dynsteer.monitor_sites``)."""
+    positions: Positions = "all"
+    """``"prompt"``, ``"generated"``, ``"all"``, ``"last_prompt"``, or a list of positions and
+    ``"a:b"`` ranges (negative indices count from the end of the prompt)."""
+    dtype: CaptureDtype = "float32"
+    """What the rows travel as; ``bfloat16`` / ``float16`` halve the bytes."""
+
 
 class SteeringSpec(BaseModel):
     """The whole per-request spec (version 1)."""
@@ -197,6 +225,8 @@ class SteeringSpec(BaseModel):
     session: Annotated[str, Field(pattern=SESSION_PATTERN)] | None = None
     """The conversation this request belongs to (what controllers see and act on across
     requests); 1-256 characters from A-Z a-z 0-9 _ . : @ / -."""
+    capture: CaptureSpec | None = None
+    """Activations to return with the output (``Steering.activations``)."""
 
 
 @dataclass(frozen=True)
@@ -503,3 +533,21 @@ def check_against_model(spec: SteeringSpec, shape: ModelShape, prefix: str = SPE
         check_gate(spec.gate, shape, f"{prefix}.gate")
     check_projection_slots(spec.steer, spec.gate.steer if spec.gate else (), shape, prefix)
     check_controller(spec, prefix)
+    if spec.capture is not None:
+        capture_sites(spec.capture, shape, f"{prefix}.capture")
+
+
+def capture_sites(capture: CaptureSpec, shape: ModelShape, prefix: str) -> tuple[Site, ...]:
+    """The sites a capture names, in forward order, each a monitor site (SpecError naming the
+    field otherwise)."""
+    try:
+        sites = resolve_sites(capture.sites, shape.num_layers, f"{prefix}.sites")
+    except ValueError as e:
+        raise SpecError(str(e)) from e
+    if not sites:
+        raise SpecError(f"{prefix}.sites: names no site")
+    monitors = shape.sites if shape.monitor_sites is None else shape.monitor_sites
+    for site in sites:
+        if site not in monitors:
+            raise SpecError(f"{prefix}.sites: {unmonitored_site(site)}")
+    return sites

@@ -91,11 +91,11 @@ def _admit(state: Any, extra_args: dict[str, Any] | None) -> Any:
     return admission.admit(state, extra_args)
 
 
-def _admitted(state: Any, request_id: str, spec: Any, prompt_len: int,
+def _admitted(state: Any, request_id: str, spec: Any, prompt_len: int, generation: Any,
               extra_args: dict[str, Any] | None) -> dict[str, Any] | None:
     from .frontend import admission
 
-    return admission.admitted(state, request_id, spec, prompt_len, extra_args)
+    return admission.admitted(state, request_id, spec, prompt_len, generation, extra_args)
 
 
 # ---- engine core -------------------------------------------------------------------------

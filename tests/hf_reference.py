@@ -197,8 +197,10 @@ def run_reference(model: Any, tokens: Sequence[int], prompt_len: int,
 class _Recorder(Steerer):
     """Records the stream each site sees (float64, ``[seq, H]``), before the site's steering."""
 
-    def __init__(self, entries, seq_len, vectors) -> None:
-        super().__init__(entries, None, seq_len, seq_len, vectors, {})
+    def __init__(self, entries, seq_len, vectors, gate=None, prompt_len=None,
+                 probes=None) -> None:
+        super().__init__(entries, gate, seq_len, seq_len if prompt_len is None else prompt_len,
+                         vectors, probes or {})
         self.streams: dict[tuple[str, int], np.ndarray] = {}
 
     def apply(self, site, stream, x):
@@ -207,14 +209,17 @@ class _Recorder(Steerer):
 
 
 def record_streams(model: Any, tokens: Sequence[int], entries: Sequence[dict[str, Any]] = (),
-                   vectors: dict | None = None) -> dict[tuple[str, int], np.ndarray]:
-    """The residual stream of a forward over a prompt at every (hook, layer), ``[len, H]``.
+                   vectors: dict | None = None, gate: dict[str, Any] | None = None,
+                   prompt_len: int | None = None,
+                   probes: dict[str, dict] | None = None) -> dict[tuple[str, int], np.ndarray]:
+    """The residual stream of a forward over ``tokens`` at every (hook, layer), ``[len, H]``.
 
     ``pre_attn``: the layer's input; ``post_attn``: input + attention branch; ``post_block``:
     the layer's output (TransformerLens resid_pre / resid_mid / resid_post); each read before
-    that site's own steering by ``entries`` (static, every position is a prompt position).
+    that site's own steering by ``entries`` and ``gate`` (the first ``prompt_len`` positions
+    are prompt positions; None: all of them).
     """
-    recorder = _Recorder(entries, len(tokens), vectors or {})
+    recorder = _Recorder(entries, len(tokens), vectors or {}, gate, prompt_len, probes)
     with torch.no_grad(), steering_hooks(model, recorder):
         model(torch.tensor([list(tokens)]))
     return recorder.streams

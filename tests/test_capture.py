@@ -224,11 +224,12 @@ def test_worker_rows_are_first_fit_and_bounded():
     state.capture.begin("t.0", ["pre_attn@0"])
     for i, n in enumerate([4, 4, 3]):
         state.add_request(f"r{i}", i + 1, {CAPTURE_KEY: f"t.0:{i}"}, prompt_len=n)
-    starts = state.capture.slot_starts(np.array([1, 2, 3]))
-    assert starts.tolist() == [1, 5, 0]  # the third does not fit in 10 rows
+    starts, rows = state.capture.slot_starts(np.array([1, 2, 3]))
+    # The third does not fit in 10 rows.
+    assert starts.tolist() == [1, 5, 0] and rows.tolist() == [4, 4, 0]
     state.capture.collect(["t.0:0"], "last", reply=False)
     state.add_request("r3", 3, {CAPTURE_KEY: "t.0:3"}, prompt_len=4)
-    assert state.capture.slot_starts(np.array([3])).tolist() == [1]
+    assert state.capture.slot_starts(np.array([3]))[0].tolist() == [1]
 
 
 def test_superseded_pass_fails_cleanly_and_cannot_end_its_successor():

@@ -36,6 +36,7 @@ from dynsteer.controller.contract import SpecError, encode_f32
 from dynsteer.controller.extra_args import SPEC_KEY
 from dynsteer.controller.http_models import GlobalSteering, ProbeUpload, VectorIn
 from dynsteer.controller.spec import parse_gate, validation_message
+from dynsteer.engine_ext.compat.frontend import Generation
 from dynsteer.engine_ext.frontend.admission import FrontendState, admit, admitted
 from dynsteer.engine_ext.frontend.control_plane import ControlError, ControlPlane
 from dynsteer.engine_ext.options import EngineOptions
@@ -280,7 +281,7 @@ def test_valid_specs_are_admitted_and_resolve_to_a_transportable_wire_form():
         CASES["valid_specs"] += 1
         parsed, wire = admit(state, {SPEC_KEY: spec})
         assert len(wire["steer"]) == len(spec["steer"]) + (spec.get("session") == "s")
-        extra = admitted(state, "r", (parsed, wire), 7, {SPEC_KEY: spec})
+        extra = admitted(state, "r", (parsed, wire), 7, Generation(16), {SPEC_KEY: spec})
         msgspec.msgpack.decode(msgspec.msgpack.encode(extra))
         outcomes["ok"] += 1
 
@@ -302,7 +303,7 @@ def test_any_spec_value_is_admitted_or_refused_naming_the_field():
 
         def admit_and_resolve() -> None:
             result = admit(state, {SPEC_KEY: raw})
-            extra = admitted(state, "r", result, 5, {SPEC_KEY: raw})
+            extra = admitted(state, "r", result, 5, Generation(16), {SPEC_KEY: raw})
             msgspec.msgpack.encode(extra)
 
         outcomes[outcome(admit_and_resolve, (SPEC_KEY,))] += 1

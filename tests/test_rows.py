@@ -143,13 +143,14 @@ def test_fill_matches_per_token_loop(reqs):
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(1, 6),
                           st.integers(0, 12), st.integers(1, 9), st.integers(0, 1) | st.just(40)),
                 min_size=1, max_size=8))
-def test_fill_captures_prompt_positions_only(reqs):
-    """A captured request's prompt token at position p gets capture row start + p; generated
-    tokens and uncaptured requests get 0, and so does padding."""
+def test_fill_captures_positions_below_its_rows(reqs):
+    """A captured request's token at position p gets capture row start + p while p is below
+    its number of rows (here its prompt length plus 3); later tokens and uncaptured requests
+    get 0, and so does padding."""
     index = TokenRows(max_tokens=128, device=torch.device("cpu"))
     prow, drow, plen, comp, nsch, start = (np.array(x) for x in zip(*reqs, strict=True))
-    index.fill(prow, drow, np.zeros(len(reqs)), plen, comp, nsch, start)
-    want = [s + c + k if s and c + k < pl else 0
+    index.fill(prow, drow, np.zeros(len(reqs)), plen, comp, nsch, (start, plen + 3))
+    want = [s + c + k if s and c + k < pl + 3 else 0
             for _, _, pl, c, n, s in reqs for k in range(n)]
     want_rows = [p if c + k < pl else d for p, d, pl, c, n, _ in reqs for k in range(n)]
     np.testing.assert_array_equal(index.capture_rows.numpy()[: len(want)], want)

@@ -39,6 +39,14 @@ class EngineFacts:
 
 
 @dataclass(frozen=True)
+class Generation:
+    """What a request asks vLLM to generate, as its ``SamplingParams`` say."""
+
+    max_tokens: int | None
+    n: int = 1
+
+
+@dataclass(frozen=True)
 class FrontendHooks:
     """How the adapter calls dynsteer's frontend."""
 
@@ -49,10 +57,11 @@ class FrontendHooks:
     admit: Callable[[Any, dict[str, Any] | None], Any]
     """``(state, extra_args)`` before vLLM builds the request: raise ValueError naming the
     field to reject it; returns what :attr:`admitted` gets."""
-    admitted: Callable[[Any, str, Any, int, dict[str, Any] | None], dict[str, Any] | None]
-    """``(state, request id, admit's result, prompt length, extra_args)`` once the request
-    exists (enabled engines only): the request's new ``extra_args``; may still reject it with
-    a ValueError naming the field."""
+    admitted: Callable[[Any, str, Any, int, Generation, dict[str, Any] | None],
+                       dict[str, Any] | None]
+    """``(state, request id, admit's result, prompt length, generation, extra_args)`` once the
+    request exists (enabled engines only): the request's new ``extra_args``; may still reject
+    it with a ValueError naming the field."""
     spec_key: str
     """The ``extra_args`` key of the client's spec: once :attr:`admit` parsed it, vLLM gets
     params without it (it deep-copies them per request, and a spec's float lists would cost
@@ -139,6 +148,8 @@ def _process_inputs(hooks: FrontendHooks, original: Callable[..., Any]) -> Calla
             try:
                 extra = hooks.admitted(state, str(request_id), admitted,
                                        len(tokens) if tokens is not None else 0,
+                                       Generation(getattr(request_params, "max_tokens", None),
+                                                  getattr(request_params, "n", 1) or 1),
                                        request_params.extra_args if request_params else None)
             except ValueError as e:
                 raise _client_error(e) from e
@@ -228,6 +239,14 @@ def _client_error(error: ValueError) -> ValueError:
 def prompt_request_ids(request_id: str) -> list[str]:
     """Ids vLLM's completion route gives the prompts of one call with ``request_id``."""
     return [f"{request_id}-{i}" for i in range(8)]
+
+
+def computed_positions(output: Any) -> int | None:
+    """How many positions a finished ``RequestOutput`` had computed: its prompt and every
+    generated token but the last (None: not one completion)."""
+    if len(output.outputs) != 1 or output.prompt_token_ids is None:
+        return None
+    return len(output.prompt_token_ids) + len(output.outputs[0].token_ids) - 1
 
 
 def rpc(llm: Any, method: str, args: tuple[Any, ...] = ()) -> list[Any]:

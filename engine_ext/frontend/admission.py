@@ -20,6 +20,7 @@ import numpy as np
 
 from dynsteer.controller.contract import Site, SpecError, site_name
 from dynsteer.controller.extra_args import (
+    ACTIVATIONS_KEY,
     CLAIMS_KEY,
     GLOBAL_KEY,
     GUARD_KEY,
@@ -33,11 +34,12 @@ from dynsteer.controller.spec import ModelShape, SteeringSpec, check_against_mod
 from dynsteer.controller.wire import RawEntry, fingerprint, spec_to_wire
 from dynsteer.probes import ModelFingerprint, Probe
 
-from ..compat.frontend import EngineFacts, prompt_request_ids
+from ..compat.frontend import EngineFacts, Generation, prompt_request_ids
 from ..options import CONFIG_KEY, EngineOptions, options_from_additional_config
 from ..prefix_guard.guard import CacheGuard
 from ..prefix_guard.key import guard_for
 from ..row_budget import Claims, check_claims, claims_for
+from . import request_capture
 from .caller import TRUSTED, Caller, current
 
 MAX_SESSIONS = 65536
@@ -225,10 +227,11 @@ class FrontendState:
         :mod:`..row_budget`)."""
         return claims_for(wire, self.global_wire, self.global_key, self.registry_generation)
 
-    def cache_guard(self, wire: dict[str, Any] | None, prompt_len: int) -> CacheGuard | None:
+    def cache_guard(self, wire: dict[str, Any] | None, prompt_len: int,
+                    own_from: int | None = None) -> CacheGuard | None:
         """How a request's blocks may be shared (see :func:`..prefix_guard.key.guard_for`)."""
         return guard_for(wire, self.global_wire, self.global_key, self.registry_generation,
-                         prompt_len)
+                         prompt_len, own_from)
 
 
 def _content(raw: Any) -> Any:
@@ -333,19 +336,33 @@ def _checked_claims(state: FrontendState, wire: dict[str, Any] | None) -> Claims
 
 def admitted(state: FrontendState, request_id: str,
              spec: tuple[SteeringSpec, dict[str, Any]] | None, prompt_len: int,
-             extra_args: dict[str, Any] | None) -> dict[str, Any] | None:
+             generation: Generation, extra_args: dict[str, Any] | None) -> dict[str, Any] | None:
     """Record the request and replace the client's spec with its resolved form (what the
     workers read, :mod:`dynsteer.controller.wire`, with the registry generation its names
     resolve in) and its prefix-cache guard (what the
     scheduler reads, :mod:`..prefix_guard`) and row claims (:mod:`..row_budget`). Keys only the
     frontend may set are overwritten. A request that alone needs more rows than the engine has
-    (it would wait for them forever) is refused here, naming the option."""
+    (it would wait for them forever) is refused here, naming the option; so is a capture the
+    engine cannot hold (:mod:`.request_capture`)."""
     wire = spec[1] if spec is not None else None
+    capture = spec[0].capture if spec is not None else None
     claims = _checked_claims(state, wire)
+    activations = None
+    if capture is not None:
+        try:
+            activations = request_capture.admit(capture, state.shape(), state.options,
+                                                prompt_len, generation)
+        except ValueError:
+            state.counters.requests_rejected += 1
+            raise
     state.record_request(request_id, wire)
-    guard = state.cache_guard(wire, prompt_len)
+    guard = state.cache_guard(
+        wire, prompt_len, request_capture.first_captured_prompt_position(capture, prompt_len))
     extra = {k: v for k, v in (extra_args or {}).items()
-             if k not in (GUARD_KEY, SPEC_KEY, WIRE_KEY, GLOBAL_KEY, CLAIMS_KEY, REGISTRY_KEY)}
+             if k not in (GUARD_KEY, SPEC_KEY, WIRE_KEY, GLOBAL_KEY, CLAIMS_KEY, REGISTRY_KEY,
+                          ACTIVATIONS_KEY)}
+    if activations is not None:
+        extra[ACTIVATIONS_KEY] = activations
     if wire is not None:
         extra[WIRE_KEY] = wire
         extra[REGISTRY_KEY] = state.registry_generation

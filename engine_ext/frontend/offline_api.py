@@ -15,7 +15,9 @@ from dynsteer.controller.spec import GateSpec, SteerEntry, check_session, parse_
 
 from ..compat import frontend as vllm_frontend
 from ..compat.scheduler import STATS_UTILITY
+from . import request_capture
 from .control_plane import Change, ControlPlane
+from .request_capture import Activations
 
 
 class Steering:
@@ -95,6 +97,20 @@ class Steering:
         """
         request_id = output if isinstance(output, str) else output.request_id
         return vllm_frontend.rpc(self._llm, "dynsteer_telemetry", (request_id,))[0]
+
+    def activations(self, output: Any) -> Activations | None:
+        """The activations a finished request captured (its spec's ``capture``): the positions
+        and, per site, ``[positions, hidden]``; None if it asked for none.
+
+        ``output``: its ``RequestOutput`` (or the request id). Collect each request's once,
+        as its output arrives: the rows are freed then, and a finished request's rows are
+        reused by later requests when the engine needs the room (its status is then
+        ``dropped``).
+        """
+        request_id = output if isinstance(output, str) else output.request_id
+        computed = None if isinstance(output, str) else vllm_frontend.computed_positions(output)
+        return request_capture.merge(vllm_frontend.rpc(
+            self._llm, "dynsteer_collect_activations", (request_id, computed)))
 
     def capture(self, prompts: Sequence[Sequence[int] | str], sites: str | Sequence[str],
                 reduce: str = "last") -> dict[str, Any]:

@@ -19,17 +19,28 @@ NONE = np.iinfo(np.int64).max
 class CacheGuard(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    key: str
-    """Fingerprint of everything that changes this request's KV."""
-    fork: int = Field(ge=0)
+    key: str | None = None
+    """Fingerprint of everything that changes this request's KV (None: nothing steers it)."""
+    fork: int | None = Field(default=None, ge=0)
     """First steered position: blocks from the one holding it on hash under ``key``."""
     withhold: bool = False
     """Cache blocks only below the reported first dynamically steered position."""
+    own_from: int | None = Field(default=None, ge=0)
+    """First prompt position this request must compute itself (it captures it): blocks from
+    the one holding it on hash under ``own`` too, so no earlier request's blocks match them."""
+    own: str | None = None
+    """A key no other request has (set with ``own_from``)."""
 
 
-def fork_keys(guard: CacheGuard, start: int, end: int) -> tuple[str, str] | None:
-    """The extra hash key of the block ``[start, end)``, None where the hash stays unsteered."""
-    return ("dynsteer", guard.key) if start <= guard.fork < end else None
+def fork_keys(guard: CacheGuard, start: int, end: int) -> tuple[str, ...] | None:
+    """The extra hash key of the block ``[start, end)``, None where the hash stays as vLLM
+    makes it (a block's hash chains its predecessors', so one fork changes every later one)."""
+    keys: tuple[str, ...] = ()
+    if guard.fork is not None and start <= guard.fork < end:
+        keys = ("dynsteer", guard.key or "-")
+    if guard.own_from is not None and start <= guard.own_from < end:
+        keys = (*keys, "dynsteer-own", guard.own or "-")
+    return keys or None
 
 
 def frontier(processed: int, first_dynamic: int | None) -> int:

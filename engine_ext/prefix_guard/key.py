@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from .guard import CacheGuard
 
 def guard_for(wire: dict[str, Any] | None, global_wire: Sequence[RawEntry],
               global_key: str | None, registry_generation: int,
-              prompt_len: int) -> CacheGuard | None:
+              prompt_len: int, own_from: int | None = None) -> CacheGuard | None:
     """How a request's blocks may be shared (None: unsteered, share everything).
 
     ``wire`` is the request's resolved spec. The key covers everything that changes the
@@ -27,19 +28,25 @@ def guard_for(wire: dict[str, Any] | None, global_wire: Sequence[RawEntry],
     a controller makes steering depend on more than the prefix (its decisions follow step
     boundaries and chunking): its request's blocks are withheld from the first dynamically
     steered position on (``withhold``).
+
+    ``own_from``: the first prompt position the request captures (it must compute it, not
+    take it from the cache): its blocks from there on get a key of their own.
     """
     own = wire["steer"] if wire else []
     gate = wire["gate"] if wire else None
     static = [e for e in read_entries((*global_wire, *own)) if e.scale != 0]
+    fork: int | None = None
     if gate is not None or any(e.phase != "decode" for e in static):
         fork = 0
     elif static:
         fork = prompt_len
-    else:
-        return None
+    unique = ({"own_from": own_from, "own": secrets.token_hex(16)}
+              if own_from is not None else {})
+    if fork is None:
+        return CacheGuard(**unique) if unique else None
     entries = [*global_wire, *own, *(gate["steer"] if gate is not None else [])]
     phase_specific = any(e.phase != "all" for e in read_entries(entries))
     key = fingerprint(wire["key"] if wire else "-", global_key or "-", registry_generation,
                       prompt_len if phase_specific else -1)
     controlled = gate is not None and wire is not None and wire.get("controller") is not None
-    return CacheGuard(key=key.hex(), fork=fork, withhold=controlled)
+    return CacheGuard(key=key.hex(), fork=fork, withhold=controlled, **unique)

@@ -31,7 +31,7 @@ class GuardedRequest:
     def withhold(self) -> bool:
         return self.guard.withhold
 
-    def extra_key(self, start: int, end: int) -> tuple[str, str] | None:
+    def extra_key(self, start: int, end: int) -> tuple[str, ...] | None:
         """The extra hash key of the block ``[start, end)``."""
         return fork_keys(self.guard, start, end)
 

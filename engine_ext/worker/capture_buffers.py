@@ -1,26 +1,39 @@
-"""Worker side of activation capture: the capture buffer, its lanes and the rows of prompts.
+"""Worker side of activation capture: the capture buffer, its lanes and the rows of requests.
 
-One capture (planned and driven by the frontend, :mod:`.capture`) runs in passes. A pass
-starts with :meth:`CaptureBuffers.begin`, which gives each of at most K sites a *lane* (the
-per-site table ``site_lane`` the in-graph op reads). A request whose ``extra_args`` carry
-``{"dynsteer_capture": "<ticket>:<item>"}`` with the pass's ticket gets, at admission, a
-contiguous range of capture rows, one per prompt position; its prompt tokens then store the
-residual stream into ``capture[lane, row]`` at every site that has a lane (:mod:`.ops`).
-:meth:`~CaptureBuffers.collect` reads (and reduces) the rows of finished requests and frees
-them; :meth:`~CaptureBuffers.end` clears the lanes. Every TP rank receives the same calls and
-scheduler outputs in the same order, so rows are identical on all of them; only TP rank 0
-sends data back (the residual stream is replicated after the all-reduce).
+Two kinds of request are captured, into the same buffer ``capture[K, C + 1, H]`` (float32):
+
+* a *pass* of the probe-training path (planned and driven by the frontend, :mod:`..frontend.
+  capture`): :meth:`CaptureBuffers.begin` gives each of at most K sites a *lane*; a request
+  whose ``extra_args`` carry ``{"dynsteer_capture": "<ticket>:<item>"}`` with the pass's ticket
+  gets one row per prompt position; :meth:`~CaptureBuffers.collect` reads (and reduces) the
+  rows of finished requests and frees them; :meth:`~CaptureBuffers.end` releases the lanes.
+* a request whose spec has ``capture`` (``extra_args["dynsteer_activations"]``, see
+  :mod:`..frontend.request_capture`): at admission it takes lanes for its sites and one row per
+  position it may compute (its prompt and ``max_tokens - 1`` generated positions), prompt and
+  generated tokens alike; :meth:`~CaptureBuffers.collect_request` returns the positions it
+  named and frees both.
+
+A lane is the per-site table ``site_lane`` the in-graph op reads (:mod:`.ops`); lanes are
+shared by site and counted, so requests capturing the same site share one lane and a lane is
+reassigned only when nobody holds it. A token writes the stream of every site that has a lane
+into its own row of that lane; a request reads only its own sites' lanes. Every TP rank
+receives the same calls and scheduler outputs in the same order, so rows are identical on all
+of them; only TP rank 0 sends data back (the residual stream is replicated after the
+all-reduce).
 
 Rows outlive their request: the frontend collects after the request's output came back, which
-can be before this worker even hears that the request finished. Row 0 is never handed out (0
-means "not captured" in the token index, so padding and a cleared index never write).
-The ticket makes stale or forged capture requests harmless: a request whose ticket is not the
+can be before this worker even hears that the request finished. A finished request's rows are
+kept until collected; when a new request needs the room, the rows of requests that left the
+batch longest ago are reused (collecting them then reports ``dropped``). Row 0 is never handed
+out (0 means "not captured" in the token index, so padding and a cleared index never write).
+The ticket makes stale or forged pass requests harmless: a request whose ticket is not the
 current pass's gets no rows, so it can neither write into another capture's rows nor starve it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,7 +41,10 @@ import numpy as np
 import torch
 
 from dynsteer.controller.contract import Site, f32_bytes, parse_site_name, site_name
-from dynsteer.controller.extra_args import CAPTURE_KEY
+from dynsteer.controller.extra_args import ACTIVATIONS_KEY, CAPTURE_KEY
+from dynsteer.controller.positions import select
+
+from ..compat.worker import is_internal_id_of
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -36,6 +52,12 @@ logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
 Reduce = Literal["last", "mean", "all"]
 REDUCES: tuple[Reduce, ...] = ("last", "mean", "all")
 """Per prompt: the last prompt token, the mean over prompt tokens, or every prompt token."""
+
+GONE = 4096
+"""Requests whose capture was dropped that the worker remembers (to say so when collected)."""
+_UNSEEN = np.iinfo(np.int64).max
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
+                 "bfloat16": torch.bfloat16}
 
 
 def capture_key(ticket: str, item: int) -> str:
@@ -45,18 +67,24 @@ def capture_key(ticket: str, item: int) -> str:
 
 @dataclass
 class _Entry:
-    """The capture rows of one prompt."""
+    """The capture rows of one request."""
 
     req_id: str
     start: int
-    """First row; position ``p`` of the prompt is row ``start + p``."""
+    """First row; position ``p`` is row ``start + p``."""
     length: int
+    """Rows (positions ``0 .. length - 1``)."""
+    prompt_len: int
+    lanes: tuple[int, ...] = ()
+    """The lanes of the sites it asked for (a request capture's; held until collected)."""
+    wanted: dict[str, Any] | None = None
+    """A request capture's ``sites`` / ``positions`` / ``dtype`` (None: a pass's prompt)."""
     slot: int | None = None
-    """The request's slot while it is live (its prompt tokens write), else None."""
+    """The request's slot while it is live (its tokens write), else None."""
     first: int = -1
     """Lowest position seen computed (-1: none yet)."""
     end: int = 0
-    """One past the highest prompt position seen computed."""
+    """One past the highest position seen computed."""
 
     def complete(self) -> bool:
         return self.first == 0 and self.end == self.length
@@ -77,23 +105,34 @@ class CaptureBuffers:
                                    device=device)
         """Rows 1..C of each lane; row 0 is never written."""
         self.site_lane = torch.full((len(sites),), -1, dtype=torch.int32, device=device)
-        """Per site (forward order): its lane in this pass, -1 when not captured."""
+        """Per site (forward order): its lane, -1 when not captured."""
         self.installed: frozenset[Site] = frozenset(sites)
         """Sites whose op runs on this worker (a pipeline stage has only its own layers)."""
         self._site_index = {site: i for i, site in enumerate(sites)}
+        self._lane_site: list[Site | None] = [None] * lanes
+        self._lane_refs = [0] * lanes
         self.ticket: str | None = None
-        self._lane_sites: tuple[Site, ...] = ()
+        self._pass_lanes: tuple[int, ...] = ()
         self._entries: dict[str, _Entry] = {}
-        """By capture key."""
+        """A pass's, by capture key."""
+        self._requests: dict[str, _Entry] = {}
+        """Request captures, by request id."""
+        self._left: OrderedDict[str, None] = OrderedDict()
+        """Request captures whose request left the batch, longest ago first (reused first)."""
+        self._gone: OrderedDict[str, str] = OrderedDict()
+        """Request captures dropped (request id -> why), most recent last (bounded)."""
         self._key_of: dict[str, str] = {}
-        """Capture key of each live request that has rows."""
+        """Capture key of each live pass request that has rows."""
         self._by_slot: dict[int, _Entry] = {}
         self._slot_start = np.zeros(max_slots, dtype=np.int64)
         """Per slot: the first capture row of the request in it (0: not captured)."""
+        self._slot_len = np.zeros(max_slots, dtype=np.int64)
+        self._slot_first = np.full(max_slots, _UNSEEN, dtype=np.int64)
+        self._slot_end = np.zeros(max_slots, dtype=np.int64)
 
-    # ---- control (RPCs) ------------------------------------------------------------------
+    # ---- passes (RPCs of the probe-training path) ----------------------------------------
     def begin(self, ticket: str, sites: list[str]) -> None:
-        """Start a pass: ``sites`` (``hook@layer``, at most K) get lanes 0.. in that order.
+        """Start a pass: ``sites`` (``hook@layer``, at most K) get lanes, in that order.
 
         A pass still open with another ticket is superseded (its rows are freed, so its collect
         reports them missing): a frontend that died mid-capture cannot block the engine.
@@ -110,25 +149,24 @@ class CaptureBuffers:
         if self.ticket is not None and self.ticket != ticket:
             logger.warning("dynsteer: capture pass %s supersedes %s, which never ended", ticket,
                            self.ticket)
-        self._reset()
-        table = torch.full((len(self.sites),), -1, dtype=torch.int32)
-        for lane, site in enumerate(parsed):
-            table[self._site_index[site]] = lane
-        # Issued on the current stream: ordered after every forward that read the old table.
-        self.site_lane.copy_(table.to(self.site_lane.device))
+        self._end_pass()
+        lanes = self._acquire(parsed)
+        if lanes is None:
+            self._publish_lanes()
+            raise ValueError(f"sites: {len(parsed)} capture lanes are not free (requests "
+                             "capturing their own activations hold them); retry when they "
+                             "finish, or restart the engine with more dynsteer.capture_lanes")
+        self._publish_lanes()
         self.ticket = ticket
-        self._lane_sites = tuple(parsed)
+        self._pass_lanes = lanes
 
     def end(self, ticket: str | None = None) -> None:
-        """Close the pass ``ticket`` (None: whichever is open): no site is captured, every row
-        is free. Ending a pass that was superseded does nothing, so it cannot end its
-        successor."""
+        """Close the pass ``ticket`` (None: whichever is open): its lanes and rows are freed.
+        Ending a pass that was superseded does nothing, so it cannot end its successor."""
         if ticket is not None and ticket != self.ticket:
             return
-        self._reset()
-        self.site_lane.fill_(-1)
-        self.ticket = None
-        self._lane_sites = ()
+        self._end_pass()
+        self._publish_lanes()
 
     def collect(self, keys: list[str], reduce: str, reply: bool) -> dict[str, Any] | None:
         """Free the rows of ``keys``; with ``reply``, return them reduced (JSON/msgpack-safe).
@@ -139,12 +177,10 @@ class CaptureBuffers:
         """
         if reduce not in REDUCES:
             raise ValueError(f"reduce: {reduce!r} is not one of {', '.join(REDUCES)}")
-        if reply and self.capture.is_cuda:
-            torch.cuda.synchronize(self.capture.device)  # rare RPC; forwards may be in flight
-        lanes = [(lane, site) for lane, site in enumerate(self._lane_sites)
-                 if site in self.installed]
-        lane_index = torch.tensor([lane for lane, _ in lanes], dtype=torch.long,
-                                  device=self.capture.device)
+        self._synchronize(reply)
+        lanes = [(lane, self._lane_site[lane]) for lane in self._pass_lanes
+                 if self._lane_site[lane] in self.installed]
+        lane_index = self._lane_index([lane for lane, _ in lanes])
         items: dict[str, dict[str, Any]] = {}
         missing: dict[str, str] = {}
         for key in keys:
@@ -164,13 +200,72 @@ class CaptureBuffers:
                 items[key] = {"tokens": entry.length, "data": f32_bytes(reduced.cpu().numpy())}
         if not reply:
             return None
-        return {"sites": [site_name(site) for _, site in lanes], "hidden": self.hidden_size,
-                "reduce": reduce, "items": items, "missing": missing}
+        return {"sites": [site_name(site) for _, site in lanes if site is not None],
+                "hidden": self.hidden_size, "reduce": reduce, "items": items,
+                "missing": missing}
+
+    # ---- request captures ----------------------------------------------------------------
+    def collect_request(self, request_id: str, computed: int | None,
+                        reply: bool) -> dict[str, Any] | None:
+        """The captured positions of one request (its id, or the caller's id of it), then
+        freed; None when it asked for no capture (or on TP ranks other than 0).
+
+        ``computed``: how many positions the request computed, as its output says (prompt plus
+        generated tokens, less one); None: as far as this worker saw.
+
+        Reply: ``status`` (``ok`` / ``partial`` / ``dropped``), ``detail``, ``sites``
+        (``hook@layer``), ``hidden``, ``dtype``, ``positions`` (little-endian int64 bytes)
+        and ``data`` (``[sites, positions, hidden]`` in ``dtype``, little-endian bytes; bfloat16
+        as its 16 bits).
+        """
+        req_id = self._find(request_id)
+        if req_id is None:
+            gone = next((g for g in self._gone if g == request_id
+                         or is_internal_id_of(g, request_id)), None)
+            if gone is None or not reply:
+                return None
+            return {"status": "dropped", "detail": self._gone[gone], "sites": [],
+                    "hidden": self.hidden_size, "dtype": "float32", "positions": b"",
+                    "data": b""}
+        entry = self._requests.pop(req_id)
+        self._left.pop(req_id, None)
+        self._detach(entry)
+        self._release(entry.lanes)
+        wanted = entry.wanted or {}
+        end = entry.end if computed is None else min(entry.end, computed)
+        positions = select(wanted["positions"], entry.prompt_len, max(end, 0))
+        seen = positions[positions >= max(entry.first, 0)] if entry.first >= 0 else positions[:0]
+        status, detail = "ok", ""
+        if len(seen) < len(positions):
+            status = "partial"
+            detail = (f"positions {int(positions[0])}..{max(entry.first, 0) - 1} were not "
+                      "computed by this request (taken from the prefix cache)")
+        if not reply:
+            return None
+        self._synchronize(reply)
+        sites = [self._lane_site[lane] for lane in entry.lanes]
+        mine = [i for i, site in enumerate(sites) if site in self.installed]
+        index = torch.as_tensor(entry.start + seen, device=self.capture.device)
+        rows = self.capture.index_select(0, self._lane_index([entry.lanes[i] for i in mine]))
+        rows = rows.index_select(1, index).to(_TORCH_DTYPES[wanted["dtype"]])
+        if wanted["dtype"] == "bfloat16":
+            rows = rows.view(torch.int16)
+        return {"status": status, "detail": detail,
+                "sites": [site_name(sites[i]) for i in mine if sites[i] is not None],
+                "hidden": self.hidden_size, "dtype": wanted["dtype"],
+                "positions": seen.astype("<i8").tobytes(),
+                "data": np.ascontiguousarray(rows.cpu().numpy()).tobytes()}
 
     # ---- request lifecycle and steps -----------------------------------------------------
     def admit(self, req_id: str, slot: int, extra_args: Any, prompt_len: int) -> None:
-        """Give a capture request of the current pass its rows (others are ignored)."""
-        raw = extra_args.get(CAPTURE_KEY) if isinstance(extra_args, dict) else None
+        """Give a captured request (of the current pass, or with its own capture) its rows."""
+        if not isinstance(extra_args, dict):
+            return
+        wanted = extra_args.get(ACTIVATIONS_KEY)
+        if wanted is not None:
+            self._admit_request(req_id, slot, wanted, prompt_len)
+            return
+        raw = extra_args.get(CAPTURE_KEY)
         if raw is None:
             return
         key = str(raw)
@@ -187,19 +282,18 @@ class CaptureBuffers:
                 logger.warning("dynsteer: no %d free capture rows for request %s (capacity %d)",
                                prompt_len, req_id, self.capacity)
                 return
-            entry = _Entry(req_id=req_id, start=start, length=prompt_len)
+            entry = _Entry(req_id=req_id, start=start, length=prompt_len, prompt_len=prompt_len)
             self._entries[key] = entry
-        self._detach(entry)
-        if slot >= len(self._slot_start):
-            self._slot_start = np.concatenate(
-                [self._slot_start, np.zeros(slot + 1, dtype=np.int64)])
-        entry.slot = slot
-        self._slot_start[slot] = entry.start
-        self._by_slot[slot] = entry
+        self._attach(entry, slot)
         self._key_of[req_id] = key
 
     def detach(self, req_id: str) -> None:
         """The request left the batch: its tokens stop writing (its rows wait for collect)."""
+        entry = self._requests.get(req_id)
+        if entry is not None:
+            self._detach(entry)
+            self._left[req_id] = None
+            return
         key = self._key_of.pop(req_id, None)
         entry = self._entries.get(key) if key is not None else None
         if entry is not None and entry.req_id == req_id:
@@ -210,26 +304,72 @@ class CaptureBuffers:
         """Whether some live request is being captured (the step index must be filled)."""
         return bool(self._by_slot)
 
-    def slot_starts(self, slots: np.ndarray) -> np.ndarray | None:
-        """First capture row per request of the step (None when nobody is captured)."""
+    def slot_starts(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """First capture row and rows per request of the step (None: nobody is captured)."""
         if not self._by_slot:
             return None
-        return self._slot_start[slots]
+        return self._slot_start[slots], self._slot_len[slots]
 
     def record(self, slots: np.ndarray, starts: np.ndarray, num_computed: np.ndarray,
                num_scheduled: np.ndarray) -> None:
-        """Note which prompt positions of captured requests this step computes."""
-        for i in np.flatnonzero(starts):
-            entry = self._by_slot[int(slots[i])]
-            first = int(num_computed[i])
-            entry.first = first if entry.first < 0 else min(entry.first, first)
-            entry.end = max(entry.end, min(first + int(num_scheduled[i]), entry.length))
+        """Note which positions of captured requests this step computes."""
+        captured = starts != 0
+        mine = np.asarray(slots)[captured]
+        first = num_computed[captured].astype(np.int64)
+        self._slot_first[mine] = np.minimum(self._slot_first[mine], first)
+        self._slot_end[mine] = np.maximum(
+            self._slot_end[mine],
+            np.minimum(first + num_scheduled[captured], self._slot_len[mine]))
 
     @property
     def rows_in_use(self) -> int:
-        return sum(e.length for e in self._entries.values())
+        return sum(e.length for e in (*self._entries.values(), *self._requests.values()))
 
     # ---- internals -----------------------------------------------------------------------
+    def _admit_request(self, req_id: str, slot: int, wanted: dict[str, Any],
+                       prompt_len: int) -> None:
+        entry = self._requests.get(req_id)
+        if entry is None:
+            entry = self._new_request_entry(req_id, wanted, prompt_len)
+            if entry is None:
+                return
+            self._requests[req_id] = entry
+        self._left.pop(req_id, None)
+        self._attach(entry, slot)
+
+    def _new_request_entry(self, req_id: str, wanted: dict[str, Any],
+                           prompt_len: int) -> _Entry | None:
+        try:
+            sites = [self._parse_site(s) for s in wanted["sites"]]
+            rows = int(wanted["rows"])
+        except (KeyError, TypeError, ValueError) as e:
+            return self._drop(req_id, f"malformed capture: {e}")
+        lanes = self._acquire(sites)
+        if lanes is None:
+            return self._drop(req_id, f"no free capture lanes for {len(sites)} sites "
+                                      "(dynsteer.capture_lanes) when the request ran")
+        self._publish_lanes()
+        start = self._allocate(rows, evict=True)
+        if start is None:
+            self._release(lanes)
+            return self._drop(req_id, f"no {rows} free capture rows (dynsteer.capture_tokens "
+                                      f"is {self.capacity}) when the request ran")
+        return _Entry(req_id=req_id, start=start, length=rows, prompt_len=prompt_len,
+                      lanes=lanes, wanted=wanted)
+
+    def _drop(self, req_id: str, why: str) -> None:
+        logger.warning("dynsteer: request %s runs uncaptured: %s", req_id, why)
+        self._gone[req_id] = why
+        while len(self._gone) > GONE:
+            self._gone.popitem(last=False)
+        return None
+
+    def _find(self, request_id: str) -> str | None:
+        if request_id in self._requests:
+            return request_id
+        matches = [r for r in self._requests if is_internal_id_of(r, request_id)]
+        return matches[-1] if matches else None
+
     def _parse_site(self, name: str) -> Site:
         try:
             site: Site | None = parse_site_name(name)
@@ -240,26 +380,104 @@ class CaptureBuffers:
                              "option dynsteer.monitor_sites")
         return site
 
-    def _allocate(self, n: int) -> int | None:
-        """First fit: the lowest start of ``n`` free consecutive rows in 1..C."""
-        start = 1
-        for entry in sorted(self._entries.values(), key=lambda e: e.start):
-            if entry.start - start >= n:
-                break
-            start = max(start, entry.start + entry.length)
-        return start if start + n <= self.capacity + 1 else None
+    def _acquire(self, sites: list[Site]) -> tuple[int, ...] | None:
+        """A lane per site (shared with whoever holds that site's), counted; None (nothing
+        taken) when there are not enough free lanes."""
+        lanes: list[int] = []
+        for site in sites:
+            lane = next((i for i, s in enumerate(self._lane_site)
+                         if s == site and self._lane_refs[i] > 0), None)
+            if lane is None:
+                lane = next((i for i, refs in enumerate(self._lane_refs)
+                             if refs == 0 and i not in lanes), None)
+            if lane is None:
+                for taken in lanes:
+                    self._lane_refs[taken] -= 1
+                return None
+            self._lane_site[lane] = site
+            self._lane_refs[lane] += 1
+            lanes.append(lane)
+        return tuple(lanes)
+
+    def _release(self, lanes: tuple[int, ...]) -> None:
+        for lane in lanes:
+            self._lane_refs[lane] -= 1
+        if lanes:
+            self._publish_lanes()
+
+    def _publish_lanes(self) -> None:
+        """The site -> lane table the graph reads (issued on the current stream, so ordered
+        after every forward that read the old one)."""
+        table = torch.full((len(self.sites),), -1, dtype=torch.int32)
+        for lane, site in enumerate(self._lane_site):
+            if site is not None and self._lane_refs[lane] > 0:
+                table[self._site_index[site]] = lane
+        self.site_lane.copy_(table.to(self.site_lane.device))
+
+    def _lane_index(self, lanes: list[int]) -> torch.Tensor:
+        return torch.tensor(lanes, dtype=torch.long, device=self.capture.device)
+
+    def _synchronize(self, reply: bool) -> None:
+        if reply and self.capture.is_cuda:
+            torch.cuda.synchronize(self.capture.device)  # rare RPC; forwards may be in flight
+
+    def _allocate(self, n: int, evict: bool = False) -> int | None:
+        """First fit: the lowest start of ``n`` free consecutive rows in 1..C; with ``evict``,
+        the rows of requests that left the batch longest ago are reused until it fits."""
+        while True:
+            start = 1
+            taken = sorted((*self._entries.values(), *self._requests.values()),
+                           key=lambda e: e.start)
+            for entry in taken:
+                if entry.start - start >= n:
+                    break
+                start = max(start, entry.start + entry.length)
+            if start + n <= self.capacity + 1:
+                return start
+            if not evict or not self._left:
+                return None
+            oldest, _ = self._left.popitem(last=False)
+            entry = self._requests.pop(oldest)
+            self._release(entry.lanes)
+            self._drop(oldest, "its rows were reused before they were collected (collect "
+                               "activations as outputs arrive)")
+
+    def _attach(self, entry: _Entry, slot: int) -> None:
+        self._detach(entry)
+        if slot >= len(self._slot_start):
+            grow = slot + 1
+            self._slot_start = np.concatenate([self._slot_start, np.zeros(grow, np.int64)])
+            self._slot_len = np.concatenate([self._slot_len, np.zeros(grow, np.int64)])
+            self._slot_first = np.concatenate([self._slot_first,
+                                               np.full(grow, _UNSEEN, np.int64)])
+            self._slot_end = np.concatenate([self._slot_end, np.zeros(grow, np.int64)])
+        entry.slot = slot
+        self._slot_start[slot] = entry.start
+        self._slot_len[slot] = entry.length
+        self._slot_first[slot] = entry.first if entry.first >= 0 else _UNSEEN
+        self._slot_end[slot] = entry.end
+        self._by_slot[slot] = entry
 
     def _detach(self, entry: _Entry) -> None:
-        if entry.slot is not None:
-            self._slot_start[entry.slot] = 0
-            self._by_slot.pop(entry.slot, None)
-            entry.slot = None
+        slot = entry.slot
+        if slot is None:
+            return
+        first = int(self._slot_first[slot])
+        entry.first = -1 if first == _UNSEEN else first
+        entry.end = int(self._slot_end[slot])
+        self._slot_start[slot] = self._slot_len[slot] = self._slot_end[slot] = 0
+        self._slot_first[slot] = _UNSEEN
+        self._by_slot.pop(slot, None)
+        entry.slot = None
 
-    def _reset(self) -> None:
+    def _end_pass(self) -> None:
         for entry in self._entries.values():
             self._detach(entry)
         self._entries.clear()
         self._key_of.clear()
+        self._release(self._pass_lanes)
+        self._pass_lanes = ()
+        self.ticket = None
 
 
 def _reduce(rows: torch.Tensor, reduce: str) -> torch.Tensor:
@@ -269,4 +487,3 @@ def _reduce(rows: torch.Tensor, reduce: str) -> torch.Tensor:
     if reduce == "mean":
         return rows.mean(dim=1, keepdim=True)
     return rows
-

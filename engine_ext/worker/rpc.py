@@ -74,6 +74,13 @@ class DynsteerWorkerExtension:
         """Close capture pass ``ticket`` (None: any): no site is captured, rows are free."""
         self._dynsteer().capture.end(ticket)
 
+    def dynsteer_collect_activations(self, request_id: str,
+                                     computed: int | None) -> dict[str, Any] | None:
+        """A request's own captured rows (then freed); None on all but TP rank 0 (of each
+        pipeline stage) and for a request that asked for none."""
+        return self._dynsteer().capture.collect_request(request_id, computed,
+                                                        reply=self._dynsteer_replies())
+
     def _dynsteer_replies(self) -> bool:
         """Whether this worker answers for its pipeline stage (TP rank 0)."""
         return vllm_worker.replies(self)

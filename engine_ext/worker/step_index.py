@@ -103,12 +103,12 @@ class StepIndex:
         gated = probe_rows != 0
         any_gated = np.count_nonzero(gated) > 0  # the cheap forms: see token_rows' docstring
         counts = num_scheduled.astype(np.int64, copy=False)
-        capture_starts = self.capture.slot_starts(slots)
+        capture = self.capture.slot_starts(slots)
         control_rows = table.control_row[slots]
         controlled = np.count_nonzero(control_rows) > 0
         tokens = int(counts.sum())
         if (device_slots is not None and self.device_fill is not None
-                and capture_starts is None and not controlled and not self.telemetry.wants_tokens
+                and capture is None and not controlled and not self.telemetry.wants_tokens
                 and self.device_fill.table.fits(len(table))):
             filled = self._fill_on_device(slots, num_computed, num_scheduled, tokens,
                                           any_gated)
@@ -136,15 +136,15 @@ class StepIndex:
             table.prompt_len[slots],
             num_computed,
             counts,
-            capture_starts,
+            capture,
             positions,
             control_rows,
             slots if any_gated else None,
             pos_entries,
             tokens,
         )
-        if capture_starts is not None:
-            self.capture.record(slots, capture_starts, num_computed, num_scheduled)
+        if capture is not None:
+            self.capture.record(slots, capture[0], num_computed, num_scheduled)
 
     def skip(self) -> None:
         """A step with nothing steered, or a forward no request is in (a data-parallel idle

@@ -9,11 +9,11 @@ slot and position (relative, so they stay the same from one decode step to the n
 gate statistics' fold (:mod:`.gate_stats`).
 
 It is filled once per step, before the forward, from per-request values (a steering row for
-prompt positions, one for generated positions, one probe row, the first capture row of the
-prompt) with vectorized numpy: no per-token or per-request Python on the hot path. Tokens past
-the step's count (CUDA-graph padding) are kept at 0. On CUDA the fill is one non-blocking copy
-from a pinned staging buffer, skipped entirely when nothing changed since the previous step
-(the common decode case) or nothing is steered.
+prompt positions, one for generated positions, one probe row, the first capture row and the
+number of capture rows) with vectorized numpy: no per-token or per-request Python on the hot
+path. Tokens past the step's count (CUDA-graph padding) are kept at 0. On CUDA the fill is one
+non-blocking copy from a pinned staging buffer, skipped entirely when nothing changed since the
+previous step (the common decode case) or nothing is steered.
 
 On arrays this small a numpy call's cost is its overhead, and some calls carry far more than
 others (measured, 16 requests: ``x.any()`` 2.5 µs against ``np.count_nonzero(x)`` 0.8 µs,
@@ -199,7 +199,7 @@ class TokenRows:
         prompt_lens: np.ndarray,
         num_computed: np.ndarray,
         num_scheduled: np.ndarray,
-        capture_starts: np.ndarray | None = None,
+        capture: tuple[np.ndarray, np.ndarray] | None = None,
         positions: np.ndarray | None = None,
         control_rows: np.ndarray | None = None,
         slots: np.ndarray | None = None,
@@ -211,8 +211,9 @@ class TokenRows:
 
         A token at position ``p`` uses ``prefill_rows`` when ``p < prompt_len`` and
         ``decode_rows`` otherwise; every token of a request uses its ``probe_rows`` value.
-        A prompt token of a request with a nonzero ``capture_starts`` value ``c`` is captured
-        into row ``c + p``; generated tokens never are (None: nothing is captured). Every
+        ``capture``: per request, its first capture row ``c`` (0: not captured) and its rows
+        ``n``; its token at position ``p < n`` is captured into row ``c + p`` (None: nothing
+        is captured). Every
         token of a request uses its ``control_rows`` value (None: no controller). With
         ``slots`` (the requests' slots, given when a probe row is set) the slot row is set
         too, and the position row to ``pos_entries`` (per token, see ``layout.POS_ABSOLUTE``).
@@ -221,14 +222,12 @@ class TokenRows:
         counts = num_scheduled.astype(np.int64, copy=False)
         tokens = int(counts.sum()) if tokens is None else tokens
         one_each = tokens == len(counts)
-        capturing = capture_starts is not None and np.count_nonzero(capture_starts) > 0
+        capturing = capture is not None and np.count_nonzero(capture[0]) > 0
         by_phase = not same(prefill_rows, decode_rows)
-        in_prompt = np.zeros(0, dtype=bool)
         if positions is None and (capturing or by_phase):
             positions = expand_positions(num_computed, counts)
-        if capturing or by_phase:
-            in_prompt = positions < per_token(prompt_lens, counts, one_each)
         if by_phase:
+            in_prompt = positions < per_token(prompt_lens, counts, one_each)
             rows = np.where(in_prompt, per_token(prefill_rows, counts, one_each),
                             per_token(decode_rows, counts, one_each))
         else:
@@ -242,8 +241,10 @@ class TokenRows:
             index[INDEX_SLOT] = per_token(slots, counts, one_each)
             index[INDEX_POS] = pos_entries
         if capturing:
-            starts = per_token(capture_starts, counts, one_each)
-            index[INDEX_CAPTURE] = np.where(in_prompt & (starts != 0), starts + positions, 0)
+            starts = per_token(capture[0], counts, one_each)
+            rows_of = per_token(capture[1], counts, one_each)
+            index[INDEX_CAPTURE] = np.where((starts != 0) & (positions < rows_of),
+                                            starts + positions, 0)
         if not np.count_nonzero(index):
             self.clear()
         elif self._last is None or not same(index, self._last):

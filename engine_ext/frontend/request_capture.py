@@ -1,0 +1,119 @@
+"""A request's own activations: what the frontend tells the workers, and what comes back.
+
+A spec's ``capture`` (:class:`~dynsteer.controller.spec.CaptureSpec`) asks for the residual
+stream at some monitor sites at the positions the engine computes for the request. At
+admission the frontend checks it against the engine (its sites are monitor sites, the capture
+lanes hold them, the request's rows fit) and writes :data:`ACTIVATIONS_KEY` for the workers:
+the sites, how many rows the request may fill (its prompt plus ``max_tokens - 1``: the last
+generated token's forward never runs), the positions and the dtype. The workers store the rows
+in the graph's capture buffer as the request runs (:mod:`..worker.capture_buffers`) and keep
+them after it finishes until they are collected (:func:`decode`, through
+``Steering.activations``) or a later request needs the room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from dynsteer.controller.contract import site_name
+from dynsteer.controller.limits import SpecError
+from dynsteer.controller.positions import first_prompt_position
+from dynsteer.controller.spec import CaptureSpec, ModelShape, capture_sites
+
+from ..compat.frontend import Generation
+from ..options import EngineOptions
+
+Status = Literal["ok", "partial", "dropped"]
+"""``ok``: every named position was captured; ``partial``: some were not (the reply's
+``detail`` says why); ``dropped``: nothing was (no free rows or lanes when the request ran,
+or its rows were reused before they were collected)."""
+
+
+def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, prompt_len: int,
+          generation: Generation, prefix: str = "dynsteer.capture") -> dict[str, Any]:
+    """What the workers read (:data:`ACTIVATIONS_KEY`), or a SpecError naming the field."""
+    sites = capture_sites(capture, shape, prefix)
+    if generation.n != 1:
+        raise SpecError(f"{prefix}: a request with n = {generation.n} cannot capture; send "
+                        "n = 1 (one request per completion)")
+    max_tokens = generation.max_tokens
+    if options.capture_lanes == 0:
+        raise SpecError(f"{prefix}: activation capture is off on this engine "
+                        "(dynsteer.capture_lanes is 0); restart it with capture_lanes >= 1")
+    if len(sites) > options.capture_lanes:
+        raise SpecError(f"{prefix}.sites: {len(sites)} sites; this engine captures at most "
+                        f"{options.capture_lanes} sites at once (dynsteer.capture_lanes)")
+    if max_tokens is None:
+        raise SpecError(f"{prefix}: set max_tokens (the request's capture rows are its prompt "
+                        "plus max_tokens - 1)")
+    rows = prompt_len + max(max_tokens, 1) - 1
+    if rows > options.capture_tokens:
+        raise SpecError(
+            f"{prefix}: the request needs {rows} capture rows (prompt {prompt_len} + "
+            f"max_tokens {max_tokens} - 1); this engine holds {options.capture_tokens} "
+            "(dynsteer.capture_tokens): lower max_tokens, or restart the engine with more")
+    return {"sites": [site_name(site) for site in sites], "rows": rows,
+            "positions": capture.positions, "dtype": capture.dtype}
+
+
+def first_captured_prompt_position(capture: CaptureSpec | None, prompt_len: int) -> int | None:
+    """The first prompt position the request must compute itself (None: it may take every
+    cached block). vLLM always computes the last prompt position, so capturing only that one
+    needs no fork."""
+    if capture is None:
+        return None
+    first = first_prompt_position(capture.positions, prompt_len)
+    return first if first is not None and first < prompt_len - 1 else None
+
+
+@dataclass(frozen=True)
+class Activations:
+    """A request's captured activations (``Steering.activations``)."""
+
+    status: Status
+    positions: np.ndarray
+    """The positions captured (int64, ascending): rows of every site's array in this order."""
+    sites: dict[str, np.ndarray]
+    """Per site (``hook@layer``): ``[len(positions), hidden]``, float32 (values rounded to
+    the requested dtype) or float16."""
+    dtype: str
+    detail: str = ""
+    """Why the status is not ``ok``."""
+
+    def __getitem__(self, site: str) -> np.ndarray:
+        return self.sites[site]
+
+
+_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+def merge(replies: list[dict[str, Any] | None]) -> Activations | None:
+    """The workers' replies to ``dynsteer_collect_activations`` as one result (a pipeline stage's
+    replier has its own layers' sites; None: the request asked for no capture)."""
+    found = [decode(reply) for reply in replies if reply is not None]
+    if not found:
+        return None
+    worst = max(found, key=lambda a: _ORDER.index(a.status))
+    sites = {site: rows for part in found for site, rows in part.sites.items()}
+    return Activations(status=worst.status, positions=worst.positions, dtype=worst.dtype,
+                       sites=sites, detail=worst.detail)
+
+
+_ORDER = ("ok", "partial", "dropped")
+
+
+def decode(reply: dict[str, Any]) -> Activations:
+    """One worker's reply (:meth:`..worker.capture_buffers.CaptureBuffers.collect_request`) as
+    arrays; bfloat16 rows come back as float32 holding the bfloat16 values."""
+    positions = np.frombuffer(reply["positions"], dtype="<i8").copy()
+    raw = np.frombuffer(reply["data"], dtype=np.dtype(_DTYPES[reply["dtype"]]).newbyteorder("<"))
+    shape = (len(reply["sites"]), len(positions), int(reply["hidden"]))
+    data = raw.reshape(shape) if raw.size else np.zeros(shape, dtype=raw.dtype)
+    if reply["dtype"] == "bfloat16":
+        data = (data.astype(np.uint32) << 16).view(np.float32)
+    return Activations(status=reply["status"], positions=positions,
+                       sites={site: data[i].copy() for i, site in enumerate(reply["sites"])},
+                       dtype=reply["dtype"], detail=reply.get("detail", ""))

@@ -1,0 +1,238 @@
+"""A request's own activations (its spec's ``capture``): a real engine against HF transformers.
+
+A tiny Llama (fp32, compiled) behind the offline ``LLM``: each request's captured rows, prompt
+and generated positions, equal the stream HF records over the same tokens with the same
+steering (static, phase-specific and gated, upstream of the site), for every form of
+``positions``, under chunked prefill and through the prefix cache. The worker's lanes and rows
+are checked without an engine first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from engine_utils import params, run, start_llm, stop_llm
+from hf_reference import CAPTURE_ATOL, load_hf, record_streams
+from tiny_models import HIDDEN, LAYERS, vec
+
+from dynsteer.controller.extra_args import ACTIVATIONS_KEY, CAPTURE_KEY
+from dynsteer.controller.positions import first_prompt_position, select
+from dynsteer.engine_ext import Steering
+from dynsteer.engine_ext.worker.state import SteeringState
+
+SITES = "pre_attn@*,post_attn@1,post_block@*"
+CAPTURED = ["pre_attn@0", "post_attn@1", "post_block@3"]
+
+
+# ---- positions (no engine) -----------------------------------------------------------------
+@pytest.mark.parametrize(("positions", "want"), [
+    ("all", list(range(9))),
+    ("prompt", [0, 1, 2, 3, 4]),
+    ("generated", [5, 6, 7, 8]),
+    ("last_prompt", [4]),
+    ([0, -1, 7, 40, -9], [0, 4, 7]),
+    (["1:3", "-2:", ":1"], [0, 1, 2, 3, 4, 5, 6, 7, 8]),
+    (["-2:6", "7:"], [3, 4, 5, 7, 8]),
+    ([":-4"], [0]),
+])
+def test_positions_select_among_the_computed(positions, want):
+    """A 5-token prompt that generated 5 tokens computed positions 0..8."""
+    assert select(positions, 5, 9).tolist() == want
+
+
+@pytest.mark.parametrize(("positions", "first"), [
+    ("all", 0), ("prompt", 0), ("generated", None), ("last_prompt", 4), ([7, -2], 3),
+    (["6:"], None), ([":2"], 0), ([-9], None)])
+def test_first_prompt_position(positions, first):
+    assert first_prompt_position(positions, 5) == first
+
+
+# ---- worker lanes and rows (no engine) -----------------------------------------------------
+WORKER_SITES = (("pre_attn", 0), ("post_block", 0), ("post_block", 1))
+
+
+def wanted(sites, rows, positions="all", dtype="float32"):
+    return {ACTIVATIONS_KEY: {"sites": sites, "rows": rows, "positions": positions,
+                              "dtype": dtype}}
+
+
+def test_lanes_are_shared_by_site_and_freed_when_collected():
+    state = SteeringState(WORKER_SITES, 4, max_rows=4, max_tokens=32, max_slots=8,
+                          device=torch.device("cpu"), capture_lanes=2, capture_tokens=40)
+    capture = state.capture
+    state.add_request("a", 1, wanted(["post_block@1"], 6), prompt_len=3)
+    state.add_request("b", 2, wanted(["post_block@1", "pre_attn@0"], 6), prompt_len=3)
+    assert capture.site_lane.tolist() == [1, -1, 0]
+    state.add_request("c", 3, wanted(["post_block@0"], 6), prompt_len=3)  # no free lane
+    with pytest.raises(ValueError, match="capture lanes are not free"):
+        capture.begin("t.0", ["post_block@0"])
+    state.remove_request("a")
+    assert capture.collect_request("a", None, reply=True)["status"] == "ok"
+    assert capture.collect_request("c", None, reply=True)["detail"].startswith(
+        "no free capture lanes")
+    assert capture.collect_request("nobody", None, reply=True) is None
+    state.remove_request("b")
+    capture.collect_request("b", None, reply=False)
+    assert capture.site_lane.tolist() == [-1, -1, -1] and capture.rows_in_use == 0
+    capture.begin("t.0", ["post_block@0"])
+    state.add_request("p", 4, {CAPTURE_KEY: "t.0:0"}, prompt_len=3)
+    assert capture.rows_in_use == 3
+
+
+def test_rows_of_finished_requests_are_reused_oldest_first():
+    """A request that needs room takes the rows of the request that left longest ago."""
+    state = SteeringState(WORKER_SITES, 4, max_rows=4, max_tokens=32, max_slots=8,
+                          device=torch.device("cpu"), capture_lanes=1, capture_tokens=10)
+    for i, req in enumerate(("a", "b")):
+        state.add_request(req, i + 1, wanted(["post_block@1"], 5), prompt_len=2)
+    state.remove_request("b")
+    state.remove_request("a")
+    state.add_request("c", 3, wanted(["post_block@1"], 4), prompt_len=2)
+    assert state.capture.collect_request("b", None, reply=True)["status"] == "dropped"
+    assert state.capture.collect_request("a", None, reply=True)["status"] == "ok"
+
+
+# ---- a real engine vs HF -------------------------------------------------------------------
+LENGTHS = [5, 12, 9, 70]
+"""The 70-token prompt is prefilled in chunks (64 tokens a step)."""
+PROMPTS = [[1, *np.random.RandomState(n).randint(3, 500, n - 1).tolist()] for n in LENGTHS]
+DECODE = 6
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    engine = start_llm(tiny_model_dir("llama"), max_num_batched_tokens=64, block_size=32,
+                       enable_prefix_caching=True,
+                       dynsteer={"sites": SITES, "monitor_sites": SITES, "capture_lanes": 4,
+                                 "capture_tokens": 200})
+    yield engine
+    stop_llm(engine)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    return load_hf(tiny_model_dir("llama"))
+
+
+def captured(llm, prompts, spec, max_tokens=DECODE, **kwargs):
+    """Outputs and their activations, collected as they arrive."""
+    kwargs.setdefault("prompt_logprobs", None)
+    outs = run(llm, prompts, [params(max_tokens, spec=spec, **kwargs) for _ in prompts])
+    steering = Steering(llm)
+    return outs, [steering.activations(out) for out in outs]
+
+
+def assert_rows_match_hf(hf, out, acts, spec, sites=CAPTURED):
+    """Every captured site's rows equal HF's stream at the same positions."""
+    tokens = [*out.prompt_token_ids, *out.outputs[0].token_ids][:-1]
+    streams = record_streams(hf, tokens, spec.get("steer", ()), gate=spec.get("gate"),
+                             prompt_len=len(out.prompt_token_ids))
+    assert acts.status == "ok", acts.detail
+    assert sorted(acts.sites) == sorted(sites)
+    for site in sites:
+        hook, layer = site.split("@")
+        want = streams[(hook, int(layer))][acts.positions]
+        assert acts[site].shape == (len(acts.positions), HIDDEN)
+        np.testing.assert_allclose(acts[site], want, atol=CAPTURE_ATOL, err_msg=site)
+
+
+@pytest.mark.engine
+def test_static_steering_upstream_prompt_and_generated_rows_match_hf(llm, hf):
+    """Prompt and generated rows under static steering (one entry decode-only), every
+    request of a batch whose longest prompt is prefilled in chunks."""
+    spec = {"steer": [{"vector": vec(3), "layers": [0, 2]},
+                      {"vector": vec(4), "layers": [1], "hook": "post_attn", "phase": "decode"}],
+            "capture": {"sites": CAPTURED}}
+    outs, acts = captured(llm, PROMPTS, spec)
+    for out, act in zip(outs, acts, strict=True):
+        n = len(out.prompt_token_ids) + DECODE - 1
+        assert act.positions.tolist() == list(range(n))
+        assert_rows_match_hf(hf, out, act, spec)
+
+
+@pytest.mark.engine
+def test_gated_steering_upstream_rows_match_hf(llm, hf):
+    spec = {"gate": {"probe": {"weights": vec(7, norm=1.0), "threshold": 0.0}, "layer": 1,
+                     "steer": [{"vector": vec(8), "layers": [2, 3]}]},
+            "capture": {"sites": CAPTURED, "positions": "generated"}}
+    outs, acts = captured(llm, PROMPTS[:3], spec)
+    for out, act in zip(outs, acts, strict=True):
+        prompt = len(out.prompt_token_ids)
+        assert act.positions.tolist() == list(range(prompt, prompt + DECODE - 1))
+        assert_rows_match_hf(hf, out, act, spec)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("positions", ["prompt", "last_prompt", [0, -1, "2:4", "-3:"]])
+def test_positions_forms_match_hf(llm, hf, positions):
+    spec = {"capture": {"sites": ["post_block@2"], "positions": positions}}
+    outs, acts = captured(llm, PROMPTS[1:3], spec)
+    for out, act in zip(outs, acts, strict=True):
+        prompt = len(out.prompt_token_ids)
+        want = select(positions, prompt, prompt + DECODE - 1)
+        assert act.positions.tolist() == want.tolist()
+        assert_rows_match_hf(hf, out, act, spec, ["post_block@2"])
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_dtypes_round_the_float32_rows(llm, dtype):
+    spec = {"capture": {"sites": ["post_block@3"], "dtype": dtype}}
+    _, (full,) = captured(llm, PROMPTS[:1], {"capture": {"sites": ["post_block@3"]}})
+    _, (half,) = captured(llm, PROMPTS[:1], spec)
+    rows = half["post_block@3"].astype(np.float32)
+    # float16 keeps 11 significant bits, bfloat16 8.
+    rtol = 2.0 ** -11 if dtype == "float16" else 2.0 ** -8
+    np.testing.assert_allclose(rows, full["post_block@3"], rtol=rtol, atol=1e-6)
+    assert half.dtype == dtype and not np.array_equal(rows, full["post_block@3"])
+
+
+@pytest.mark.engine
+def test_cached_prefix_is_recomputed_from_the_first_captured_position(llm, hf):
+    """A prompt served before (its blocks cached) is captured whole: the capturing request
+    computes its prompt itself. Capturing only generated positions leaves the cache alone."""
+    prompt = PROMPTS[3]
+    run(llm, [prompt], [params(2, prompt_logprobs=None)])
+    again, = run(llm, [prompt], [params(2, prompt_logprobs=None)])
+    assert again.num_cached_tokens == 64, "the prompt's two full blocks should be cached"
+    spec = {"capture": {"sites": CAPTURED}}
+    outs, (act,) = captured(llm, [prompt], spec)
+    assert outs[0].num_cached_tokens == 0
+    assert act.positions.tolist() == list(range(len(prompt) + DECODE - 1))
+    assert_rows_match_hf(hf, outs[0], act, spec)
+    spec = {"capture": {"sites": CAPTURED, "positions": ["40:"]}}
+    outs, (act,) = captured(llm, [prompt], spec)
+    assert outs[0].num_cached_tokens == 32  # the block holding position 40 is recomputed
+    assert act.positions[0] == 40
+    assert_rows_match_hf(hf, outs[0], act, spec)
+    spec = {"capture": {"sites": CAPTURED, "positions": "generated"}}
+    outs, (act,) = captured(llm, [prompt], spec)
+    assert outs[0].num_cached_tokens == again.num_cached_tokens
+    assert_rows_match_hf(hf, outs[0], act, spec)
+
+
+@pytest.mark.engine
+def test_uncaptured_requests_and_errors(llm):
+    steering = Steering(llm)
+    out, = run(llm, PROMPTS[:1], [params(3)])
+    assert steering.activations(out) is None
+    for capture, message in [
+        ({"sites": "post_attn@2"}, r"dynsteer\.capture\.sites: post_attn@2 is not a monitor "),
+        ({"sites": "post_block@*,pre_attn@*"}, r"dynsteer\.capture\.sites: 8 sites; this "
+                                              r"engine captures at most 4"),
+        ({"sites": "post_block@1", "positions": "some"}, r"dynsteer\.capture\.positions"),
+        ({"sites": "post_block@1", "when": "gated"}, r"dynsteer\.capture\.when"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            run(llm, PROMPTS[:1], [params(3, spec={"capture": capture})])
+    with pytest.raises(ValueError, match=r"needs 254 capture rows .*dynsteer\.capture_tokens"):
+        run(llm, PROMPTS[:1], [params(250, spec={"capture": {"sites": "post_block@1"}})])
+    from vllm import SamplingParams
+
+    sampled = SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=1, detokenize=False,
+                             extra_args={"dynsteer": {"capture": {"sites": "post_block@1"}}})
+    with pytest.raises(ValueError, match=r"n = 2 cannot capture"):
+        run(llm, PROMPTS[:1], [sampled])
+    out, = run(llm, PROMPTS[:1], [params(3)])  # still serving
+    assert len(out.outputs[0].token_ids) == 3
