@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine_utils import params, run, start_llm, stop_llm
 from hf_reference import CAPTURE_ATOL, load_hf, record_streams
-from tiny_models import HIDDEN, LAYERS, vec
+from tiny_models import HIDDEN, vec
 
 from dynsteer.controller.extra_args import ACTIVATIONS_KEY, CAPTURE_KEY
 from dynsteer.controller.positions import first_prompt_position, select
