@@ -96,12 +96,14 @@ class EngineOptions(BaseModel):
     max_probes: int = Field(default=256, ge=0, le=65536)
     """Named probes that may be registered at once (a full registry answers HTTP 409)."""
     capture_lanes: int = Field(default=4, ge=0, le=256)
-    """Sites one activation-capture pass records at once; more sites take more passes over the
-    prompts. Costs ``capture_lanes * (capture_tokens + 1) * hidden * 4`` bytes of device
-    memory per worker (0 turns capture off and frees it)."""
+    """Sites captured at once across the engine (requests capturing the same site share one
+    lane; a probe-training capture of more sites takes more passes over the prompts). Costs
+    ``capture_lanes * (capture_tokens + 1) * hidden * 4`` bytes of device memory per worker
+    (0 turns capture off and frees it)."""
     capture_tokens: int = Field(default=1024, ge=1, le=1 << 20)
-    """Prompt tokens one capture round holds (per lane); a longer prompt cannot be captured,
-    more prompts take more rounds."""
+    """Capture rows (per lane): a request capturing its own activations holds its prompt plus
+    ``max_tokens - 1`` of them until they are collected, and one that could never fit is
+    refused; a probe-training round holds prompts whose lengths sum to at most this."""
     events_address: str | None = None
     """Where the engine publishes controller events (ZeroMQ PUB, e.g.
     ``tcp://127.0.0.1:5557``); None: no events. See :mod:`dynsteer.controller.zmq_protocol`.

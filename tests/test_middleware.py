@@ -125,7 +125,7 @@ def test_spec_as_a_string_is_moved_as_is_and_other_bodies_are_not_rewritten():
     """The rewrite itself: a spec given as its JSON string is not encoded again; a body with no
     top-level spec (or that is not JSON) comes back as the same bytes."""
     def move(body: bytes) -> bytes:
-        return check_body("/v1/completions", body, None)
+        return check_body("/v1/completions", body, None).body
 
     as_string = json.dumps({"dynsteer": json.dumps(SPEC)}).encode()
     assert json.loads(move(as_string))["vllm_xargs"]["dynsteer"] == json.dumps(SPEC)
@@ -243,7 +243,7 @@ def completion(spec=None, **xargs) -> bytes:
 def check_completion(body: bytes, state: FrontendState, who: caller.Caller = KEYLESS) -> bytes:
     """The completion route's check, as ``who``."""
     with acting_as(who):
-        return check_body("/v1/completions", body, state)
+        return check_body("/v1/completions", body, state).body
 
 
 def admitted_session(state: FrontendState, spec: dict, who: caller.Caller) -> str:
@@ -354,7 +354,7 @@ def test_what_strict_json_refuses_reaches_validation_as_json_reads_it():
     # a null would read "a valid number": this names the NaN itself
     named = r"dynsteer.steer\[0\].vector\[1\]: Input should be a finite"
     nan = b'{"model": "m", "dynsteer": {"steer": [{"vector": [1.0, NaN], "layers": [0]}]}}'
-    moved = json.loads(check_body("/v1/completions", nan, None))["vllm_xargs"]["dynsteer"]
+    moved = json.loads(check_body("/v1/completions", nan, None).body)["vllm_xargs"]["dynsteer"]
     assert np.isnan(json.loads(moved)["steer"][0]["vector"][1])
     with pytest.raises(ValueError, match=named):
         check_completion(nan, frontend())

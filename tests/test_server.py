@@ -16,6 +16,7 @@ from server_utils import Server, http
 
 from dynsteer.controller.client import DynsteerClient, DynsteerHTTPError
 from dynsteer.controller.contract import encode_f32
+from dynsteer.engine_ext import Steering
 
 pytestmark = pytest.mark.engine
 
@@ -120,6 +121,46 @@ def test_completions_route_takes_the_spec(openai_client, server):
 
     assert complete(dynsteer=STATIC) == complete(vllm_xargs={"dynsteer": json.dumps(STATIC)})
     assert complete(dynsteer=STATIC) != complete()
+
+
+CAPTURE = {**STATIC, "capture": {"sites": ["post_block@1", "post_block@2"], "dtype": "float16"}}
+
+
+def test_activations_come_back_in_the_response(openai_client, offline):
+    """A chat and a two-prompt completion with ``capture``: each choice's activations are in
+    the JSON, equal to the offline engine's for the same request, and read back by
+    ``activations_of`` from the openai client's response."""
+    from dynsteer.controller.activations import activations_of
+
+    model = openai_client.models.list().data[0].id
+    response = openai_client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0, seed=0,
+        extra_body={"dynsteer": CAPTURE})
+    (acts,) = activations_of(response)
+    computed = response.usage.prompt_tokens + MAX_TOKENS - 1
+    assert acts.status == "ok" and acts.positions.tolist() == list(range(computed))
+    _, out = offline_chat(offline, CAPTURE)
+    want = Steering(offline).activations(out)
+    for site in ("post_block@1", "post_block@2"):
+        assert acts[site].dtype == np.float16 and acts[site].shape == (computed, 128)
+        np.testing.assert_allclose(acts[site], want[site], atol=2e-3, rtol=2e-3)
+    completion = openai_client.completions.create(
+        model=model, prompt=["The sea is", "Bread needs"], max_tokens=4, temperature=0.0,
+        extra_body={"dynsteer": {"capture": {"sites": "post_block@1",
+                                             "positions": "last_prompt"}}})
+    found = activations_of(completion)
+    assert [a.status for a in found] == ["ok", "ok"]
+    assert all(a["post_block@1"].shape == (1, 128) for a in found)
+    assert not np.array_equal(found[0]["post_block@1"], found[1]["post_block@1"])
+    assert activations_of(openai_client.completions.create(
+        model=model, prompt="The sea is", max_tokens=2)) == [None]
+
+
+def test_capture_on_a_streamed_request_is_400(openai_client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match=r"dynsteer\.capture: .*stream=false"):
+        chat(openai_client, stream=True, dynsteer=CAPTURE)
 
 
 def test_global_steering_changes_outputs_and_returns_to_baseline(openai_client, client):

@@ -310,15 +310,17 @@ def admit(state: FrontendState | None,
     return spec, wire
 
 
-def precheck(state: FrontendState, extra_args: dict[str, Any] | None) -> None:
+def precheck(state: FrontendState, extra_args: dict[str, Any] | None) -> SteeringSpec | None:
     """Refuse now what :func:`admit` and :func:`admitted` would refuse (ValueError naming the
     field). The API server calls it before a completion route answers: vLLM admits a
     streaming request only after its 200 has started, so a bad spec would otherwise reach the
     client as an error event in a 200 stream. The parse is cached, so admission does not
-    repeat it."""
+    repeat it. Returns the request's spec (None: it has none)."""
     spec = admit(state, extra_args)
-    if spec is not None:
-        _checked_claims(state, spec[1])
+    if spec is None:
+        return None
+    _checked_claims(state, spec[1])
+    return spec[0]
 
 
 def _checked_claims(state: FrontendState, wire: dict[str, Any] | None) -> Claims | None:

@@ -11,13 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from dynsteer.controller.activations import Activations
 from dynsteer.controller.spec import GateSpec, SteerEntry, check_session, parse_gate
 
 from ..compat import frontend as vllm_frontend
 from ..compat.scheduler import STATS_UTILITY
 from . import request_capture
 from .control_plane import Change, ControlPlane
-from .request_capture import Activations
 
 
 class Steering:

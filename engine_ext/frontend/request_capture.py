@@ -7,17 +7,18 @@ lanes hold them, the request's rows fit) and writes :data:`ACTIVATIONS_KEY` for 
 the sites, how many rows the request may fill (its prompt plus ``max_tokens - 1``: the last
 generated token's forward never runs), the positions and the dtype. The workers store the rows
 in the graph's capture buffer as the request runs (:mod:`..worker.capture_buffers`) and keep
-them after it finishes until they are collected (:func:`decode`, through
-``Steering.activations``) or a later request needs the room.
+them after it finishes until they are collected (:func:`merge`, through
+``Steering.activations`` or a completion's response) or a later request needs the room.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from dynsteer.controller.activations import Activations, rows_from_bytes
+from dynsteer.controller.activations import merge as merge_parts
 from dynsteer.controller.contract import site_name
 from dynsteer.controller.limits import SpecError
 from dynsteer.controller.positions import first_prompt_position
@@ -25,11 +26,6 @@ from dynsteer.controller.spec import CaptureSpec, ModelShape, capture_sites
 
 from ..compat.frontend import Generation
 from ..options import EngineOptions
-
-Status = Literal["ok", "partial", "dropped"]
-"""``ok``: every named position was captured; ``partial``: some were not (the reply's
-``detail`` says why); ``dropped``: nothing was (no free rows or lanes when the request ran,
-or its rows were reused before they were collected)."""
 
 
 def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, prompt_len: int,
@@ -69,51 +65,17 @@ def first_captured_prompt_position(capture: CaptureSpec | None, prompt_len: int)
     return first if first is not None and first < prompt_len - 1 else None
 
 
-@dataclass(frozen=True)
-class Activations:
-    """A request's captured activations (``Steering.activations``)."""
-
-    status: Status
-    positions: np.ndarray
-    """The positions captured (int64, ascending): rows of every site's array in this order."""
-    sites: dict[str, np.ndarray]
-    """Per site (``hook@layer``): ``[len(positions), hidden]``, float32 (values rounded to
-    the requested dtype) or float16."""
-    dtype: str
-    detail: str = ""
-    """Why the status is not ``ok``."""
-
-    def __getitem__(self, site: str) -> np.ndarray:
-        return self.sites[site]
-
-
-_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
-
-
 def merge(replies: list[dict[str, Any] | None]) -> Activations | None:
-    """The workers' replies to ``dynsteer_collect_activations`` as one result (a pipeline stage's
-    replier has its own layers' sites; None: the request asked for no capture)."""
-    found = [decode(reply) for reply in replies if reply is not None]
-    if not found:
-        return None
-    worst = max(found, key=lambda a: _ORDER.index(a.status))
-    sites = {site: rows for part in found for site, rows in part.sites.items()}
-    return Activations(status=worst.status, positions=worst.positions, dtype=worst.dtype,
-                       sites=sites, detail=worst.detail)
-
-
-_ORDER = ("ok", "partial", "dropped")
+    """The workers' replies to ``dynsteer_collect_activations`` as one result (a pipeline
+    stage's replier has its own layers' sites; None: the request asked for no capture)."""
+    return merge_parts([decode(reply) for reply in replies if reply is not None])
 
 
 def decode(reply: dict[str, Any]) -> Activations:
-    """One worker's reply (:meth:`..worker.capture_buffers.CaptureBuffers.collect_request`) as
-    arrays; bfloat16 rows come back as float32 holding the bfloat16 values."""
-    positions = np.frombuffer(reply["positions"], dtype="<i8").copy()
-    raw = np.frombuffer(reply["data"], dtype=np.dtype(_DTYPES[reply["dtype"]]).newbyteorder("<"))
+    """One worker's reply (:meth:`..worker.capture_buffers.CaptureBuffers.collect_request`)."""
+    positions = np.frombuffer(reply["positions"], dtype="<i8").astype(np.int64)
     shape = (len(reply["sites"]), len(positions), int(reply["hidden"]))
-    data = raw.reshape(shape) if raw.size else np.zeros(shape, dtype=raw.dtype)
-    if reply["dtype"] == "bfloat16":
-        data = (data.astype(np.uint32) << 16).view(np.float32)
+    rows = rows_from_bytes(reply["data"], reply["dtype"], shape)
     return Activations(status=reply["status"], positions=positions,
-                       sites={site: data[i].copy() for i, site in enumerate(reply["sites"])},
+                       sites={site: rows[i] for i, site in enumerate(reply["sites"])},
                        dtype=reply["dtype"], detail=reply.get("detail", ""))

@@ -19,6 +19,8 @@
 * Request bodies are capped before anything parses them (HTTP 413, from Content-Length, then
   while reading): ``max_body_bytes`` on ``/v1/dynsteer/`` routes, ``max_request_bytes`` on
   every other POST, PUT and PATCH (vLLM's routes, completions included).
+* A completion whose spec has ``capture`` gets its activations in its JSON response
+  (:mod:`.activations`).
 * ``GET /metrics`` first refreshes the workers' counters, so a scrape sees current values.
 
 Error bodies carry our message only, in vLLM's ``{"error": {...}}`` shape.
@@ -41,6 +43,7 @@ from dynsteer.controller.spec import MAX_JSON_DEPTH, check_json_depth
 from ..frontend import admission
 from ..frontend.admission import FrontendState
 from ..frontend.caller import acting_as
+from .activations import with_activations
 from .routes import PREFIX
 from .sessions import client
 from .settings import (
@@ -155,7 +158,14 @@ def _move_into_xargs(found: _Json) -> None:
     data["vllm_xargs"] = xargs
 
 
-def check_body(path: str, body: bytes, frontend: FrontendState | None) -> bytes:
+class Checked(NamedTuple):
+    """A body as the app should see it, and whether its request captures activations."""
+
+    body: bytes
+    captures: bool = False
+
+
+def check_body(path: str, body: bytes, frontend: FrontendState | None) -> Checked:
     """``body`` as the app should see it on ``POST path`` (outside ``/v1/dynsteer/``), refused
     (:class:`SpecError`, a ValueError naming the field) where admission would refuse it.
 
@@ -165,12 +175,13 @@ def check_body(path: str, body: bytes, frontend: FrontendState | None) -> bytes:
     streaming request with a bad spec gets its 400, not an error event in a 200 stream. The
     caller (its session namespace, its right to reserved keys) is the one in context, as at
     admission. The body is parsed only when it may name ``dynsteer`` and written again only
-    when the spec moved."""
+    when the spec moved. A spec with ``capture`` is refused on a streaming request (its
+    activations come back in the response's JSON)."""
     if not _may_carry_spec(body):
-        return body
+        return Checked(body)
     found = _json_object(body)
     if found is None:
-        return body
+        return Checked(body)
     moved = SPEC_KEY in found.data
     if moved:
         if path.rstrip("/") not in COMPLETION_PATHS:
@@ -179,9 +190,14 @@ def check_body(path: str, body: bytes, frontend: FrontendState | None) -> bytes:
                 f"{' or '.join(COMPLETION_PATHS)} (top-level \"{SPEC_KEY}\" or vllm_xargs)")
         _move_into_xargs(found)
     xargs = found.data.get("vllm_xargs")
+    spec = None
     if frontend is not None and isinstance(xargs, dict):
-        admission.precheck(frontend, xargs)
-    return found.dumps(found.data) if moved else body
+        spec = admission.precheck(frontend, xargs)
+    captures = spec is not None and spec.capture is not None
+    if captures and found.data.get("stream"):
+        raise SpecError(f"{SPEC_KEY}.capture: activations come back in the response's JSON; "
+                        "send the request with stream=false")
+    return Checked(found.dumps(found.data) if moved else body, captures)
 
 
 def _bearer(scope: Scope) -> str | None:
@@ -240,10 +256,12 @@ class DynsteerMiddleware:
             return
         if not ours and method == "POST":
             try:
-                new_body = check_body(path, body, server.frontend if server else None)
+                checked = check_body(path, body, server.frontend if server else None)
             except ValueError as e:
                 await _error(400, str(e))(scope, receive, send)
                 return
-            if new_body is not body:
-                scope, body = _with_length(scope, len(new_body)), new_body
+            if checked.body is not body:
+                scope, body = _with_length(scope, len(checked.body)), checked.body
+            if checked.captures:
+                send = with_activations(send, server, path.rstrip("/"))
         await self.app(scope, _replay(body, receive), send)
