@@ -16,11 +16,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-Status = Literal["ok", "partial", "dropped"]
-"""``ok``: every named position was captured; ``partial``: some were not (``detail`` says
-which); ``dropped``: nothing was (no free rows or lanes when the request ran, or its rows were
-reused before they were collected)."""
-STATUSES: tuple[Status, ...] = ("ok", "partial", "dropped")
+Status = Literal["ok", "skipped", "partial", "dropped"]
+"""``ok``: every named position was captured; ``skipped``: the capture was conditional
+(``when: "gated"``) and the gate never fired, so nothing was kept; ``partial``: some positions
+were not captured (``detail`` says which); ``dropped``: nothing was (no free rows or lanes when
+the request ran, or its rows were reused before they were collected)."""
+STATUSES: tuple[Status, ...] = ("ok", "skipped", "partial", "dropped")
 """From best to worst."""
 
 _BITS = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}

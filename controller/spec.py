@@ -207,6 +207,10 @@ class CaptureSpec(BaseModel):
     ``"a:b"`` ranges (negative indices count from the end of the prompt)."""
     dtype: CaptureDtype = "float32"
     """What the rows travel as; ``bfloat16`` / ``float16`` halve the bytes."""
+    when: Literal["always", "gated"] = "always"
+    """``gated``: keep the rows only if the request's gate fired (gate > 0.5 at some
+    position); otherwise they are freed on the device and the status is ``skipped``. Needs a
+    ``gate`` in the same spec."""
 
 
 class SteeringSpec(BaseModel):
@@ -535,6 +539,9 @@ def check_against_model(spec: SteeringSpec, shape: ModelShape, prefix: str = SPE
     check_controller(spec, prefix)
     if spec.capture is not None:
         capture_sites(spec.capture, shape, f"{prefix}.capture")
+        if spec.capture.when == "gated" and spec.gate is None:
+            raise SpecError(f"{prefix}.capture.when: 'gated' keeps the rows of a request whose "
+                            "gate fired; add a gate to the spec, or capture 'always'")
 
 
 def capture_sites(capture: CaptureSpec, shape: ModelShape, prefix: str) -> tuple[Site, ...]:

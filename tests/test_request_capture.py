@@ -164,6 +164,30 @@ def test_gated_steering_upstream_rows_match_hf(llm, hf):
 
 
 @pytest.mark.engine
+def test_conditional_capture_keeps_exactly_the_requests_whose_gate_fired(llm, hf):
+    """``when: "gated"``: of a batch, the requests whose gate fired (threshold far below their
+    scores) keep their rows, equal to HF's; the others (threshold far above) are skipped."""
+    def spec(threshold):
+        return {"gate": {"probe": {"weights": vec(7, norm=1.0), "threshold": threshold},
+                         "layer": 1, "steer": [{"vector": vec(8), "layers": [2, 3]}]},
+                "capture": {"sites": ["post_block@3"], "when": "gated"}}
+
+    specs = [spec(-1e4), spec(1e4), spec(-1e4), spec(1e4)]
+    outs = run(llm, PROMPTS, [params(DECODE, spec=s, prompt_logprobs=None) for s in specs])
+    steering = Steering(llm)
+    found = [steering.activations(out) for out in outs]
+    assert [a.status for a in found] == ["ok", "skipped", "ok", "skipped"]
+    for out, act, s in zip(outs, found, specs, strict=True):
+        fired = steering.telemetry(out)["gated_prefill"] > 0
+        assert fired == (act.status == "ok")
+        if fired:
+            assert_rows_match_hf(hf, out, act, s, ["post_block@3"])
+        else:
+            assert act.sites == {} and len(act.positions) == 0
+    assert steering.info()[0]["capture_rows_in_use"] == 0
+
+
+@pytest.mark.engine
 @pytest.mark.parametrize("positions", ["prompt", "last_prompt", [0, -1, "2:4", "-3:"]])
 def test_positions_forms_match_hf(llm, hf, positions):
     spec = {"capture": {"sites": ["post_block@2"], "positions": positions}}
@@ -222,7 +246,8 @@ def test_uncaptured_requests_and_errors(llm):
         ({"sites": "post_block@*,pre_attn@*"}, r"dynsteer\.capture\.sites: 8 sites; this "
                                               r"engine captures at most 4"),
         ({"sites": "post_block@1", "positions": "some"}, r"dynsteer\.capture\.positions"),
-        ({"sites": "post_block@1", "when": "gated"}, r"dynsteer\.capture\.when"),
+        ({"sites": "post_block@1", "when": "gated"}, r"dynsteer\.capture\.when: 'gated' keeps"),
+        ({"sites": "post_block@1", "when": "later"}, r"dynsteer\.capture\.when"),
     ]:
         with pytest.raises(ValueError, match=message):
             run(llm, PROMPTS[:1], [params(3, spec={"capture": capture})])

@@ -52,7 +52,7 @@ def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, promp
             f"max_tokens {max_tokens} - 1); this engine holds {options.capture_tokens} "
             "(dynsteer.capture_tokens): lower max_tokens, or restart the engine with more")
     return {"sites": [site_name(site) for site in sites], "rows": rows,
-            "positions": capture.positions, "dtype": capture.dtype}
+            "positions": capture.positions, "dtype": capture.dtype, "when": capture.when}
 
 
 def first_captured_prompt_position(capture: CaptureSpec | None, prompt_len: int) -> int | None:

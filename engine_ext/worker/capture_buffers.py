@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -205,15 +206,17 @@ class CaptureBuffers:
                 "missing": missing}
 
     # ---- request captures ----------------------------------------------------------------
-    def collect_request(self, request_id: str, computed: int | None,
-                        reply: bool) -> dict[str, Any] | None:
+    def collect_request(self, request_id: str, computed: int | None, reply: bool,
+                        fired: Callable[[str], bool] = lambda _: True) -> dict[str, Any] | None:
         """The captured positions of one request (its id, or the caller's id of it), then
         freed; None when it asked for no capture (or on TP ranks other than 0).
 
         ``computed``: how many positions the request computed, as its output says (prompt plus
-        generated tokens, less one); None: as far as this worker saw.
+        generated tokens, less one); None: as far as this worker saw. ``fired(req_id)``:
+        whether the request's gate fired (a ``when: "gated"`` capture keeps its rows only then;
+        otherwise they are freed without leaving the device).
 
-        Reply: ``status`` (``ok`` / ``partial`` / ``dropped``), ``detail``, ``sites``
+        Reply: ``status`` (``ok`` / ``skipped`` / ``partial`` / ``dropped``), ``detail``, ``sites``
         (``hook@layer``), ``hidden``, ``dtype``, ``positions`` (little-endian int64 bytes)
         and ``data`` (``[sites, positions, hidden]`` in ``dtype``, little-endian bytes; bfloat16
         as its 16 bits).
@@ -224,14 +227,15 @@ class CaptureBuffers:
                          or is_internal_id_of(g, request_id)), None)
             if gone is None or not reply:
                 return None
-            return {"status": "dropped", "detail": self._gone[gone], "sites": [],
-                    "hidden": self.hidden_size, "dtype": "float32", "positions": b"",
-                    "data": b""}
+            return self._nothing("dropped", self._gone[gone])
         entry = self._requests.pop(req_id)
         self._left.pop(req_id, None)
         self._detach(entry)
         self._release(entry.lanes)
         wanted = entry.wanted or {}
+        if wanted.get("when") == "gated" and not fired(req_id):
+            return {**self._nothing("skipped", "the request's gate never fired"),
+                    "dtype": wanted["dtype"]} if reply else None
         end = entry.end if computed is None else min(entry.end, computed)
         positions = select(wanted["positions"], entry.prompt_len, max(end, 0))
         seen = positions[positions >= max(entry.first, 0)] if entry.first >= 0 else positions[:0]
@@ -356,6 +360,10 @@ class CaptureBuffers:
                                       f"is {self.capacity}) when the request ran")
         return _Entry(req_id=req_id, start=start, length=rows, prompt_len=prompt_len,
                       lanes=lanes, wanted=wanted)
+
+    def _nothing(self, status: str, detail: str) -> dict[str, Any]:
+        return {"status": status, "detail": detail, "sites": [], "hidden": self.hidden_size,
+                "dtype": "float32", "positions": b"", "data": b""}
 
     def _drop(self, req_id: str, why: str) -> None:
         logger.warning("dynsteer: request %s runs uncaptured: %s", req_id, why)

@@ -78,8 +78,8 @@ class DynsteerWorkerExtension:
                                      computed: int | None) -> dict[str, Any] | None:
         """A request's own captured rows (then freed); None on all but TP rank 0 (of each
         pipeline stage) and for a request that asked for none."""
-        return self._dynsteer().capture.collect_request(request_id, computed,
-                                                        reply=self._dynsteer_replies())
+        return self._dynsteer().collect_activations(request_id, computed,
+                                                    reply=self._dynsteer_replies())
 
     def _dynsteer_replies(self) -> bool:
         """Whether this worker answers for its pipeline stage (TP rank 0)."""

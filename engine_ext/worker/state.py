@@ -241,6 +241,15 @@ class SteeringState:
         """The prefix-guard report of gated requests (see :mod:`.prefix_guard`)."""
         return self.telemetry.cache_report()
 
+    def collect_activations(self, request_id: str, computed: int | None,
+                            reply: bool) -> dict[str, Any] | None:
+        """A request's own captured rows (see :meth:`.CaptureBuffers.collect_request`)."""
+        return self.capture.collect_request(request_id, computed, reply, self._gate_fired)
+
+    def _gate_fired(self, req_id: str) -> bool:
+        report = self.telemetry.report(req_id)
+        return report is not None and report["gated_prefill"] + report["gated_decode"] > 0
+
     def site_buffers(self) -> dict[Site, SiteBuffers]:
         """The buffer views each site's op reads."""
         out = {}
