@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynsteer.controller.extra_args import WIRE_KEY
+from dynsteer.controller.extra_args import ACTIVATIONS_KEY, WIRE_KEY
 from dynsteer.controller.spec import parse_spec
 from dynsteer.controller.wire import spec_to_wire
 from dynsteer.engine_ext.worker.state import SteeringState
@@ -44,14 +44,24 @@ def spec(i: int) -> dict:
     return gated if controller is None else {**gated, "controller": controller}
 
 
-def make_state(requests: int, spec_of: Callable[[int], dict]) -> SteeringState:
+CAPTURE = {"sites": ["post_block@1", "post_block@3"], "rows": PROMPT + 8, "positions": "all",
+           "dtype": "float32", "when": "always"}
+"""A request capturing its own activations (what the frontend writes, ``ACTIVATIONS_KEY``)."""
+
+
+def make_state(requests: int, spec_of: Callable[[int], dict],
+               capture: bool = False) -> SteeringState:
     """A worker state with ``requests`` requests, request ``i`` in slot ``i + 1`` with spec
-    ``spec_of(i)``."""
+    ``spec_of(i)``; with ``capture``, every request also captures its activations."""
     state = SteeringState(SITES, HIDDEN, max_rows=requests + 1, max_tokens=4096,
-                          max_slots=requests + 1, device=torch.device("cpu"), block_size=BLOCK)
+                          max_slots=requests + 1, device=torch.device("cpu"), block_size=BLOCK,
+                          capture_lanes=2 if capture else 0,
+                          capture_tokens=requests * CAPTURE["rows"] + 1)
     for i in range(requests):
-        state.add_request(f"r{i}", i + 1, {WIRE_KEY: spec_to_wire(parse_spec(spec_of(i)))},
-                          PROMPT)
+        extra = {WIRE_KEY: spec_to_wire(parse_spec(spec_of(i)))}
+        if capture:
+            extra[ACTIVATIONS_KEY] = CAPTURE
+        state.add_request(f"r{i}", i + 1, extra, PROMPT)
     return state
 
 
@@ -86,10 +96,10 @@ def decode_lines(state: SteeringState, slots: np.ndarray, steps: int, gate: floa
     return counted
 
 
-def lines_per_step(requests: int, gate: float) -> int:
+def lines_per_step(requests: int, gate: float, capture: bool = False) -> int:
     """Python lines executed by one decode step with ``requests`` requests (the one after the
     first decode step)."""
-    state = make_state(requests, spec)
+    state = make_state(requests, spec, capture)
     slots = np.arange(1, requests + 1)
     state.fill(slots, np.zeros(requests, np.int64), np.full(requests, PROMPT))  # prefill
     state.cache_report()
@@ -100,6 +110,13 @@ def lines_per_step(requests: int, gate: float) -> int:
 def test_step_lines_do_not_depend_on_the_number_of_requests(gate):
     small, large = lines_per_step(8, gate), lines_per_step(200, gate)
     assert small > 0
+    assert large == small, f"{small} Python lines per step with 8 requests, {large} with 200"
+
+
+def test_capturing_step_lines_do_not_depend_on_the_number_of_requests():
+    """The same with every request capturing its own activations at two sites (rows noted
+    per step for prompt and generated positions)."""
+    small, large = lines_per_step(8, 1.0, capture=True), lines_per_step(200, 1.0, capture=True)
     assert large == small, f"{small} Python lines per step with 8 requests, {large} with 200"
 
 
