@@ -24,8 +24,27 @@ the request ran, or its rows were reused before they were collected)."""
 STATUSES: tuple[Status, ...] = ("ok", "skipped", "partial", "dropped")
 """From best to worst."""
 
-_BITS = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
-"""How each dtype's values travel: bfloat16 as its 16 bits."""
+_BITS = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "int8": "i1"}
+"""How each dtype's values travel: bfloat16 as its 16 bits, int8 with a float32 scale per
+row."""
+
+
+def projection_matrix(seed: int, hidden: int, k: int) -> np.ndarray:
+    """The random projection a capture's ``project: {"k", "seed"}`` applies (``rows @ M``):
+    ``[hidden, k]`` float32, standard normal entries from ``numpy.random.default_rng(seed)``
+    divided by ``sqrt(k)``, so a projected row's squared norm is the row's in expectation and
+    within ``1 ± eps`` of it with probability at least ``1 - 2 exp(-k eps^2 / 8)``."""
+    matrix = np.random.default_rng(seed).standard_normal((hidden, k), dtype=np.float32)
+    return matrix / np.float32(np.sqrt(k))
+
+
+def quantize_int8(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 rows, float32 scale per row): ``scale = max |row| / 127`` (1 for a zero row),
+    ``q = round(row / scale)``; ``q * scale`` is within ``scale / 2`` of each value."""
+    rows = np.asarray(rows, np.float32)
+    scale = np.abs(rows).max(axis=-1, initial=0.0) / np.float32(127)
+    scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+    return np.clip(np.rint(rows / scale[..., None]), -127, 127).astype(np.int8), scale
 
 
 @dataclass(frozen=True)
@@ -36,8 +55,9 @@ class Activations:
     positions: np.ndarray
     """The positions captured (int64, ascending): the rows of every site's array."""
     sites: dict[str, np.ndarray]
-    """Per site (``hook@layer``): ``[len(positions), hidden]``; float16 for ``float16``,
-    float32 otherwise (holding the bfloat16 values for ``bfloat16``)."""
+    """Per site (``hook@layer``): ``[len(positions), hidden]`` (``k`` columns when projected);
+    float16 for ``float16``, float32 otherwise (the bfloat16 values for ``bfloat16``, the
+    dequantized values for ``int8``)."""
     dtype: str
     detail: str = ""
     """Why the status is not ``ok``."""
@@ -46,20 +66,28 @@ class Activations:
         return self.sites[site]
 
 
-def rows_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Rows sent as little-endian ``dtype`` bytes (:data:`_BITS`) as a numpy array."""
+def rows_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...],
+                    scales: bytes = b"") -> np.ndarray:
+    """Rows sent as little-endian ``dtype`` bytes (:data:`_BITS`) as a numpy array: float16
+    for ``float16``, float32 otherwise (bfloat16 values; int8 rows times their ``scales``)."""
     raw = np.frombuffer(data, dtype=_BITS[dtype]).reshape(shape)
     if dtype == "bfloat16":
         return (raw.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "int8":
+        scale = np.frombuffer(scales, dtype="<f4").reshape(shape[:-1])
+        return raw.astype(np.float32) * scale[..., None].astype(np.float32)
     return raw.astype(raw.dtype.newbyteorder("="))
 
 
-def rows_to_bytes(rows: np.ndarray, dtype: str) -> bytes:
-    """Inverse of :func:`rows_from_bytes` (bfloat16 rows are float32 holding bfloat16 values)."""
+def rows_to_bytes(rows: np.ndarray, dtype: str) -> tuple[bytes, bytes]:
+    """Inverse of :func:`rows_from_bytes`: (data, scales)."""
     if dtype == "bfloat16":
         return (np.ascontiguousarray(rows, np.float32).view(np.uint32) >> 16).astype(
-            "<u2").tobytes()
-    return np.ascontiguousarray(rows, _BITS[dtype]).tobytes()
+            "<u2").tobytes(), b""
+    if dtype == "int8":
+        q, scale = quantize_int8(rows)
+        return q.tobytes(), scale.astype("<f4").tobytes()
+    return np.ascontiguousarray(rows, _BITS[dtype]).tobytes(), b""
 
 
 def merge(parts: list[Activations]) -> Activations | None:
@@ -75,15 +103,19 @@ def merge(parts: list[Activations]) -> Activations | None:
 
 def to_json(activations: Activations | None) -> dict[str, Any] | None:
     """JSON-safe form: positions as a list, each site's rows as base64 of little-endian bytes
-    of ``dtype`` (bfloat16 as its 16 bits) with their shape."""
+    of ``dtype`` (bfloat16 as its 16 bits; int8 with ``scales``, base64 float32) and their
+    shape."""
     if activations is None:
         return None
     dtype = activations.dtype
+    sites = {}
+    for site, rows in activations.sites.items():
+        data, scales = rows_to_bytes(rows, dtype)
+        sites[site] = {"shape": list(rows.shape), "data": base64.b64encode(data).decode()}
+        if scales:
+            sites[site]["scales"] = base64.b64encode(scales).decode()
     return {"status": activations.status, "detail": activations.detail, "dtype": dtype,
-            "positions": activations.positions.tolist(),
-            "sites": {site: {"shape": list(rows.shape),
-                             "data": base64.b64encode(rows_to_bytes(rows, dtype)).decode()}
-                      for site, rows in activations.sites.items()}}
+            "positions": activations.positions.tolist(), "sites": sites}
 
 
 def from_json(data: dict[str, Any] | None) -> Activations | None:
@@ -94,7 +126,8 @@ def from_json(data: dict[str, Any] | None) -> Activations | None:
     if dtype not in _BITS:
         raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(_BITS)}")
     sites = {site: rows_from_bytes(base64.b64decode(item["data"]), dtype,
-                                   tuple(item["shape"]))
+                                   tuple(item["shape"]),
+                                   base64.b64decode(item.get("scales", "")))
              for site, item in data["sites"].items()}
     return Activations(status=data["status"], detail=data.get("detail", ""), dtype=dtype,
                        positions=np.asarray(data["positions"], dtype=np.int64), sites=sites)

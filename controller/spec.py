@@ -189,7 +189,19 @@ class ControllerSpec(BaseModel):
 
 SESSION_PATTERN = r"^[A-Za-z0-9_.:@/-]{1,256}$"
 
-CaptureDtype = Literal["float32", "bfloat16", "float16"]
+CaptureDtype = Literal["float32", "bfloat16", "float16", "int8"]
+
+
+class RandomProjection(BaseModel):
+    """A seeded random projection of captured rows to ``k`` dimensions (the matrix is
+    :func:`dynsteer.controller.activations.projection_matrix`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    k: Annotated[int, Field(strict=True, ge=1)]
+    """Dimensions to keep (at most the model's hidden size)."""
+    seed: Annotated[int, Field(strict=True, ge=0, lt=2**63)] = 0
+    """Seed of the matrix (``numpy.random.default_rng(seed)``)."""
 
 
 class CaptureSpec(BaseModel):
@@ -206,7 +218,10 @@ class CaptureSpec(BaseModel):
     """``"prompt"``, ``"generated"``, ``"all"``, ``"last_prompt"``, or a list of positions and
     ``"a:b"`` ranges (negative indices count from the end of the prompt)."""
     dtype: CaptureDtype = "float32"
-    """What the rows travel as; ``bfloat16`` / ``float16`` halve the bytes."""
+    """What the rows travel as; ``bfloat16`` / ``float16`` halve the bytes, ``int8`` (one
+    float32 scale per row) quarters them."""
+    project: RandomProjection | None = None
+    """Project each row to ``k`` dimensions on the device before it is cast."""
     when: Literal["always", "gated"] = "always"
     """``gated``: keep the rows only if the request's gate fired (gate > 0.5 at some
     position); otherwise they are freed on the device and the status is ``skipped``. Needs a
@@ -539,6 +554,10 @@ def check_against_model(spec: SteeringSpec, shape: ModelShape, prefix: str = SPE
     check_controller(spec, prefix)
     if spec.capture is not None:
         capture_sites(spec.capture, shape, f"{prefix}.capture")
+        project = spec.capture.project
+        if project is not None and project.k > shape.hidden_size:
+            raise SpecError(f"{prefix}.capture.project.k: {project.k} is more than the model's "
+                            f"hidden size ({shape.hidden_size})")
         if spec.capture.when == "gated" and spec.gate is None:
             raise SpecError(f"{prefix}.capture.when: 'gated' keeps the rows of a request whose "
                             "gate fired; add a gate to the spec, or capture 'always'")

@@ -9,6 +9,8 @@ are checked without an engine first.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,15 @@ from engine_utils import params, run, start_llm, stop_llm
 from hf_reference import CAPTURE_ATOL, load_hf, record_streams
 from tiny_models import HIDDEN, vec
 
+from dynsteer.controller.activations import (
+    Activations,
+    from_json,
+    projection_matrix,
+    quantize_int8,
+    rows_from_bytes,
+    rows_to_bytes,
+    to_json,
+)
 from dynsteer.controller.extra_args import ACTIVATIONS_KEY, CAPTURE_KEY
 from dynsteer.controller.positions import first_prompt_position, select
 from dynsteer.engine_ext import Steering
@@ -46,6 +57,41 @@ def test_positions_select_among_the_computed(positions, want):
     (["6:"], None), ([":2"], 0), ([-9], None)])
 def test_first_prompt_position(positions, first):
     assert first_prompt_position(positions, 5) == first
+
+
+# ---- encodings (no engine) -----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_json_round_trip_keeps_each_dtypes_values(dtype):
+    """``to_json`` / ``from_json`` give back exactly the values a dtype holds."""
+    rows = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32) * 3
+    data, scales = rows_to_bytes(rows, dtype)
+    held = rows_from_bytes(data, dtype, rows.shape, scales)
+    acts = Activations(status="ok", positions=np.arange(5), sites={"post_block@1": held},
+                       dtype=dtype)
+    back = from_json(json.loads(json.dumps(to_json(acts))))
+    np.testing.assert_array_equal(back["post_block@1"], held)
+    assert back.positions.tolist() == list(range(5)) and back.dtype == dtype
+
+
+def test_int8_error_is_within_half_a_scale():
+    rows = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
+    rows[3] = 0.0
+    q, scale = quantize_int8(rows)
+    assert np.all(np.abs(q.astype(np.float32) * scale[:, None] - rows)
+                  <= scale[:, None] / 2 * (1 + 1e-6))
+    assert scale[3] == 1.0 and not q[3].any()
+
+
+def test_projection_keeps_norms_as_johnson_lindenstrauss_bounds():
+    """With k = 512, squared norms stay within 1 +- 0.35 (the bound's failure probability
+    per row is 2 exp(-512 * 0.35^2 / 8) < 1e-3); the matrix is the seed's, every time."""
+    hidden, k = 4096, 512
+    rows = np.random.default_rng(2).standard_normal((32, hidden)).astype(np.float32)
+    m = projection_matrix(7, hidden, k)
+    np.testing.assert_array_equal(m, projection_matrix(7, hidden, k))
+    ratio = (np.linalg.norm(rows @ m, axis=1) / np.linalg.norm(rows, axis=1)) ** 2
+    assert np.all(np.abs(ratio - 1) < 0.35)
+    assert not np.array_equal(m, projection_matrix(8, hidden, k))
 
 
 # ---- worker lanes and rows (no engine) -----------------------------------------------------
@@ -213,6 +259,23 @@ def test_half_dtypes_round_the_float32_rows(llm, dtype):
 
 
 @pytest.mark.engine
+def test_int8_and_projected_rows_are_the_float32_rows_encoded(llm):
+    """int8 rows are within half a scale of the float32 rows; projected rows equal the float32
+    rows times the seed's matrix, then cast."""
+    _, (full,) = captured(llm, PROMPTS[1:2], {"capture": {"sites": CAPTURED}})
+    _, (q,) = captured(llm, PROMPTS[1:2], {"capture": {"sites": CAPTURED, "dtype": "int8"}})
+    _, (p,) = captured(llm, PROMPTS[1:2], {"capture": {
+        "sites": CAPTURED, "project": {"k": 32, "seed": 5}, "dtype": "float16"}})
+    m = projection_matrix(5, HIDDEN, 32)
+    for site in CAPTURED:
+        rows = full[site]
+        half_scale = np.abs(rows).max(axis=1, keepdims=True) / 254
+        assert np.all(np.abs(q[site] - rows) <= half_scale * (1 + 1e-5))
+        assert p[site].shape == (len(full.positions), 32) and p[site].dtype == np.float16
+        np.testing.assert_allclose(p[site], rows @ m, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.engine
 def test_cached_prefix_is_recomputed_from_the_first_captured_position(llm, hf):
     """A prompt served before (its blocks cached) is captured whole: the capturing request
     computes its prompt itself. Capturing only generated positions leaves the cache alone."""
@@ -248,6 +311,8 @@ def test_uncaptured_requests_and_errors(llm):
         ({"sites": "post_block@1", "positions": "some"}, r"dynsteer\.capture\.positions"),
         ({"sites": "post_block@1", "when": "gated"}, r"dynsteer\.capture\.when: 'gated' keeps"),
         ({"sites": "post_block@1", "when": "later"}, r"dynsteer\.capture\.when"),
+        ({"sites": "post_block@1", "project": {"k": 129}},
+         r"dynsteer\.capture\.project\.k: 129 is more than the model's hidden size \(128\)"),
     ]:
         with pytest.raises(ValueError, match=message):
             run(llm, PROMPTS[:1], [params(3, spec={"capture": capture})])

@@ -52,7 +52,8 @@ def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, promp
             f"max_tokens {max_tokens} - 1); this engine holds {options.capture_tokens} "
             "(dynsteer.capture_tokens): lower max_tokens, or restart the engine with more")
     return {"sites": [site_name(site) for site in sites], "rows": rows,
-            "positions": capture.positions, "dtype": capture.dtype, "when": capture.when}
+            "positions": capture.positions, "dtype": capture.dtype, "when": capture.when,
+            "project": capture.project.model_dump() if capture.project is not None else None}
 
 
 def first_captured_prompt_position(capture: CaptureSpec | None, prompt_len: int) -> int | None:
@@ -75,7 +76,7 @@ def decode(reply: dict[str, Any]) -> Activations:
     """One worker's reply (:meth:`..worker.capture_buffers.CaptureBuffers.collect_request`)."""
     positions = np.frombuffer(reply["positions"], dtype="<i8").astype(np.int64)
     shape = (len(reply["sites"]), len(positions), int(reply["hidden"]))
-    rows = rows_from_bytes(reply["data"], reply["dtype"], shape)
+    rows = rows_from_bytes(reply["data"], reply["dtype"], shape, reply.get("scales", b""))
     return Activations(status=reply["status"], positions=positions,
                        sites={site: rows[i] for i, site in enumerate(reply["sites"])},
                        dtype=reply["dtype"], detail=reply.get("detail", ""))

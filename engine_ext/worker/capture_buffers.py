@@ -46,6 +46,7 @@ from dynsteer.controller.extra_args import ACTIVATIONS_KEY, CAPTURE_KEY
 from dynsteer.controller.positions import select
 
 from ..compat.worker import is_internal_id_of
+from .capture_encode import encode
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -57,8 +58,6 @@ REDUCES: tuple[Reduce, ...] = ("last", "mean", "all")
 GONE = 4096
 """Requests whose capture was dropped that the worker remembers (to say so when collected)."""
 _UNSEEN = np.iinfo(np.int64).max
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
-                 "bfloat16": torch.bfloat16}
 
 
 def capture_key(ticket: str, item: int) -> str:
@@ -217,9 +216,9 @@ class CaptureBuffers:
         otherwise they are freed without leaving the device).
 
         Reply: ``status`` (``ok`` / ``skipped`` / ``partial`` / ``dropped``), ``detail``, ``sites``
-        (``hook@layer``), ``hidden``, ``dtype``, ``positions`` (little-endian int64 bytes)
-        and ``data`` (``[sites, positions, hidden]`` in ``dtype``, little-endian bytes; bfloat16
-        as its 16 bits).
+        (``hook@layer``), ``hidden`` (a row's width: ``k`` when projected), ``dtype``,
+        ``positions`` (little-endian int64 bytes), ``data`` (``[sites, positions, hidden]``, see
+        :mod:`.capture_encode`) and ``scales`` (int8: one float32 per row).
         """
         req_id = self._find(request_id)
         if req_id is None:
@@ -251,14 +250,12 @@ class CaptureBuffers:
         mine = [i for i, site in enumerate(sites) if site in self.installed]
         index = torch.as_tensor(entry.start + seen, device=self.capture.device)
         rows = self.capture.index_select(0, self._lane_index([entry.lanes[i] for i in mine]))
-        rows = rows.index_select(1, index).to(_TORCH_DTYPES[wanted["dtype"]])
-        if wanted["dtype"] == "bfloat16":
-            rows = rows.view(torch.int16)
+        data, scales, width = encode(rows.index_select(1, index), wanted["dtype"],
+                                     wanted.get("project"))
         return {"status": status, "detail": detail,
                 "sites": [site_name(sites[i]) for i in mine if sites[i] is not None],
-                "hidden": self.hidden_size, "dtype": wanted["dtype"],
-                "positions": seen.astype("<i8").tobytes(),
-                "data": np.ascontiguousarray(rows.cpu().numpy()).tobytes()}
+                "hidden": width, "dtype": wanted["dtype"],
+                "positions": seen.astype("<i8").tobytes(), "data": data, "scales": scales}
 
     # ---- request lifecycle and steps -----------------------------------------------------
     def admit(self, req_id: str, slot: int, extra_args: Any, prompt_len: int) -> None:
@@ -363,7 +360,7 @@ class CaptureBuffers:
 
     def _nothing(self, status: str, detail: str) -> dict[str, Any]:
         return {"status": status, "detail": detail, "sites": [], "hidden": self.hidden_size,
-                "dtype": "float32", "positions": b"", "data": b""}
+                "dtype": "float32", "positions": b"", "data": b"", "scales": b""}
 
     def _drop(self, req_id: str, why: str) -> None:
         logger.warning("dynsteer: request %s runs uncaptured: %s", req_id, why)
