@@ -3,7 +3,8 @@
 A :class:`FilesystemSink` takes requests' :class:`~.activations.Activations` and packs them
 into shards: one safetensors file holds, per (site, dtype, row width), one tensor of the rows
 of every request in it, one after the other, and one int64 tensor of their positions. A shard
-is *sealed* once it holds ``shard_bytes`` (or when the sink is flushed or closed): written
+is *sealed* once it holds ``shard_bytes``, has been open ``seal_after_s``, or the sink is
+flushed or closed: written
 under a hidden temporary name, synced, renamed into place, and only then named in
 ``index.jsonl``, one line per request (its id, status, shard, and per site the tensor and row
 range). A process killed mid-way leaves sealed shards, an index that names only them, and at
@@ -28,6 +29,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +43,9 @@ logger = logging.getLogger("vllm.dynsteer.capture_store")
 
 INDEX = "index.jsonl"
 DEFAULT_SHARD_BYTES = 256 << 20
+DEFAULT_SEAL_AFTER_S = 60.0
+"""A shard open this long with something in it is sealed, full or not (so a quiet server's
+rows reach the disk)."""
 _ST_OF = {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16", np.dtype("<u2"): "BF16",
           np.dtype("i1"): "I8", np.dtype("<i8"): "I64"}
 """The safetensors dtype of each stored numpy dtype (bfloat16 rows are kept as their bits)."""
@@ -70,6 +75,7 @@ class _Open:
     rows: dict[str, int] = field(default_factory=dict)
     lines: list[dict[str, Any]] = field(default_factory=list)
     nbytes: int = 0
+    since: float = field(default_factory=time.monotonic)
 
     def append(self, name: str, array: np.ndarray) -> int:
         """Add rows to tensor ``name``; returns the first row's index in it."""
@@ -84,12 +90,14 @@ class FilesystemSink:
     """Writes requests' activations into ``path`` (created if missing)."""
 
     def __init__(self, path: str | os.PathLike[str], shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 queue_size: int = 64, policy: Policy = "block") -> None:
+                 queue_size: int = 64, policy: Policy = "block",
+                 seal_after_s: float = DEFAULT_SEAL_AFTER_S) -> None:
         if policy not in ("block", "drop"):
             raise ValueError(f"policy: {policy!r} is not 'block' or 'drop'")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.shard_bytes = shard_bytes
+        self.seal_after_s = seal_after_s
         self.policy = policy
         self.counters = SinkCounters()
         self._queue: queue.Queue[tuple[str, Activations] | None] = queue.Queue(queue_size)
@@ -129,7 +137,12 @@ class FilesystemSink:
     # ---- the writer thread -----------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self.seal_after_s / 4)
+            except queue.Empty:
+                if self._open.lines and time.monotonic() - self._open.since > self.seal_after_s:
+                    self._seal()
+                continue
             try:
                 if item is None:
                     return

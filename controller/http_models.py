@@ -16,7 +16,7 @@ from dynsteer.probes import NAME_PATTERN, ModelFingerprint, Probe, ProbeSite
 from dynsteer.probes.probe import Metadata
 
 from .contract import decode_f32, site_name
-from .spec import FiniteFloat, SteerEntry
+from .spec import CaptureSpec, FiniteFloat, SteerEntry
 
 Name = Annotated[str, Field(strict=True, pattern=f"^{NAME_PATTERN.pattern}$")]
 """Names of vectors and probes (:data:`dynsteer.probes.NAME_RULE`): safe as file names and URL
@@ -204,3 +204,10 @@ class CapturedArray(_Body):
 CaptureResponse = dict[str, CapturedArray | list[CapturedArray]]
 """Per site (``hook@layer``): one ``[N, H]`` array (``last``/``mean``) or one ``[len_i, H]``
 array per prompt (``all``)."""
+
+
+class GlobalCapture(_Body):
+    """The capture the server adds to every non-streaming completion that asks for none
+    (``/v1/dynsteer/capture/global``); None: off."""
+
+    capture: CaptureSpec | None = None

@@ -189,6 +189,7 @@ class ControllerSpec(BaseModel):
 
 SESSION_PATTERN = r"^[A-Za-z0-9_.:@/-]{1,256}$"
 
+SINK_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 CaptureDtype = Literal["float32", "bfloat16", "float16", "int8"]
 
 
@@ -222,6 +223,9 @@ class CaptureSpec(BaseModel):
     float32 scale per row) quarters them."""
     project: RandomProjection | None = None
     """Project each row to ``k`` dimensions on the device before it is cast."""
+    sink: Annotated[str, Field(pattern=SINK_PATTERN)] | None = None
+    """A sink the server was started with (``--dynsteer-capture-sinks``): the rows go there
+    instead of into the response."""
     when: Literal["always", "gated"] = "always"
     """``gated``: keep the rows only if the request's gate fired (gate > 0.5 at some
     position); otherwise they are freed on the device and the status is ``skipped``. Needs a

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import numpy as np
 import pytest
 from engine_utils import start_llm, stop_llm
 from server_utils import Server, http
 
+from dynsteer import capture
 from dynsteer.controller.client import DynsteerClient, DynsteerHTTPError
 from dynsteer.controller.contract import encode_f32
 from dynsteer.engine_ext import Steering
@@ -31,9 +33,15 @@ GATED = {"gate": {"probe": {"weights": VECTOR, "threshold": 0.0}, "layer": 1, "t
 
 
 @pytest.fixture(scope="module")
-def server(chat_model, tmp_path_factory):
+def sink_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("audit")
+
+
+@pytest.fixture(scope="module")
+def server(chat_model, tmp_path_factory, sink_dir):
     srv = Server(chat_model, tmp_path_factory.mktemp("server") / "serve.log",
-                 "--dynsteer-api-key", KEY, "--dynsteer-max-body-bytes", "65536")
+                 "--dynsteer-api-key", KEY, "--dynsteer-max-body-bytes", "65536",
+                 "--dynsteer-capture-sinks", f"audit={sink_dir}?seal_after_s=0.5")
     try:
         yield srv
     finally:
@@ -154,6 +162,59 @@ def test_activations_come_back_in_the_response(openai_client, offline):
     assert not np.array_equal(found[0]["post_block@1"], found[1]["post_block@1"])
     assert activations_of(openai_client.completions.create(
         model=model, prompt="The sea is", max_tokens=2)) == [None]
+
+
+def sealed(sink_dir, count, timeout=30.0):
+    """The sink's folder once its index names ``count`` requests."""
+    deadline = time.monotonic() + timeout
+    while True:
+        store = capture.open(sink_dir)
+        if len(store) >= count or time.monotonic() > deadline:
+            return store
+        time.sleep(0.2)
+
+
+def test_a_capture_into_a_sink_and_the_global_capture(openai_client, server, sink_dir):
+    """A request's capture naming a sink lands there (the response keeps status and
+    positions); the global capture adds one to every non-streaming completion that has none,
+    until deleted; the sink's counters are in /metrics."""
+    model = openai_client.models.list().data[0].id
+    spec = {"capture": {"sites": "post_block@2", "positions": "generated", "sink": "audit"}}
+    response = openai_client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0,
+        extra_body={"dynsteer": spec})
+    item = response.model_extra["dynsteer"]["activations"][0]
+    assert item["sink"] == "audit" and item["sites"] == {} and len(item["positions"]) == 7
+    store = sealed(sink_dir, 1)
+    (first,) = list(store)
+    assert first.request_id.startswith(response.id) and first["post_block@2"].shape == (7, 128)
+    headers = {"api_key": KEY}
+    everything = {"sites": "post_block@1", "positions": "last_prompt", "sink": "audit",
+                  "dtype": "bfloat16"}
+    assert http("PUT", server.url + "/v1/dynsteer/capture/global", everything,
+                **headers)[0] == 200
+    try:
+        plain = openai_client.completions.create(model=model, prompt="The sea is",
+                                                 max_tokens=3, temperature=0.0)
+        streamed = list(openai_client.completions.create(
+            model=model, prompt="The sea is", max_tokens=3, stream=True))
+    finally:
+        assert http("DELETE", server.url + "/v1/dynsteer/capture/global", **headers)[0] == 200
+    assert plain.model_extra["dynsteer"]["activations"][0]["sink"] == "audit"
+    assert streamed and "dynsteer" not in (streamed[-1].model_extra or {})
+    store = sealed(sink_dir, 2)
+    assert len(store) == 2 and store.site("post_block@1").shape == (1, 128)
+    after = openai_client.completions.create(model=model, prompt="The sea is", max_tokens=3)
+    assert "dynsteer" not in (after.model_extra or {})
+    status, text = http("GET", server.url + "/metrics")
+    assert re.search(r'dynsteer_capture_sink_requests_total\{sink="audit"\} 2\.0', text)
+    status, body = http("PUT", server.url + "/v1/dynsteer/capture/global",
+                        {"sites": "post_block@1"}, **headers)
+    assert status == 400 and "a global capture needs a sink" in body["error"]["message"]
+    bad = {"capture": {"sites": "post_block@1", "sink": "elsewhere"}}
+    with pytest.raises(Exception, match=r"dynsteer\.capture\.sink: 'elsewhere' is not a "
+                                        r"sink of this server \(configured: audit"):
+        chat(openai_client, dynsteer=bad)
 
 
 def test_capture_on_a_streamed_request_is_400(openai_client):

@@ -110,6 +110,11 @@ class FrontendState:
     sessions: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
     """Steering set for sessions' later requests (``{"steer": [wire entries], "gate": wire
     gate or None}``), by (namespaced) session name."""
+    sinks: frozenset[str] = frozenset()
+    """Names of the capture sinks a server configured (a spec's ``capture.sink``)."""
+    global_capture: dict[str, Any] | None = None
+    """A capture (``CaptureSpec`` fields, with a sink) the server adds to every non-streaming
+    completion that asks for none (``PUT /v1/dynsteer/capture/global``)."""
     default_caller: Caller = TRUSTED
     """Who a request is admitted as when nobody said (see :mod:`.caller`): the API server sets
     a keyless client, so a request that reaches admission without its caller fails closed."""
@@ -353,7 +358,7 @@ def admitted(state: FrontendState, request_id: str,
     if capture is not None:
         try:
             activations = request_capture.admit(capture, state.shape(), state.options,
-                                                prompt_len, generation)
+                                                prompt_len, generation, state.sinks)
         except ValueError:
             state.counters.requests_rejected += 1
             raise

@@ -29,9 +29,15 @@ from ..options import EngineOptions
 
 
 def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, prompt_len: int,
-          generation: Generation, prefix: str = "dynsteer.capture") -> dict[str, Any]:
+          generation: Generation, sinks: frozenset[str] = frozenset(),
+          prefix: str = "dynsteer.capture") -> dict[str, Any]:
     """What the workers read (:data:`ACTIVATIONS_KEY`), or a SpecError naming the field."""
     sites = capture_sites(capture, shape, prefix)
+    if capture.sink is not None and capture.sink not in sinks:
+        known = ", ".join(sorted(sinks)) or "none"
+        raise SpecError(f"{prefix}.sink: {capture.sink!r} is not a sink of this server "
+                        f"(configured: {known}; dynsteer serve --dynsteer-capture-sinks "
+                        "NAME=DIR)")
     if generation.n != 1:
         raise SpecError(f"{prefix}: a request with n = {generation.n} cannot capture; send "
                         "n = 1 (one request per completion)")

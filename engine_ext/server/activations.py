@@ -7,7 +7,8 @@ what each choice captured, under ``dynsteer.activations`` of the JSON: one entry
 :func:`dynsteer.controller.activations.activations_of`. The rows are collected from the
 workers (and freed there) by each choice's engine request id: the response's ``id`` on the
 chat route, ``<id>-<index>`` for the prompts of a completion. Only the caller that sent the
-request receives them.
+request receives them. A capture naming a sink sends the rows there instead (the response
+keeps each choice's status and positions).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from .runtime import WorkerError
 CHAT_PATH = "/v1/chat/completions"
 
 
-def with_activations(send: Send, server: Any, path: str) -> Send:
+def with_activations(send: Send, server: Any, path: str, sink: str | None = None) -> Send:
     """``send`` that holds the response back until its body is complete, then sends it with
-    the activations added (a response other than 200 passes as it is)."""
+    the activations added, or written to ``sink`` (a response other than 200 passes as it
+    is)."""
     start: Message | None = None
     chunks: list[bytes] = []
 
@@ -44,7 +46,7 @@ def with_activations(send: Send, server: Any, path: str) -> Send:
             return
         body = b"".join(chunks)
         if start["status"] == 200:
-            body = await attach(body, server, path)
+            body = await attach(body, server, path, sink)
         headers = [(k, v) for k, v in start.get("headers", [])
                    if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
@@ -54,9 +56,11 @@ def with_activations(send: Send, server: Any, path: str) -> Send:
     return buffered
 
 
-async def attach(body: bytes, server: Any, path: str) -> bytes:
+async def attach(body: bytes, server: Any, path: str, sink: str | None = None) -> bytes:
     """The response ``body`` with ``dynsteer.activations`` (as it was when it is not a
-    completion's JSON)."""
+    completion's JSON). With ``sink``, each choice's rows go to that sink under its engine
+    request id, and the response keeps its status and positions only (``"sink"`` names
+    where the rows went)."""
     try:
         data = json.loads(body)
     except ValueError:
@@ -78,6 +82,12 @@ async def attach(body: bytes, server: Any, path: str) -> bytes:
             found.append({"status": "dropped", "detail": str(e), "dtype": "float32",
                           "positions": [], "sites": {}})
             continue
-        found.append(to_json(request_capture.merge(replies)))
+        activations = request_capture.merge(replies)
+        if sink is None or activations is None:
+            found.append(to_json(activations))
+            continue
+        written = activations.status in ("ok", "partial") and server.sinks[sink].write(
+            engine_id, activations)
+        found.append({**to_json(activations), "sites": {}, "sink": sink if written else None})
     data["dynsteer"] = {"activations": found}
     return json.dumps(data).encode()

@@ -24,6 +24,7 @@ from ..parent_watch import ENV as EXIT_WITH_PARENT_ENV
 from ..zmq_security import CLIENT_KEYS_ENV, SERVER_KEY_ENV
 from .settings import (
     API_KEY_ENV,
+    CAPTURE_SINKS_ENV,
     MAX_BODY_ENV,
     MAX_REQUEST_ENV,
     PROBE_STORE_ENV,
@@ -36,6 +37,7 @@ _OURS = {  # flag -> environment variable read by the server (ServerSettings)
     "--dynsteer-max-body-bytes": MAX_BODY_ENV,
     "--dynsteer-max-request-bytes": MAX_REQUEST_ENV,
     "--dynsteer-probe-store": PROBE_STORE_ENV,
+    "--dynsteer-capture-sinks": CAPTURE_SINKS_ENV,
     "--dynsteer-zmq-server-key": SERVER_KEY_ENV,
     "--dynsteer-zmq-client-keys": CLIENT_KEYS_ENV,
 }
@@ -78,13 +80,16 @@ Every flag of `vllm serve` works (--host, --port, --api-key, --max-model-len, ..
 dynsteer flags:
   {_CONFIG_FLAG} FILE     YAML or JSON: {{"engine": {{sites, max_rows, ...}},
                              "server": {{api_key, max_body_bytes, max_request_bytes,
-                                         probe_store}}}}
+                                         probe_store, capture_sinks}}}}
   --dynsteer-api-key KEY     key required by mutating dynsteer routes (vLLM's --api-key
                              also works, and then guards every /v1 route)
   --dynsteer-max-body-bytes N  largest body a dynsteer route accepts (default 16 MiB)
   --dynsteer-max-request-bytes N  largest body of any other POST/PUT/PATCH, vLLM's
                              completion routes included (default 32 MiB; HTTP 413 above)
   --dynsteer-probe-store DIR   folder where uploaded probes persist across restarts
+  --dynsteer-capture-sinks NAME=DIR[,NAME=DIR]  capture sinks a request's capture.sink
+                             names (a folder of safetensors shards; NAME=@plugin:ARG for
+                             one of the dynsteer.capture_sinks entry points)
   --dynsteer-events ADDR     publish controller events (ZeroMQ PUB), e.g.
                              tcp://127.0.0.1:5557 (loopback unless CURVE keys are set)
   --dynsteer-events-every N  engine steps per monitor-summary event (default 16)
@@ -197,6 +202,9 @@ def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
                      ("max_request_bytes", MAX_REQUEST_ENV), ("probe_store", PROBE_STORE_ENV)):
         if key in settings:
             environ[env] = str(settings[key])
+    if "capture_sinks" in settings:
+        environ[CAPTURE_SINKS_ENV] = ",".join(f"{k}={v}"
+                                              for k, v in settings["capture_sinks"].items())
     for flag, env in _OURS.items():
         if flag in ours:
             environ[env] = ours[flag]

@@ -43,6 +43,17 @@ class DynsteerCollector(Collector):
         yield CounterMetricFamily("dynsteer_requests_rejected",
                                   "Requests whose steering spec failed validation",
                                   value=counters.requests_rejected)
+        for key, help_text in (
+            ("requests", "Requests a capture sink wrote into sealed shards"),
+            ("dropped", "Requests a capture sink dropped (queue full under 'drop', failed "
+                        "write)"),
+            ("bytes", "Bytes of a capture sink's sealed shards"),
+        ):
+            family = CounterMetricFamily(f"dynsteer_capture_sink_{key}", help_text,
+                                         labels=["sink"])
+            for name, sink in sorted(self.server.sinks.items()):
+                family.add_metric([name], getattr(sink.counters, key, 0))
+            yield family
         stats = self.server.worker_stats
         for key, help_text in (
             ("tokens_monitored", "Tokens whose gate was computed, by monitor site"),

@@ -159,10 +159,32 @@ def _move_into_xargs(found: _Json) -> None:
 
 
 class Checked(NamedTuple):
-    """A body as the app should see it, and whether its request captures activations."""
+    """A body as the app should see it, and whether its request captures activations (and
+    into which sink; None: into the response)."""
 
     body: bytes
     captures: bool = False
+    sink: str | None = None
+
+
+def _with_global_capture(found: _Json, capture: dict[str, Any]) -> bool:
+    """Add the server's global capture to a non-streaming completion whose spec asks for no
+    capture of its own (a ``when: "gated"`` one only to a spec with a gate) in place; whether
+    the body changed."""
+    data = found.data
+    xargs = data.get("vllm_xargs") or {}
+    if data.get("stream") or not isinstance(xargs, dict):
+        return False
+    raw = xargs.get(SPEC_KEY)
+    spec = _loads(raw).data if isinstance(raw, (str, bytes)) else {}
+    if not isinstance(spec, dict) or "capture" in spec:
+        return False
+    if capture.get("when") == "gated" and not spec.get("gate"):
+        return False
+    spec["capture"] = capture
+    xargs[SPEC_KEY] = found.dumps(spec).decode()
+    data["vllm_xargs"] = xargs
+    return True
 
 
 def check_body(path: str, body: bytes, frontend: FrontendState | None) -> Checked:
@@ -176,19 +198,25 @@ def check_body(path: str, body: bytes, frontend: FrontendState | None) -> Checke
     caller (its session namespace, its right to reserved keys) is the one in context, as at
     admission. The body is parsed only when it may name ``dynsteer`` and written again only
     when the spec moved. A spec with ``capture`` is refused on a streaming request (its
-    activations come back in the response's JSON)."""
-    if not _may_carry_spec(body):
+    activations come back in the response's JSON). With a global capture set
+    (``frontend.global_capture``), every non-streaming completion that asks for no capture
+    gets it."""
+    completion = path.rstrip("/") in COMPLETION_PATHS
+    global_capture = frontend.global_capture if frontend is not None and completion else None
+    if not _may_carry_spec(body) and global_capture is None:
         return Checked(body)
     found = _json_object(body)
     if found is None:
         return Checked(body)
     moved = SPEC_KEY in found.data
     if moved:
-        if path.rstrip("/") not in COMPLETION_PATHS:
+        if not completion:
             raise SpecError(
                 f"{SPEC_KEY}: not supported on {path}; send steered requests to "
                 f"{' or '.join(COMPLETION_PATHS)} (top-level \"{SPEC_KEY}\" or vllm_xargs)")
         _move_into_xargs(found)
+    if global_capture is not None and _with_global_capture(found, global_capture):
+        moved = True
     xargs = found.data.get("vllm_xargs")
     spec = None
     if frontend is not None and isinstance(xargs, dict):
@@ -197,7 +225,8 @@ def check_body(path: str, body: bytes, frontend: FrontendState | None) -> Checke
     if captures and found.data.get("stream"):
         raise SpecError(f"{SPEC_KEY}.capture: activations come back in the response's JSON; "
                         "send the request with stream=false")
-    return Checked(found.dumps(found.data) if moved else body, captures)
+    return Checked(found.dumps(found.data) if moved else body, captures,
+                   spec.capture.sink if captures and spec is not None and spec.capture else None)
 
 
 def _bearer(scope: Scope) -> str | None:
@@ -263,5 +292,5 @@ class DynsteerMiddleware:
             if checked.body is not body:
                 scope, body = _with_length(scope, len(checked.body)), checked.body
             if checked.captures:
-                send = with_activations(send, server, path.rstrip("/"))
+                send = with_activations(send, server, path.rstrip("/"), checked.sink)
         await self.app(scope, _replay(body, receive), send)

@@ -1,4 +1,5 @@
-"""The ``/v1/dynsteer/`` routes: global steering, named vectors, info, telemetry, health.
+"""The ``/v1/dynsteer/`` routes: global steering, named vectors, info, telemetry, health, the
+global capture.
 
 Every body and response is a pydantic model of :mod:`dynsteer.controller.http_models`, so
 ``/openapi.json`` documents them. Bad input is HTTP 400 (404 for unknown names) with a message
@@ -23,6 +24,7 @@ from fastapi.routing import APIRoute
 
 from dynsteer.controller.http_models import (
     Deleted,
+    GlobalCapture,
     GlobalSteering,
     Health,
     NameList,
@@ -31,9 +33,11 @@ from dynsteer.controller.http_models import (
     VectorIn,
     VectorOut,
 )
-from dynsteer.controller.spec import validation_message
+from dynsteer.controller.spec import CaptureSpec, validation_message
 
+from ..compat.frontend import Generation
 from ..compat.server import vllm_version
+from ..frontend import request_capture
 from ..frontend.control_plane import ConflictError, UnknownNameError
 from ..options import KERNEL_ABI, PLUGIN_VERSION
 from .runtime import DynsteerServer
@@ -121,6 +125,42 @@ async def info(server: DynsteerServer = Server) -> ServerInfo:
         sites=f.site_names(), max_rows=f.options.max_rows, plugin_version=PLUGIN_VERSION,
         kernel_abi=KERNEL_ABI, vllm_version=vllm_version(),
     )
+
+
+@router.get("/capture/global", response_model=GlobalCapture, dependencies=Guarded)
+async def get_global_capture(server: DynsteerServer = Server) -> GlobalCapture:
+    """The capture every non-streaming completion that asks for none gets (None: off)."""
+    return GlobalCapture.model_validate({"capture": server.frontend.global_capture})
+
+
+@router.put("/capture/global", response_model=GlobalCapture, dependencies=Guarded)
+async def put_global_capture(body: CaptureSpec,
+                             server: DynsteerServer = Server) -> GlobalCapture:
+    """Capture every non-streaming completion that asks for no capture of its own into a sink
+    (dataset collection while serving; with ``when: "gated"``, the requests with a gate whose
+    gate fired: the audit log of a probe-gated deployment); applies to requests received from
+    now on."""
+    with http_errors():
+        check_global_capture(body, server.frontend)
+    server.frontend.global_capture = body.model_dump(exclude_none=True)
+    return GlobalCapture.model_validate({"capture": server.frontend.global_capture})
+
+
+@router.delete("/capture/global", response_model=GlobalCapture, dependencies=Guarded)
+async def delete_global_capture(server: DynsteerServer = Server) -> GlobalCapture:
+    """Stop the global capture."""
+    server.frontend.global_capture = None
+    return GlobalCapture()
+
+
+def check_global_capture(capture: CaptureSpec, frontend: Any) -> None:
+    """A global capture names a configured sink (its rows have no response to go to), its
+    sites are monitor sites and the capture lanes hold them (ValueError naming the field)."""
+    if capture.sink is None:
+        raise ValueError("sink: a global capture needs a sink (the server's "
+                         "--dynsteer-capture-sinks); its rows have no response to go to")
+    request_capture.admit(capture, frontend.shape(), frontend.options, 1, Generation(1),
+                          frontend.sinks, prefix="capture")
 
 
 @router.get("/global", response_model=GlobalSteering)

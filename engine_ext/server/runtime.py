@@ -19,6 +19,7 @@ from ..compat import frontend as vllm_frontend
 from ..compat.scheduler import STATS_UTILITY
 from ..frontend.admission import FrontendState
 from ..frontend.control_plane import Change, ControlPlane
+from . import sinks
 from .registry_store import RegistryStore
 from .settings import ServerSettings
 
@@ -56,6 +57,9 @@ class DynsteerServer:
         """Prefix-guard counters of the engine core as of the last refresh."""
         self.commands: Any = None
         """The controller command socket (:class:`.commands.CommandServer`; None: off)."""
+        self.sinks: dict[str, Any] = sinks.build(settings.capture_sinks)
+        """Capture sinks by name (:mod:`.sinks`)."""
+        frontend.sinks = frozenset(self.sinks)
         self._lock = asyncio.Lock()
 
     async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:

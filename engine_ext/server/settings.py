@@ -11,14 +11,17 @@ import hashlib
 import os
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dynsteer.controller.spec import SINK_PATTERN
 
 API_KEY_ENV = "DYNSTEER_API_KEY"
 MAX_BODY_ENV = "DYNSTEER_MAX_BODY_BYTES"
 MAX_REQUEST_ENV = "DYNSTEER_MAX_REQUEST_BYTES"
 PROBE_STORE_ENV = "DYNSTEER_PROBE_STORE"
+CAPTURE_SINKS_ENV = "DYNSTEER_CAPTURE_SINKS"
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 """Default cap of request bodies on vLLM's own routes (32 MiB; generous for chat bodies)."""
@@ -36,6 +39,11 @@ class ServerSettings(BaseModel):
     included (HTTP 413 above)."""
     probe_store: Path | None = None
     """Folder where uploaded probes persist across restarts (None: in memory only)."""
+    capture_sinks: dict[Annotated[str, Field(pattern=SINK_PATTERN)], str] = Field(
+        default_factory=dict)
+    """Capture sinks by name: a folder (a filesystem sink, :mod:`dynsteer.capture`), or
+    ``@plugin:ARG`` for a sink registered in the entry-point group
+    ``dynsteer.capture_sinks`` (called with ARG)."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> ServerSettings:
@@ -49,13 +57,17 @@ class ServerSettings(BaseModel):
             raw["max_request_bytes"] = env[MAX_REQUEST_ENV]
         if env.get(PROBE_STORE_ENV):
             raw["probe_store"] = env[PROBE_STORE_ENV]
+        if env.get(CAPTURE_SINKS_ENV):
+            raw["capture_sinks"] = dict(item.partition("=")[::2]
+                                        for item in env[CAPTURE_SINKS_ENV].split(","))
         try:
             return cls.model_validate(raw)
         except ValidationError as e:
             first = e.errors(include_url=False)[0]
             name = {"api_key": API_KEY_ENV, "max_body_bytes": MAX_BODY_ENV,
                     "max_request_bytes": MAX_REQUEST_ENV,
-                    "probe_store": PROBE_STORE_ENV}[str(first["loc"][0])]
+                    "probe_store": PROBE_STORE_ENV,
+                    "capture_sinks": CAPTURE_SINKS_ENV}[str(first["loc"][0])]
             raise ValueError(f"{name}: {first['msg']}") from e
 
 
