@@ -100,7 +100,8 @@ class FilesystemSink:
         self.seal_after_s = seal_after_s
         self.policy = policy
         self.counters = SinkCounters()
-        self._queue: queue.Queue[tuple[str, Activations] | None] = queue.Queue(queue_size)
+        self._queue: queue.Queue[tuple[str, Activations, dict[str, str]] | None] = \
+            queue.Queue(queue_size)
         self._open = _Open()
         self._next = 1 + max((int(p.stem.split("-")[1]) for p in self.path.glob("shard-*")),
                              default=0)
@@ -108,10 +109,13 @@ class FilesystemSink:
                                         daemon=True)
         self._thread.start()
 
-    def write(self, request_id: str, activations: Activations) -> bool:
-        """Queue one request's activations; False when dropped (queue full under ``drop``)."""
+    def write(self, request_id: str, activations: Activations,
+              meta: dict[str, str] | None = None) -> bool:
+        """Queue one request's activations (``meta``: kept in its index line, e.g. who sent
+        it); False when dropped (queue full under ``drop``)."""
         try:
-            self._queue.put((request_id, activations), block=self.policy == "block")
+            self._queue.put((request_id, activations, meta or {}),
+                            block=self.policy == "block")
         except queue.Full:
             self.counters.dropped += 1
             return False
@@ -119,7 +123,7 @@ class FilesystemSink:
 
     def flush(self) -> None:
         """Wait until everything queued is in a sealed shard."""
-        self._queue.put(("", _SEAL))
+        self._queue.put(("", _SEAL, {}))
         self._queue.join()
 
     def close(self) -> None:
@@ -146,20 +150,22 @@ class FilesystemSink:
             try:
                 if item is None:
                     return
-                request_id, activations = item
+                request_id, activations, meta = item
                 if activations is _SEAL:
                     self._seal()
                 else:
-                    self._add(request_id, activations)
+                    self._add(request_id, activations, meta)
                     if self._open.nbytes >= self.shard_bytes:
                         self._seal()
             finally:
                 self._queue.task_done()
 
-    def _add(self, request_id: str, activations: Activations) -> None:
+    def _add(self, request_id: str, activations: Activations,
+             meta: dict[str, str] | None = None) -> None:
         shard = self._open
         positions = np.asarray(activations.positions, dtype=np.int64)
-        line: dict[str, Any] = {"request_id": request_id, "status": activations.status,
+        line: dict[str, Any] = {"request_id": request_id, "meta": meta or {},
+                                "status": activations.status,
                                 "detail": activations.detail, "dtype": activations.dtype,
                                 "positions": None, "sites": {}}
         if len(positions):
@@ -271,6 +277,9 @@ class CapturedRequest:
     request_id: str
     status: str
     activations: Activations
+    meta: dict[str, str] = field(default_factory=dict)
+    """What the writer kept with it (on a server: ``caller``, the namespace of the API key
+    that sent it)."""
 
     def __getitem__(self, site: str) -> np.ndarray:
         return self.activations[site]
@@ -323,7 +332,8 @@ class CaptureStore:
         activations = Activations(status=line["status"], detail=line.get("detail", ""),
                                   dtype=line["dtype"], positions=np.asarray(positions),
                                   sites={site: self._rows(line, site) for site in line["sites"]})
-        return CapturedRequest(line["request_id"], line["status"], activations)
+        return CapturedRequest(line["request_id"], line["status"], activations,
+                               line.get("meta", {}))
 
 
 def open(path: str | os.PathLike[str]) -> CaptureStore:

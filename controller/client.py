@@ -22,6 +22,7 @@ from dynsteer.probes import Probe
 from .contract import encode_f32
 from .http_models import (
     CapturedArray,
+    GlobalCapture,
     GlobalSteering,
     Health,
     ProbeList,
@@ -156,3 +157,14 @@ class DynsteerClient:
             else:
                 out[site] = CapturedArray.model_validate(value).to_numpy()
         return out
+
+    def set_global_capture(self, capture: dict[str, Any]) -> GlobalCapture:
+        """Capture every non-streaming completion that asks for none into a sink (``capture``:
+        a ``CaptureSpec`` with ``sink``)."""
+        return GlobalCapture.model_validate(self.call("PUT", "/capture/global", capture))
+
+    def get_global_capture(self) -> GlobalCapture:
+        return GlobalCapture.model_validate(self.call("GET", "/capture/global"))
+
+    def clear_global_capture(self) -> None:
+        self.call("DELETE", "/capture/global")

@@ -39,12 +39,13 @@ def test_round_trip_across_shards(tmp_path, dtype):
     written = [request(i, dtype) for i in range(12)]
     with capture.FilesystemSink(tmp_path, shard_bytes=600) as sink:
         for i, acts in enumerate(written):
-            assert sink.write(f"req-{i}", acts)
+            assert sink.write(f"req-{i}", acts, {"caller": f"c{i % 2}"})
     assert sink.counters.requests == 12 and sink.counters.shards > 2
     store = capture.open(tmp_path)
     assert len(store) == 12 and store.sites() == sorted(SITES)
     for i, (got, want) in enumerate(zip(store, written, strict=True)):
         assert got.request_id == f"req-{i}" and got.status == "ok"
+        assert got.meta == {"caller": f"c{i % 2}"}
         np.testing.assert_array_equal(got.activations.positions, want.positions)
         for site in SITES:
             np.testing.assert_array_equal(got[site], want[site])
@@ -81,9 +82,9 @@ class SlowSink(capture.FilesystemSink):
         self.release = threading.Event()
         super().__init__(*args, **kwargs)
 
-    def _add(self, request_id, activations):
+    def _add(self, request_id, activations, meta=None):
         self.release.wait()
-        super()._add(request_id, activations)
+        super()._add(request_id, activations, meta)
 
 
 def test_drop_policy_counts_what_a_full_queue_refuses(tmp_path):

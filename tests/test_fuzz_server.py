@@ -65,8 +65,9 @@ KNOWN_MUTATING = {("PUT", "/global"), ("DELETE", "/global"), ("POST", "/vectors"
                   ("DELETE", "/vectors/{name}"), ("POST", "/probes"),
                   ("DELETE", "/probes/{name}"), ("POST", "/capture")}
 """The mutating dynsteer routes today; the OpenAPI list must contain at least these."""
-GUARDED_GETS = {"/requests/{request_id}"}
-"""GET routes that need the key: they return another client's data (request telemetry)."""
+GUARDED_GETS = {"/requests/{request_id}", "/capture/global"}
+"""GET routes that need the key: they return another client's data (request telemetry) or
+where the operator collects traffic (the global capture and its sink)."""
 OPEN_GETS = {"/health", "/info", "/global", "/vectors", "/vectors/{name}", "/probes",
              "/probes/{name}"}
 """GET routes readable without the key (the served model, the registry and the global

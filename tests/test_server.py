@@ -19,6 +19,7 @@ from dynsteer import capture
 from dynsteer.controller.client import DynsteerClient, DynsteerHTTPError
 from dynsteer.controller.contract import encode_f32
 from dynsteer.engine_ext import Steering
+from dynsteer.engine_ext.server.sessions import key_namespace
 
 pytestmark = pytest.mark.engine
 
@@ -188,6 +189,7 @@ def test_a_capture_into_a_sink_and_the_global_capture(openai_client, server, sin
     store = sealed(sink_dir, 1)
     (first,) = list(store)
     assert first.request_id.startswith(response.id) and first["post_block@2"].shape == (7, 128)
+    assert first.meta["caller"] == key_namespace(KEY), "the sink records whose request it was"
     headers = {"api_key": KEY}
     everything = {"sites": "post_block@1", "positions": "last_prompt", "sink": "audit",
                   "dtype": "bfloat16"}

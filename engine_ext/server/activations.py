@@ -8,7 +8,9 @@ what each choice captured, under ``dynsteer.activations`` of the JSON: one entry
 workers (and freed there) by each choice's engine request id: the response's ``id`` on the
 chat route, ``<id>-<index>`` for the prompts of a completion. Only the caller that sent the
 request receives them. A capture naming a sink sends the rows there instead (the response
-keeps each choice's status and positions).
+keeps each choice's status and positions), with the namespace of the caller's API key
+(``caller``: ``-`` without keys, ``-/`` for a request without a configured key), so an operator
+can tell whose traffic each row is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from starlette.types import Message, Send
 from dynsteer.controller.activations import to_json
 
 from ..frontend import request_capture
+from ..frontend.caller import current
 from .runtime import WorkerError
 
 CHAT_PATH = "/v1/chat/completions"
@@ -68,6 +71,7 @@ async def attach(body: bytes, server: Any, path: str, sink: str | None = None) -
     if not isinstance(data, dict) or not isinstance(data.get("id"), str):
         return body
     choices = data.get("choices") or []
+    caller = current(server.frontend.default_caller).namespace or "-"
     usage = data.get("usage") or {}
     found = []
     for choice in choices:
@@ -87,7 +91,7 @@ async def attach(body: bytes, server: Any, path: str, sink: str | None = None) -
             found.append(to_json(activations))
             continue
         written = activations.status in ("ok", "partial") and server.sinks[sink].write(
-            engine_id, activations)
+            engine_id, activations, {"caller": caller})
         found.append({**to_json(activations), "sites": {}, "sink": sink if written else None})
     data["dynsteer"] = {"activations": found}
     return json.dumps(data).encode()

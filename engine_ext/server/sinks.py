@@ -3,8 +3,8 @@
 A value is a folder (a :class:`dynsteer.capture.FilesystemSink`), optionally with its
 settings as a query (``acts/?shard_bytes=67108864&policy=drop&seal_after_s=10``, also
 ``queue_size``), or ``@plugin:ARG``: the entry point ``plugin`` of the group
-``dynsteer.capture_sinks``, called with ``ARG``. A sink has ``write(request_id, activations)
--> bool`` (False: dropped), ``counters`` (requests, dropped, bytes, shards) and ``close()``;
+``dynsteer.capture_sinks``, called with ``ARG``. A sink has ``write(request_id, activations,
+meta) -> bool`` (False: dropped), ``counters`` (requests, dropped, bytes, shards) and ``close()``;
 sinks are closed (their open shard sealed) when the API server process exits.
 """
 
