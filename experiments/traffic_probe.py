@@ -11,8 +11,9 @@ On the embedded model (SmolLM2-135M-Instruct, CPU is enough), over HTTP only:
    by the pirate vector, sent concurrently by an ``openai`` client that knows nothing of the
    capture. Then turn the capture off.
 4. Read the sink back (``dynsteer.capture.open``), label each request's tokens by whether the
-   request was steered, train a logistic regression on the first requests' tokens, calibrate
-   its threshold to 5% of their plain tokens, upload it (``dynsteer.probes.upload``).
+   request was steered, train a logistic regression on their tokens, calibrate its threshold
+   so that at most 5% of those plain requests have a token above it, and upload it
+   (``dynsteer.probes.upload``).
 5. New traffic, held out: the probe gates a zero-scale entry on every request, so its gate
    telemetry says on which requests it fired; print the rate on steered and on plain ones.
 
@@ -107,13 +108,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         rows, labels = [], []
         for request in store:
             rows.append(request[site].astype(np.float32))
-            labels += [request.request_id in steered_ids] * len(request[site])
-        x, y = np.concatenate(rows), np.array(labels)
+            labels.append(request.request_id in steered_ids)
+        x = np.concatenate(rows)
+        y = np.concatenate([[label] * len(r) for r, label in zip(rows, labels, strict=True)])
         print(f"read back {len(store)} requests, {len(x)} tokens, {int(y.sum())} steered")
 
         fitted = LogisticRegression(C=1.0, max_iter=4000).fit(x, y)
         probe = from_sklearn(fitted, layer=READ, name="pirate-traffic")
-        probe = calibrate_threshold(probe, x[~y], target_fpr=0.05)
+        # A request is flagged when any of its tokens fires: calibrate on each plain
+        # request's highest-scoring token, so at most 5% of plain requests fire.
+        plain_tops = np.stack([r[np.argmax(probe.score(r))]
+                               for r, label in zip(rows, labels, strict=True) if not label])
+        probe = calibrate_threshold(probe, plain_tops, target_fpr=0.05)
         upload(probe, server.url)
 
         gate = {"gate": {"probe": "pirate-traffic", "layer": READ,
