@@ -1,0 +1,188 @@
+"""Throughput of activation capture against stock vLLM, side by side (GPU; ``--tiny`` on CPU).
+
+A Llama-8B-shaped model with dummy weights (bf16, torch.compile and CUDA graphs on) in two
+engines that live at the same time: ``stock`` (no dynsteer) and ``capture`` (dynsteer with
+four capture sites, ``post_block`` at layers 8, 16, 24 and 31, as monitor sites, four capture
+lanes and rows for a whole batch). Scenarios, run in alternation (order reversed every
+repetition), each on fresh random prompts:
+
+* ``plain``       requests without a capture on the capture engine;
+* ``returned-1``  every request captures one site at all positions as float16, collected with
+                  ``Steering.activations`` as the outputs arrive (the collection is timed);
+* ``sink-4``      every request captures all four sites at all positions as float16 into a
+                  filesystem sink (a temporary folder; timed until the shards are sealed);
+                  the sink's MB/s is reported;
+* ``training``    the probe-training path: ``Steering.capture`` of ``--train-prompts`` prompts
+                  of the prompt length at the four sites (``reduce="mean"``), against stock's
+                  prefill of the same prompts (``max_tokens=1``): prompt tokens/s.
+
+Generation scenarios report generated tokens per second of wall time (median of the
+repetitions) and the ratio to stock's in the same run (the issue's targets: ``plain`` at least
+0.99, ``returned-1`` 0.90, ``sink-4`` 0.85, ``training`` 0.5 of stock's prefill).
+
+Run on the GPU host: ``python -u benchmarks/capture.py --batches 32 256 --out $OUT/capture.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_model import dummy_model
+from overhead import LLAMA_8B, prompts
+from sigterm import exits_on_sigterm
+
+SITES = ["post_block@8", "post_block@16", "post_block@24", "post_block@31"]
+TINY = {**LLAMA_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 32,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32000,
+        "torch_dtype": "float32"}
+"""A small model of the same depth, for a CPU run of the script (``--tiny``)."""
+GENERATION = ("plain", "returned-1", "sink-4")
+
+
+def start(path: Path, dynsteer: dict[str, Any] | None, args: argparse.Namespace) -> Any:
+    from vllm import LLM
+
+    extra = {"additional_config": {"dynsteer": dynsteer}} if dynsteer is not None else {}
+    gpu = {} if args.tiny else {"gpu_memory_utilization": args.memory}
+    return LLM(str(path), load_format="dummy", dtype="float32" if args.tiny else "bfloat16",
+               skip_tokenizer_init=True, max_model_len=args.prompt + args.gen + 16,
+               max_num_seqs=max(args.batches), seed=0, **gpu, **extra)
+
+
+def capture_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The capture engine's options: rows for every request of the largest batch."""
+    rows = max(args.batches) * (args.prompt + args.gen) + 1
+    rows = max(rows, args.prompt * args.train_prompts // 4 + 1)
+    return {"sites": ",".join(SITES), "monitor_sites": ",".join(SITES), "capture_lanes": 4,
+            "capture_tokens": rows}
+
+
+def spec(scenario: str, sink: bool = False) -> dict[str, Any] | None:
+    if scenario == "returned-1":
+        return {"capture": {"sites": SITES[1], "positions": "all", "dtype": "float16"}}
+    if scenario == "sink-4":
+        return {"capture": {"sites": SITES, "positions": "all", "dtype": "float16"}}
+    return None
+
+
+def generate(llm: Any, scenario: str, batch: int, args: argparse.Namespace, seed: int,
+             sink_root: Path) -> dict[str, float]:
+    """One timed run: generated tokens/s (and the sink's MB/s)."""
+    from vllm import SamplingParams
+
+    from dynsteer import capture
+    from dynsteer.engine_ext import Steering
+
+    wanted = spec(scenario)
+    params = [SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True,
+                             detokenize=False,
+                             extra_args={"dynsteer": wanted} if wanted else None)
+              for _ in range(batch)]
+    batch_prompts = prompts(batch, args.prompt, seed)
+    sink = capture.FilesystemSink(sink_root / f"run-{seed}") if scenario == "sink-4" else None
+    t0 = time.perf_counter()
+    outs = llm.generate(batch_prompts, params, use_tqdm=False)
+    if wanted is not None:
+        steering = Steering(llm)
+        for out in outs:
+            acts = steering.activations(out)
+            if sink is not None:
+                sink.write(out.request_id, acts)
+            elif acts is None or acts.status != "ok":
+                raise RuntimeError(f"{scenario}: capture {acts and acts.status}")
+    if sink is not None:
+        sink.close()
+    wall = time.perf_counter() - t0
+    result = {"tokens_per_s": batch * args.gen / wall}
+    if sink is not None:
+        result["sink_mb_per_s"] = sink.counters.bytes / wall / 1e6
+    return result
+
+
+def prefill(llm: Any, args: argparse.Namespace, seed: int, training: bool) -> float:
+    """Prompt tokens/s: stock's prefill (``max_tokens=1``) or the probe-training capture."""
+    from vllm import SamplingParams
+
+    from dynsteer.engine_ext import Steering
+
+    batch_prompts = prompts(args.train_prompts, args.prompt, seed)
+    t0 = time.perf_counter()
+    if training:
+        Steering(llm).capture([p["prompt_token_ids"] for p in batch_prompts], SITES, "mean")
+    else:
+        llm.generate(batch_prompts, SamplingParams(max_tokens=1, detokenize=False),
+                     use_tqdm=False)
+    return args.train_prompts * args.prompt / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--gen", type=int, default=128)
+    parser.add_argument("--train-prompts", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--memory", type=float, default=0.4,
+                        help="GPU memory share of each engine")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a small model of the same depth in float32 (a CPU run)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    path = dummy_model("capture-tiny" if args.tiny else "llama8b",
+                       TINY if args.tiny else LLAMA_8B)
+    engines = {"stock": start(path, None, args),
+               "capture": start(path, capture_options(args), args)}
+    runs: dict[str, list[dict[str, float]]] = {}
+    seed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            order = [("stock", "stock"), *(("capture", s) for s in GENERATION)]
+            for batch in args.batches:
+                for engine, scenario in order if rep % 2 == 0 else order[::-1]:
+                    seed += 1
+                    result = generate(engines[engine], scenario, batch, args, seed, Path(tmp))
+                    runs.setdefault(f"{scenario}@{batch}", []).append(result)
+            for name, training in (("stock-prefill", False), ("training", True)):
+                seed += 1
+                engine = engines["capture" if training else "stock"]
+                runs.setdefault(name, []).append(
+                    {"tokens_per_s": prefill(engine, args, seed, training)})
+    table = summarize(runs, args.batches)
+    for row, value in table.items():
+        print(f"{row:24s} " + "  ".join(f"{k} {v:.4g}" for k, v in value.items()), flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
+                                        "runs": runs, "table": table}, indent=1, default=str))
+    return table
+
+
+def summarize(runs: dict[str, list[dict[str, float]]],
+              batches: list[int]) -> dict[str, dict[str, float]]:
+    """Median tokens/s per scenario and its ratio to stock's (generation: stock at the same
+    batch; training: stock's prefill)."""
+    def median(key: str, field: str = "tokens_per_s") -> float:
+        return statistics.median(r[field] for r in runs[key])
+
+    table: dict[str, dict[str, float]] = {}
+    for batch in batches:
+        stock = median(f"stock@{batch}")
+        table[f"stock@{batch}"] = {"tokens_per_s": stock}
+        for scenario in GENERATION:
+            key = f"{scenario}@{batch}"
+            table[key] = {"tokens_per_s": median(key), "ratio": median(key) / stock}
+            if scenario == "sink-4":
+                table[key]["sink_mb_per_s"] = median(key, "sink_mb_per_s")
+    table["training"] = {"tokens_per_s": median("training"),
+                         "ratio": median("training") / median("stock-prefill")}
+    return table
+
+
+if __name__ == "__main__":
+    exits_on_sigterm(main)()
