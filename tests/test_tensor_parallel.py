@@ -47,7 +47,8 @@ CAPTURE_SITES = "post_block@1,post_block@3"  # default monitor sites, one per PP
 
 def _outputs(path, **parallel: int):
     """(outputs of SPECS, outputs under global steering then after clearing it, capture, info,
-    the prefix guard's run) of one engine (prefix caching on)."""
+    the prefix guard's run, a steered request's own activations) of one engine (prefix
+    caching on)."""
     llm = start_llm(path, dynsteer={"sites": ALL_SITES, "monitor_sites": MONITOR_SITES},
                     enable_prefix_caching=True, block_size=GUARD_BLOCK, **parallel)
     try:
@@ -58,9 +59,12 @@ def _outputs(path, **parallel: int):
         steering.clear_global()
         cleared = run(llm, PROMPTS[:1], [params()])
         capture = steering.capture(PROMPTS[2:4], CAPTURE_SITES, reduce="all")
+        (own,) = run(llm, PROMPTS[4:5], [params(spec={**SPECS[1], "capture": {
+            "sites": CAPTURE_SITES, "positions": "all"}})])
+        activations = steering.activations(own)
         info = steering.info()  # the checksums of SPECS' controllers, before the guard's latch
         guard = guard_run(llm, steering, str(path))
-        return outs, [*under_global, *cleared], capture, info, guard
+        return outs, [*under_global, *cleared], capture, info, guard, activations
     finally:
         stop_llm(llm)
 
@@ -132,6 +136,19 @@ def test_parallel_capture_equals_tp1(tp_outputs, layout):
     for site in want:
         for a, b in zip(got[site], want[site], strict=True):
             np.testing.assert_allclose(a, b, atol=2e-4)
+
+
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_parallel_request_activations_equal_tp1(tp_outputs, layout):
+    """A steered request's own activations, prompt and generated positions, at sites of both
+    PP stages (one reply per stage, merged) equal TP=1's."""
+    single, parallel = tp_outputs
+    want, got = single[5], parallel[layout][5]
+    assert got.status == want.status == "ok"
+    assert got.positions.tolist() == want.positions.tolist() == list(range(5 + 6 - 1))
+    assert set(got.sites) == set(want.sites) == set(CAPTURE_SITES.split(","))
+    for site in want.sites:
+        np.testing.assert_allclose(got[site], want[site], atol=2e-4, err_msg=site)
 
 
 @pytest.mark.parametrize("layout", PARALLEL)
