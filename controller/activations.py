@@ -2,8 +2,9 @@
 
 The engine returns what a request's spec ``capture`` asked for (see ``docs/capture.md``): the
 positions it captured and, per site, the rows ``[positions, hidden]``. Offline,
-``Steering.activations(output)`` gives an :class:`Activations`; over HTTP a non-streaming
-completion's JSON carries one per choice under ``dynsteer.activations`` (:func:`to_json`),
+``Steering.activations(output)`` gives an :class:`Activations`; over HTTP a completion's JSON
+(a stream's last event before ``[DONE]``) carries one per choice under
+``dynsteer.activations`` (:func:`to_json`),
 which :func:`activations_of` reads back from the response (a dict, or an ``openai`` client's
 response object). No vLLM import.
 """

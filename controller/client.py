@@ -159,7 +159,7 @@ class DynsteerClient:
         return out
 
     def set_global_capture(self, capture: dict[str, Any]) -> GlobalCapture:
-        """Capture every non-streaming completion that asks for none into a sink (``capture``:
+        """Capture every completion that asks for none into a sink (``capture``:
         a ``CaptureSpec`` with ``sink``)."""
         return GlobalCapture.model_validate(self.call("PUT", "/capture/global", capture))
 

@@ -207,7 +207,7 @@ array per prompt (``all``)."""
 
 
 class GlobalCapture(_Body):
-    """The capture the server adds to every non-streaming completion that asks for none
+    """The capture the server adds to every completion that asks for none
     (``/v1/dynsteer/capture/global``); None: off."""
 
     capture: CaptureSpec | None = None

@@ -177,7 +177,7 @@ def sealed(sink_dir, count, timeout=30.0):
 
 def test_a_capture_into_a_sink_and_the_global_capture(openai_client, server, sink_dir):
     """A request's capture naming a sink lands there (the response keeps status and
-    positions); the global capture adds one to every non-streaming completion that has none,
+    positions); the global capture adds one to every completion that has none,
     until deleted; the sink's counters are in /metrics."""
     model = openai_client.models.list().data[0].id
     spec = {"capture": {"sites": "post_block@2", "positions": "generated", "sink": "audit"}}
@@ -203,13 +203,13 @@ def test_a_capture_into_a_sink_and_the_global_capture(openai_client, server, sin
     finally:
         assert http("DELETE", server.url + "/v1/dynsteer/capture/global", **headers)[0] == 200
     assert plain.model_extra["dynsteer"]["activations"][0]["sink"] == "audit"
-    assert streamed and "dynsteer" not in (streamed[-1].model_extra or {})
-    store = sealed(sink_dir, 2)
-    assert len(store) == 2 and store.site("post_block@1").shape == (1, 128)
+    assert streamed[-1].model_extra["dynsteer"]["activations"][0]["sink"] == "audit"
+    store = sealed(sink_dir, 3)
+    assert len(store) == 3 and store.site("post_block@1").shape == (2, 128)
     after = openai_client.completions.create(model=model, prompt="The sea is", max_tokens=3)
     assert "dynsteer" not in (after.model_extra or {})
     status, text = http("GET", server.url + "/metrics")
-    assert re.search(r'dynsteer_capture_sink_requests_total\{sink="audit"\} 2\.0', text)
+    assert re.search(r'dynsteer_capture_sink_requests_total\{sink="audit"\} 3\.0', text)
     status, body = http("PUT", server.url + "/v1/dynsteer/capture/global",
                         {"sites": "post_block@1"}, **headers)
     assert status == 400 and "a global capture needs a sink" in body["error"]["message"]
@@ -219,11 +219,28 @@ def test_a_capture_into_a_sink_and_the_global_capture(openai_client, server, sin
         chat(openai_client, dynsteer=bad)
 
 
-def test_capture_on_a_streamed_request_is_400(openai_client):
-    import openai
+def test_a_streamed_request_gets_its_activations_before_done(openai_client):
+    """The stream passes through as it comes and ends with one more event carrying the
+    activations, the rows the same request gets unstreamed (the stream's may hold one more
+    position: its token counts are not known)."""
+    from dynsteer.controller.activations import activations_of
 
-    with pytest.raises(openai.BadRequestError, match=r"dynsteer\.capture: .*stream=false"):
-        chat(openai_client, stream=True, dynsteer=CAPTURE)
+    model = openai_client.models.list().data[0].id
+    kwargs = {"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS,
+              "temperature": 0.0, "seed": 0, "extra_body": {"dynsteer": CAPTURE}}
+    whole = activations_of(openai_client.chat.completions.create(**kwargs))[0]
+    chunks = list(openai_client.chat.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    (last,) = [c for c in chunks if (c.model_extra or {}).get("dynsteer")]
+    assert last is chunks[-1] and not last.choices
+    (streamed,) = activations_of(last)
+    assert streamed.status == "ok"
+    n = len(whole.positions)
+    assert streamed.positions[:n].tolist() == whole.positions.tolist()
+    assert len(streamed.positions) - n in (0, 1)
+    for site in whole.sites:
+        np.testing.assert_allclose(streamed[site][:n].astype(np.float32),
+                                   whole[site].astype(np.float32), atol=2e-3, rtol=2e-3)
 
 
 def test_global_steering_changes_outputs_and_returns_to_baseline(openai_client, client):

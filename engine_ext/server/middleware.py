@@ -159,21 +159,22 @@ def _move_into_xargs(found: _Json) -> None:
 
 
 class Checked(NamedTuple):
-    """A body as the app should see it, and whether its request captures activations (and
-    into which sink; None: into the response)."""
+    """A body as the app should see it, and whether its request captures activations (into
+    which sink, None: into the response; and whether the response is streamed)."""
 
     body: bytes
     captures: bool = False
     sink: str | None = None
+    streamed: bool = False
 
 
 def _with_global_capture(found: _Json, capture: dict[str, Any]) -> bool:
-    """Add the server's global capture to a non-streaming completion whose spec asks for no
-    capture of its own (a ``when: "gated"`` one only to a spec with a gate) in place; whether
-    the body changed."""
+    """Add the server's global capture to a completion whose spec asks for no capture of its
+    own (a ``when: "gated"`` one only to a spec with a gate) in place; whether the body
+    changed."""
     data = found.data
     xargs = data.get("vllm_xargs") or {}
-    if data.get("stream") or not isinstance(xargs, dict):
+    if not isinstance(xargs, dict):
         return False
     raw = xargs.get(SPEC_KEY)
     spec = _loads(raw).data if isinstance(raw, (str, bytes)) else {}
@@ -197,10 +198,8 @@ def check_body(path: str, body: bytes, frontend: FrontendState | None) -> Checke
     streaming request with a bad spec gets its 400, not an error event in a 200 stream. The
     caller (its session namespace, its right to reserved keys) is the one in context, as at
     admission. The body is parsed only when it may name ``dynsteer`` and written again only
-    when the spec moved. A spec with ``capture`` is refused on a streaming request (its
-    activations come back in the response's JSON). With a global capture set
-    (``frontend.global_capture``), every non-streaming completion that asks for no capture
-    gets it."""
+    when the spec moved. With a global capture set (``frontend.global_capture``), every
+    completion that asks for no capture gets it."""
     completion = path.rstrip("/") in COMPLETION_PATHS
     global_capture = frontend.global_capture if frontend is not None and completion else None
     if not _may_carry_spec(body) and global_capture is None:
@@ -222,11 +221,9 @@ def check_body(path: str, body: bytes, frontend: FrontendState | None) -> Checke
     if frontend is not None and isinstance(xargs, dict):
         spec = admission.precheck(frontend, xargs)
     captures = spec is not None and spec.capture is not None
-    if captures and found.data.get("stream"):
-        raise SpecError(f"{SPEC_KEY}.capture: activations come back in the response's JSON; "
-                        "send the request with stream=false")
     return Checked(found.dumps(found.data) if moved else body, captures,
-                   spec.capture.sink if captures and spec is not None and spec.capture else None)
+                   spec.capture.sink if captures and spec is not None and spec.capture else None,
+                   bool(found.data.get("stream")))
 
 
 def _bearer(scope: Scope) -> str | None:
@@ -292,5 +289,6 @@ class DynsteerMiddleware:
             if checked.body is not body:
                 scope, body = _with_length(scope, len(checked.body)), checked.body
             if checked.captures:
-                send = with_activations(send, server, path.rstrip("/"), checked.sink)
+                send = with_activations(send, server, path.rstrip("/"), checked.sink,
+                                        checked.streamed)
         await self.app(scope, _replay(body, receive), send)

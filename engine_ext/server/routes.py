@@ -129,14 +129,14 @@ async def info(server: DynsteerServer = Server) -> ServerInfo:
 
 @router.get("/capture/global", response_model=GlobalCapture, dependencies=Guarded)
 async def get_global_capture(server: DynsteerServer = Server) -> GlobalCapture:
-    """The capture every non-streaming completion that asks for none gets (None: off)."""
+    """The capture every completion that asks for none gets (None: off)."""
     return GlobalCapture.model_validate({"capture": server.frontend.global_capture})
 
 
 @router.put("/capture/global", response_model=GlobalCapture, dependencies=Guarded)
 async def put_global_capture(body: CaptureSpec,
                              server: DynsteerServer = Server) -> GlobalCapture:
-    """Capture every non-streaming completion that asks for no capture of its own into a sink
+    """Capture every completion that asks for no capture of its own into a sink
     (dataset collection while serving; with ``when: "gated"``, the requests with a gate whose
     gate fired: the audit log of a probe-gated deployment); applies to requests received from
     now on."""
