@@ -8,7 +8,7 @@ repetition), each on fresh random prompts:
 
 * ``plain``       requests without a capture on the capture engine;
 * ``returned-1``  every request captures one site at all positions as float16, collected with
-                  ``Steering.activations`` as the outputs arrive (the collection is timed);
+                  one ``Steering.activations(outputs)`` call for the batch (timed);
 * ``sink-4``      every request captures all four sites at all positions as float16 into a
                   filesystem sink (a temporary folder; timed until the shards are sealed);
                   the sink's MB/s is reported;
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -48,6 +49,8 @@ GENERATION = ("plain", "returned-1", "sink-4")
 def start(path: Path, dynsteer: dict[str, Any] | None, args: argparse.Namespace) -> Any:
     from vllm import LLM
 
+    if args.tiny:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU builds: a small KV cache
     extra = {"additional_config": {"dynsteer": dynsteer}} if dynsteer is not None else {}
     gpu = {} if args.tiny else {"gpu_memory_utilization": args.memory}
     return LLM(str(path), load_format="dummy", dtype="float32" if args.tiny else "bfloat16",
@@ -89,9 +92,7 @@ def generate(llm: Any, scenario: str, batch: int, args: argparse.Namespace, seed
     t0 = time.perf_counter()
     outs = llm.generate(batch_prompts, params, use_tqdm=False)
     if wanted is not None:
-        steering = Steering(llm)
-        for out in outs:
-            acts = steering.activations(out)
+        for out, acts in zip(outs, Steering(llm).activations(outs), strict=True):
             if sink is not None:
                 sink.write(out.request_id, acts)
             elif acts is None or acts.status != "ok":

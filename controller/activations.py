@@ -67,17 +67,18 @@ class Activations:
         return self.sites[site]
 
 
-def rows_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...],
+def rows_from_bytes(data: bytes | np.ndarray, dtype: str, shape: tuple[int, ...],
                     scales: bytes = b"") -> np.ndarray:
     """Rows sent as little-endian ``dtype`` bytes (:data:`_BITS`) as a numpy array: float16
-    for ``float16``, float32 otherwise (bfloat16 values; int8 rows times their ``scales``)."""
+    for ``float16``, float32 otherwise (bfloat16 values; int8 rows times their ``scales``).
+    Writable: a view of ``data`` where that is writable (a mapped reply), else a copy."""
     raw = np.frombuffer(data, dtype=_BITS[dtype]).reshape(shape)
     if dtype == "bfloat16":
         return (raw.astype(np.uint32) << 16).view(np.float32)
     if dtype == "int8":
         scale = np.frombuffer(scales, dtype="<f4").reshape(shape[:-1])
         return raw.astype(np.float32) * scale[..., None].astype(np.float32)
-    return raw.astype(raw.dtype.newbyteorder("="))
+    return raw.astype(raw.dtype.newbyteorder("="), copy=not raw.flags.writeable)
 
 
 def rows_to_bytes(rows: np.ndarray, dtype: str) -> tuple[bytes, bytes]:

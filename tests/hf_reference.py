@@ -26,8 +26,9 @@ from tiny_models import HIDDEN
 
 HOOKS = ("pre_attn", "post_attn", "post_block")
 
-CAPTURE_ATOL = 2e-4
-"""A stream the engine captured (fp32) vs the same stream recorded in HF."""
+CAPTURE_ATOL = 1e-3 if torch.cuda.is_available() else 2e-4
+"""A stream the engine captured (fp32) vs the same stream recorded in HF (on CUDA the engine's
+attention and matmul kernels sum in another order than HF's CPU reference does)."""
 
 
 def _phase_mask(phase: str, seq_len: int, prompt_len: int) -> torch.Tensor:

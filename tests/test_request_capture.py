@@ -10,6 +10,7 @@ are checked without an engine first.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from dynsteer.controller.activations import (
 from dynsteer.controller.extra_args import ACTIVATIONS_KEY, CAPTURE_KEY
 from dynsteer.controller.positions import first_prompt_position, select
 from dynsteer.engine_ext import Steering
+from dynsteer.engine_ext.frontend import rows_inbox
 from dynsteer.engine_ext.worker.state import SteeringState
 
 SITES = "pre_attn@*,post_attn@1,post_block@*"
@@ -98,6 +100,12 @@ def test_projection_keeps_norms_as_johnson_lindenstrauss_bounds():
 WORKER_SITES = (("pre_attn", 0), ("post_block", 0), ("post_block", 1))
 
 
+def collected(capture, request_id, reply=True):
+    """A worker's reply for one request (rows inline), None where it has none."""
+    found = capture.collect_requests([(request_id, None)], reply=reply)
+    return found and found["items"][0]
+
+
 def wanted(sites, rows, positions="all", dtype="float32"):
     return {ACTIVATIONS_KEY: {"sites": sites, "rows": rows, "positions": positions,
                               "dtype": dtype}}
@@ -114,12 +122,12 @@ def test_lanes_are_shared_by_site_and_freed_when_collected():
     with pytest.raises(ValueError, match="capture lanes are not free"):
         capture.begin("t.0", ["post_block@0"])
     state.remove_request("a")
-    assert capture.collect_request("a", None, reply=True)["status"] == "ok"
-    assert capture.collect_request("c", None, reply=True)["detail"].startswith(
+    assert collected(capture, "a", reply=True)["status"] == "ok"
+    assert collected(capture, "c", reply=True)["detail"].startswith(
         "no free capture lanes")
-    assert capture.collect_request("nobody", None, reply=True) is None
+    assert collected(capture, "nobody", reply=True) is None
     state.remove_request("b")
-    capture.collect_request("b", None, reply=False)
+    collected(capture, "b", reply=False)
     assert capture.site_lane.tolist() == [-1, -1, -1] and capture.rows_in_use == 0
     capture.begin("t.0", ["post_block@0"])
     state.add_request("p", 4, {CAPTURE_KEY: "t.0:0"}, prompt_len=3)
@@ -135,8 +143,8 @@ def test_rows_of_finished_requests_are_reused_oldest_first():
     state.remove_request("b")
     state.remove_request("a")
     state.add_request("c", 3, wanted(["post_block@1"], 4), prompt_len=2)
-    assert state.capture.collect_request("b", None, reply=True)["status"] == "dropped"
-    assert state.capture.collect_request("a", None, reply=True)["status"] == "ok"
+    assert collected(state.capture, "b", reply=True)["status"] == "dropped"
+    assert collected(state.capture, "a", reply=True)["status"] == "ok"
 
 
 # ---- a real engine vs HF -------------------------------------------------------------------
@@ -165,8 +173,7 @@ def captured(llm, prompts, spec, max_tokens=DECODE, **kwargs):
     """Outputs and their activations, collected as they arrive."""
     kwargs.setdefault("prompt_logprobs", None)
     outs = run(llm, prompts, [params(max_tokens, spec=spec, **kwargs) for _ in prompts])
-    steering = Steering(llm)
-    return outs, [steering.activations(out) for out in outs]
+    return outs, Steering(llm).activations(outs)
 
 
 def assert_rows_match_hf(hf, out, acts, spec, sites=CAPTURED):
@@ -256,6 +263,28 @@ def test_half_dtypes_round_the_float32_rows(llm, dtype):
     rtol = 2.0 ** -11 if dtype == "float16" else 2.0 ** -8
     np.testing.assert_allclose(rows, full["post_block@3"], rtol=rtol, atol=1e-6)
     assert half.dtype == dtype and not np.array_equal(rows, full["post_block@3"])
+
+
+@pytest.mark.engine
+def test_a_batch_comes_through_the_inbox_or_inline_alike(llm, monkeypatch):
+    """A batch collected in one call: its rows travel through the frontend's inbox (one file,
+    unlinked once mapped) or, where the workers cannot see one, inline in the reply; the same
+    rows either way, and writable."""
+    spec = {"capture": {"sites": CAPTURED, "dtype": "float16"}}
+    taken = []
+    take = rows_inbox.take
+    monkeypatch.setattr(rows_inbox, "take", lambda path: taken.append(path) or take(path))
+    outs, mapped = captured(llm, PROMPTS, spec)
+    assert len(taken) == 1 and os.listdir(rows_inbox.inbox()["folder"]) == ["token"]
+    monkeypatch.setattr(rows_inbox, "inbox", lambda: None)
+    again, inline = captured(llm, PROMPTS, spec)
+    assert len(taken) == 1
+    for first, second, a, b in zip(outs, again, mapped, inline, strict=True):
+        assert first.outputs[0].token_ids == second.outputs[0].token_ids
+        assert a.status == b.status == "ok" and (a.positions == b.positions).all()
+        for site in CAPTURED:
+            np.testing.assert_allclose(a[site], b[site], atol=1e-6, err_msg=site)
+            a[site][0, 0] = b[site][0, 0] = 0.0
 
 
 @pytest.mark.engine

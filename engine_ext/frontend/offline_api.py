@@ -98,19 +98,25 @@ class Steering:
         request_id = output if isinstance(output, str) else output.request_id
         return vllm_frontend.rpc(self._llm, "dynsteer_telemetry", (request_id,))[0]
 
-    def activations(self, output: Any) -> Activations | None:
+    def activations(self, outputs: Any
+                    ) -> Activations | list[Activations | None] | None:
         """The activations a finished request captured (its spec's ``capture``): the positions
         and, per site, ``[positions, hidden]``; None if it asked for none.
 
-        ``output``: its ``RequestOutput`` (or the request id). Collect each request's once,
-        as its output arrives: the rows are freed then, and a finished request's rows are
-        reused by later requests when the engine needs the room (its status is then
-        ``dropped``).
+        ``outputs``: a ``RequestOutput`` (or a request id), giving one result; or a list of
+        them, giving a list, collected in one call to the workers (much faster for a batch).
+        Collect each request's once, as its output arrives: the rows are freed then, and a
+        finished request's rows are reused by later requests when the engine needs the room
+        (its status is then ``dropped``).
         """
-        request_id = output if isinstance(output, str) else output.request_id
-        computed = None if isinstance(output, str) else vllm_frontend.computed_positions(output)
-        return request_capture.merge(vllm_frontend.rpc(
-            self._llm, "dynsteer_collect_activations", (request_id, computed)))
+        single = isinstance(outputs, str) or not isinstance(outputs, Sequence)
+        wanted = [outputs] if single else list(outputs)
+        requests = [(o, None) if isinstance(o, str)
+                    else (o.request_id, vllm_frontend.computed_positions(o)) for o in wanted]
+        found = request_capture.merge(vllm_frontend.rpc(
+            self._llm, "dynsteer_collect_activations", request_capture.collect_args(requests)),
+            len(requests))
+        return found[0] if single else found
 
     def capture(self, prompts: Sequence[Sequence[int] | str], sites: str | Sequence[str],
                 reduce: str = "last") -> dict[str, Any]:

@@ -7,7 +7,7 @@ lanes hold them, the request's rows fit) and writes :data:`ACTIVATIONS_KEY` for 
 the sites, how many rows the request may fill (its prompt plus ``max_tokens - 1``: the last
 generated token's forward never runs), the positions and the dtype. The workers store the rows
 in the graph's capture buffer as the request runs (:mod:`..worker.capture_buffers`) and keep
-them after it finishes until they are collected (:func:`merge`, through
+them after it finishes until they are collected (:func:`collect_args`, :func:`merge`, through
 ``Steering.activations`` or a completion's response) or a later request needs the room.
 """
 
@@ -26,6 +26,7 @@ from dynsteer.controller.spec import CaptureSpec, ModelShape, capture_sites
 
 from ..compat.frontend import Generation
 from ..options import EngineOptions
+from . import rows_inbox
 
 
 def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, prompt_len: int,
@@ -72,17 +73,37 @@ def first_captured_prompt_position(capture: CaptureSpec | None, prompt_len: int)
     return first if first is not None and first < prompt_len - 1 else None
 
 
-def merge(replies: list[dict[str, Any] | None]) -> Activations | None:
-    """The workers' replies to ``dynsteer_collect_activations`` as one result (a pipeline
-    stage's replier has its own layers' sites; None: the request asked for no capture)."""
-    return merge_parts([decode(reply) for reply in replies if reply is not None])
+def collect_args(requests: list[tuple[str, int | None]]) -> tuple[Any, ...]:
+    """The arguments of ``dynsteer_collect_activations`` for ``requests`` ((id, computed))."""
+    return ([list(r) for r in requests], rows_inbox.inbox())
 
 
-def decode(reply: dict[str, Any]) -> Activations:
-    """One worker's reply (:meth:`..worker.capture_buffers.CaptureBuffers.collect_request`)."""
+def merge(replies: list[dict[str, Any] | None], count: int) -> list[Activations | None]:
+    """The workers' replies to ``dynsteer_collect_activations`` of ``count`` requests as one
+    result per request (a pipeline stage's replier has its own layers' sites; None: the
+    request asked for no capture)."""
+    parts: list[list[Activations]] = [[] for _ in range(count)]
+    for reply in replies:
+        if reply is None:
+            continue
+        file = rows_inbox.take(reply["file"]) if reply.get("file") else None
+        for i, item in enumerate(reply["items"]):
+            if item is not None:
+                parts[i].append(decode(item, file))
+    return [merge_parts(p) for p in parts]
+
+
+def decode(reply: dict[str, Any], file: np.ndarray | None = None) -> Activations:
+    """One worker's reply for one request
+    (:meth:`..worker.capture_buffers.CaptureBuffers.collect_requests`); ``file``: the bytes of
+    the reply's inbox file, where its rows are when it gives an ``offset``."""
     positions = np.frombuffer(reply["positions"], dtype="<i8").astype(np.int64)
     shape = (len(reply["sites"]), len(positions), int(reply["hidden"]))
-    rows = rows_from_bytes(reply["data"], reply["dtype"], shape, reply.get("scales", b""))
+    if "offset" in reply and file is not None:
+        data = file[int(reply["offset"]):int(reply["offset"]) + int(reply["nbytes"])]
+    else:
+        data = reply["data"]
+    rows = rows_from_bytes(data, reply["dtype"], shape, reply.get("scales", b""))
     return Activations(status=reply["status"], positions=positions,
                        sites={site: rows[i] for i, site in enumerate(reply["sites"])},
                        dtype=reply["dtype"], detail=reply.get("detail", ""))

@@ -133,19 +133,20 @@ async def collect(server: Any, path: str, sink: str | None, response_id: str,
     ``"sink"`` names where the rows went). ``usage`` (a single choice's token counts) bounds
     the positions to those of its tokens."""
     caller = current(server.frontend.default_caller).namespace or "-"
+    engine_ids = [response_id if path == CHAT_PATH else f"{response_id}-{index}"
+                  for index in indices]
+    computed = None
+    if len(indices) == 1 and "prompt_tokens" in usage and "completion_tokens" in usage:
+        computed = int(usage["prompt_tokens"]) + int(usage["completion_tokens"]) - 1
+    try:
+        replies = await server.rpc("dynsteer_collect_activations", *request_capture.collect_args(
+            [(engine_id, computed) for engine_id in engine_ids]))
+    except WorkerError as e:
+        return [{"status": "dropped", "detail": str(e), "dtype": "float32", "positions": [],
+                 "sites": {}} for _ in engine_ids]
     found: list[dict[str, Any] | None] = []
-    for index in indices:
-        engine_id = response_id if path == CHAT_PATH else f"{response_id}-{index}"
-        computed = None
-        if len(indices) == 1 and "prompt_tokens" in usage and "completion_tokens" in usage:
-            computed = int(usage["prompt_tokens"]) + int(usage["completion_tokens"]) - 1
-        try:
-            replies = await server.rpc("dynsteer_collect_activations", engine_id, computed)
-        except WorkerError as e:
-            found.append({"status": "dropped", "detail": str(e), "dtype": "float32",
-                          "positions": [], "sites": {}})
-            continue
-        activations = request_capture.merge(replies)
+    for engine_id, activations in zip(engine_ids, request_capture.merge(replies, len(engine_ids)),
+                                      strict=True):
         if sink is None or activations is None:
             found.append(to_json(activations))
             continue

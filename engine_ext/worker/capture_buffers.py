@@ -10,7 +10,7 @@ Two kinds of request are captured, into the same buffer ``capture[K, C + 1, H]``
 * a request whose spec has ``capture`` (``extra_args["dynsteer_activations"]``, see
   :mod:`..frontend.request_capture`): at admission it takes lanes for its sites and one row per
   position it may compute (its prompt and ``max_tokens - 1`` generated positions), prompt and
-  generated tokens alike; :meth:`~CaptureBuffers.collect_request` returns the positions it
+  generated tokens alike; :meth:`~CaptureBuffers.collect_requests` returns the positions it
   named and frees both.
 
 A lane is the per-site table ``site_lane`` the in-graph op reads (:mod:`.ops`); lanes are
@@ -47,6 +47,7 @@ from dynsteer.controller.positions import select
 
 from ..compat.worker import is_internal_id_of
 from .capture_encode import encode
+from .capture_transfer import RowsSender
 
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -129,6 +130,7 @@ class CaptureBuffers:
         self._slot_len = np.zeros(max_slots, dtype=np.int64)
         self._slot_first = np.full(max_slots, _UNSEEN, dtype=np.int64)
         self._slot_end = np.zeros(max_slots, dtype=np.int64)
+        self._sender = RowsSender()
 
     # ---- passes (RPCs of the probe-training path) ----------------------------------------
     def begin(self, ticket: str, sites: list[str]) -> None:
@@ -205,28 +207,49 @@ class CaptureBuffers:
                 "missing": missing}
 
     # ---- request captures ----------------------------------------------------------------
-    def collect_request(self, request_id: str, computed: int | None, reply: bool,
-                        fired: Callable[[str], bool] = lambda _: True) -> dict[str, Any] | None:
-        """The captured positions of one request (its id, or the caller's id of it), then
-        freed; None when it asked for no capture (or on TP ranks other than 0).
+    def collect_requests(self, requests: list[tuple[str, int | None]], reply: bool,
+                         fired: Callable[[str], bool] = lambda _: True,
+                         inbox: dict[str, str] | None = None) -> dict[str, Any] | None:
+        """The captured positions of requests (each by its id or the caller's id of it), then
+        freed; None on TP ranks other than 0.
 
-        ``computed``: how many positions the request computed, as its output says (prompt plus
-        generated tokens, less one); None: as far as this worker saw. ``fired(req_id)``:
-        whether the request's gate fired (a ``when: "gated"`` capture keeps its rows only then;
-        otherwise they are freed without leaving the device).
+        ``requests``: (id, computed) pairs; ``computed`` is how many positions the request
+        computed, as its output says (prompt plus generated tokens, less one); None: as far as
+        this worker saw. ``fired(req_id)``: whether the request's gate fired (a ``when:
+        "gated"`` capture keeps its rows only then; otherwise they are freed without leaving
+        the device). ``inbox``: where the frontend takes the rows (:mod:`.capture_transfer`).
 
-        Reply: ``status`` (``ok`` / ``skipped`` / ``partial`` / ``dropped``), ``detail``, ``sites``
-        (``hook@layer``), ``hidden`` (a row's width: ``k`` when projected), ``dtype``,
-        ``positions`` (little-endian int64 bytes), ``data`` (``[sites, positions, hidden]``, see
-        :mod:`.capture_encode`) and ``scales`` (int8: one float32 per row).
+        Reply: ``file`` (the inbox file holding the rows, or None) and per request, in order,
+        None (it asked for no capture) or ``status`` (``ok`` / ``skipped`` / ``partial`` /
+        ``dropped``), ``detail``, ``sites`` (``hook@layer``), ``hidden`` (a row's width: ``k``
+        when projected), ``dtype``, ``positions`` (little-endian int64 bytes), the rows
+        ``[sites, positions, hidden]`` (:mod:`.capture_encode`) as ``data`` or as ``offset`` /
+        ``nbytes`` in the file, and ``scales`` (int8: one float32 per row).
         """
+        self._synchronize(reply)
+        taken = [self._take(request_id, computed, reply, fired)
+                 for request_id, computed in requests]
+        if not reply:
+            return None
+        blobs = [blob for _, blob in taken if blob is not None]
+        file, placed = self._sender.send(blobs, inbox)
+        where = iter(placed)
+        items = [None if reply is None else {**reply, **(next(where) if blob is not None else {})}
+                 for reply, blob in taken]
+        return {"file": file, "items": items}
+
+    def _take(self, request_id: str, computed: int | None, reply: bool,
+              fired: Callable[[str], bool]
+              ) -> tuple[dict[str, Any] | None, torch.Tensor | None]:
+        """One request's reply (without its rows) and its rows' bytes on the device; its rows
+        and lanes are free once the bytes are copied out."""
         req_id = self._find(request_id)
         if req_id is None:
             gone = next((g for g in self._gone if g == request_id
                          or is_internal_id_of(g, request_id)), None)
             if gone is None or not reply:
-                return None
-            return self._nothing("dropped", self._gone[gone])
+                return None, None
+            return self._nothing("dropped", self._gone[gone]), None
         entry = self._requests.pop(req_id)
         self._left.pop(req_id, None)
         self._detach(entry)
@@ -234,7 +257,9 @@ class CaptureBuffers:
         wanted = entry.wanted or {}
         if wanted.get("when") == "gated" and not fired(req_id):
             return {**self._nothing("skipped", "the request's gate never fired"),
-                    "dtype": wanted["dtype"]} if reply else None
+                    "dtype": wanted["dtype"]}, None
+        if not reply:
+            return None, None
         end = entry.end if computed is None else min(entry.end, computed)
         positions = select(wanted["positions"], entry.prompt_len, max(end, 0))
         seen = positions[positions >= max(entry.first, 0)] if entry.first >= 0 else positions[:0]
@@ -243,9 +268,6 @@ class CaptureBuffers:
             status = "partial"
             detail = (f"positions {int(positions[0])}..{max(entry.first, 0) - 1} were not "
                       "computed by this request (taken from the prefix cache)")
-        if not reply:
-            return None
-        self._synchronize(reply)
         sites = [self._lane_site[lane] for lane in entry.lanes]
         mine = [i for i, site in enumerate(sites) if site in self.installed]
         index = torch.as_tensor(entry.start + seen, device=self.capture.device)
@@ -255,7 +277,7 @@ class CaptureBuffers:
         return {"status": status, "detail": detail,
                 "sites": [site_name(sites[i]) for i in mine if sites[i] is not None],
                 "hidden": width, "dtype": wanted["dtype"],
-                "positions": seen.astype("<i8").tobytes(), "data": data, "scales": scales}
+                "positions": seen.astype("<i8").tobytes(), "scales": scales}, data
 
     # ---- request lifecycle and steps -----------------------------------------------------
     def admit(self, req_id: str, slot: int, extra_args: Any, prompt_len: int) -> None:

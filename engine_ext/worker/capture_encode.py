@@ -4,7 +4,8 @@ are copied out.
 ``project`` (``{"k", "seed"}``) multiplies the rows by the seeded random matrix of
 :func:`dynsteer.controller.activations.projection_matrix` (the client can make the same
 matrix); ``dtype`` casts them: ``float32``, ``float16``, ``bfloat16`` (sent as its 16 bits) or
-``int8`` with one float32 scale per row (``max |row| / 127``).
+``int8`` with one float32 scale per row (``max |row| / 127``). The bytes stay on the device
+until :mod:`.capture_transfer` sends them.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ def _matrix(seed: int, hidden: int, k: int, device: torch.device) -> torch.Tenso
 
 
 def encode(rows: torch.Tensor, dtype: str, project: dict[str, Any] | None
-           ) -> tuple[bytes, bytes, int]:
-    """``rows`` (float32 ``[sites, positions, hidden]``) as (little-endian bytes of
-    ``dtype``, the int8 rows' float32 scales or ``b""``, the width of a row)."""
+           ) -> tuple[torch.Tensor, bytes, int]:
+    """``rows`` (float32 ``[sites, positions, hidden]``) as (their little-endian bytes of
+    ``dtype``, flat ``uint8`` on the rows' device; the int8 rows' float32 scales or ``b""``;
+    the width of a row)."""
     if project is not None:
         rows = rows @ _matrix(int(project["seed"]), rows.shape[-1], int(project["k"]),
                               rows.device)
@@ -40,6 +42,4 @@ def encode(rows: torch.Tensor, dtype: str, project: dict[str, Any] | None
         scales = np.ascontiguousarray(scale.squeeze(-1).cpu().numpy(), "<f4").tobytes()
     else:
         out = rows.to(_CASTS[dtype])
-        if dtype == "bfloat16":
-            out = out.view(torch.int16)
-    return np.ascontiguousarray(out.cpu().numpy()).tobytes(), scales, int(rows.shape[-1])
+    return out.contiguous().view(-1).view(torch.uint8), scales, int(rows.shape[-1])

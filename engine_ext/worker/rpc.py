@@ -74,12 +74,15 @@ class DynsteerWorkerExtension:
         """Close capture pass ``ticket`` (None: any): no site is captured, rows are free."""
         self._dynsteer().capture.end(ticket)
 
-    def dynsteer_collect_activations(self, request_id: str,
-                                     computed: int | None) -> dict[str, Any] | None:
-        """A request's own captured rows (then freed); None on all but TP rank 0 (of each
-        pipeline stage) and for a request that asked for none."""
-        return self._dynsteer().collect_activations(request_id, computed,
-                                                    reply=self._dynsteer_replies())
+    def dynsteer_collect_activations(self, requests: list[tuple[str, int | None]],
+                                     inbox: dict[str, str] | None = None
+                                     ) -> dict[str, Any] | None:
+        """Requests' own captured rows (then freed), each ``(id, computed)``; None on all but
+        TP rank 0 (of each pipeline stage). ``inbox``: the frontend's folder for large
+        replies (:mod:`.capture_transfer`)."""
+        return self._dynsteer().collect_activations(
+            [(str(r), None if c is None else int(c)) for r, c in requests],
+            reply=self._dynsteer_replies(), inbox=inbox)
 
     def _dynsteer_replies(self) -> bool:
         """Whether this worker answers for its pipeline stage (TP rank 0)."""

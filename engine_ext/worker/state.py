@@ -241,10 +241,10 @@ class SteeringState:
         """The prefix-guard report of gated requests (see :mod:`.prefix_guard`)."""
         return self.telemetry.cache_report()
 
-    def collect_activations(self, request_id: str, computed: int | None,
-                            reply: bool) -> dict[str, Any] | None:
-        """A request's own captured rows (see :meth:`.CaptureBuffers.collect_request`)."""
-        return self.capture.collect_request(request_id, computed, reply, self._gate_fired)
+    def collect_activations(self, requests: list[tuple[str, int | None]], reply: bool,
+                            inbox: dict[str, str] | None) -> dict[str, Any] | None:
+        """Requests' own captured rows (see :meth:`.CaptureBuffers.collect_requests`)."""
+        return self.capture.collect_requests(requests, reply, self._gate_fired, inbox)
 
     def _gate_fired(self, req_id: str) -> bool:
         report = self.telemetry.report(req_id)

@@ -1,0 +1,68 @@
+"""How collected rows leave a worker (``worker/capture_transfer.py``) and reach the frontend
+(``frontend/rows_inbox.py``), without an engine: through the inbox where the worker sees it,
+else inline, with the same bytes."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dynsteer.engine_ext.frontend import rows_inbox
+from dynsteer.engine_ext.worker import capture_transfer
+from dynsteer.engine_ext.worker.capture_transfer import RowsSender
+
+
+def blobs():
+    return [torch.arange(n, dtype=torch.int32).view(torch.uint8) for n in (5, 0, 1000)]
+
+
+def received(file, placed):
+    data = rows_inbox.take(file) if file else None
+    return [bytes(p["data"]) if data is None else data[p["offset"]:p["offset"] + p["nbytes"]]
+            .tobytes() for p in placed]
+
+
+def test_rows_go_through_the_inbox_and_the_file_is_gone_once_mapped():
+    file, placed = RowsSender().send(blobs(), rows_inbox.inbox())
+    assert file is not None and os.path.dirname(file) == rows_inbox.inbox()["folder"]
+    assert [p["nbytes"] for p in placed] == [20, 0, 4000]
+    assert received(file, placed) == [b.numpy().tobytes() for b in blobs()]
+    assert not os.path.exists(file)
+
+
+def test_an_inbox_the_worker_cannot_see_or_fill_sends_inline(monkeypatch):
+    box = rows_inbox.inbox()
+    want = [b.numpy().tobytes() for b in blobs()]
+    file, placed = RowsSender().send(blobs(), {**box, "token": "not the frontend's"})
+    assert file is None and received(file, placed) == want
+    assert RowsSender().send(blobs(), None)[0] is None
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(capture_transfer.os, "write", full)
+    file, placed = RowsSender().send(blobs(), box)
+    assert file is None and received(file, placed) == want
+    assert os.listdir(box["folder"]) == ["token"]
+
+
+def test_the_frontend_maps_only_files_of_its_own_inbox(tmp_path):
+    stray = tmp_path / "x.rows"
+    stray.write_bytes(b"1234")
+    with pytest.raises(ValueError, match="not in this process's rows inbox"):
+        rows_inbox.take(str(stray))
+    assert stray.exists()
+    box = rows_inbox.inbox()
+    assert oct(os.stat(box["folder"]).st_mode & 0o777) == "0o700"
+    assert np.array_equal(rows_inbox.take(_file(box, b"")), np.zeros(0, np.uint8))
+
+
+def _file(box, data):
+    path = os.path.join(box["folder"], "empty.rows")
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
