@@ -188,8 +188,7 @@ class FilesystemSink:
         self._next += 1
         temporary = self.path / f".{name}.tmp"
         try:
-            size = _write_safetensors(temporary, {k: np.concatenate(v)
-                                                  for k, v in shard.tensors.items()})
+            size = _write_safetensors(temporary, shard.tensors)
             os.replace(temporary, self.path / name)
             with builtins.open(self.path / INDEX, "a", encoding="utf-8") as index:
                 for line in shard.lines:
@@ -223,22 +222,26 @@ def _stored(site: str, rows: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(rows, _CASTS[dtype])}
 
 
-def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> int:
-    """Write ``tensors`` as one safetensors file (synced); returns its size."""
+def _write_safetensors(path: Path, tensors: dict[str, list[np.ndarray]]) -> int:
+    """Write ``tensors`` (each the concatenation of its parts along the first axis) as one
+    safetensors file, synced; returns its size. The parts go to the file as they are, not
+    joined in memory first."""
     header: dict[str, Any] = {"__metadata__": {"format": "dynsteer-capture"}}
     offset = 0
-    for name, array in tensors.items():
-        header[name] = {"dtype": _ST_OF[array.dtype.newbyteorder("<")],
-                        "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
+    for name, parts in tensors.items():
+        nbytes = sum(part.nbytes for part in parts)
+        header[name] = {"dtype": _ST_OF[parts[0].dtype.newbyteorder("<")],
+                        "shape": [sum(len(part) for part in parts), *parts[0].shape[1:]],
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     with builtins.open(path, "wb") as out:
         out.write(struct.pack("<Q", len(text)))
         out.write(text)
-        for array in tensors.values():
-            out.write(np.ascontiguousarray(array).tobytes())
+        for parts in tensors.values():
+            for part in parts:
+                out.write(memoryview(np.ascontiguousarray(part)).cast("B"))
         out.flush()
         os.fsync(out.fileno())
     return 8 + len(text) + offset

@@ -271,9 +271,9 @@ class CaptureBuffers:
         sites = [self._lane_site[lane] for lane in entry.lanes]
         mine = [i for i, site in enumerate(sites) if site in self.installed]
         index = torch.as_tensor(entry.start + seen, device=self.capture.device)
-        rows = self.capture.index_select(0, self._lane_index([entry.lanes[i] for i in mine]))
-        data, scales, width = encode(rows.index_select(1, index), wanted["dtype"],
-                                     wanted.get("project"))
+        lanes = self._lane_index([entry.lanes[i] for i in mine])
+        rows = self.capture[lanes[:, None], index[None, :]]  # [sites, positions, hidden]
+        data, scales, width = encode(rows, wanted["dtype"], wanted.get("project"))
         return {"status": status, "detail": detail,
                 "sites": [site_name(sites[i]) for i in mine if sites[i] is not None],
                 "hidden": width, "dtype": wanted["dtype"],
