@@ -42,7 +42,7 @@ from .limits import (
     check_steer_magnitude,
     float_error_message,
 )
-from .positions import Positions
+from .positions import MAX_CUTS, Positions, cuts
 
 Phase = Literal["all", "prefill", "decode"]
 """``prefill``: prompt positions; ``decode``: generated positions; ``all``: both."""
@@ -89,6 +89,13 @@ class SteerEntry(BaseModel):
     """Multiplier of the vector; ``0`` disables the entry."""
     phase: Phase = "all"
     """Which positions: prompt (``prefill``), generated (``decode``) or ``all``."""
+    positions: Positions | None = None
+    """Only these positions of the request (None: every one): ``"prompt"``, ``"generated"``,
+    ``"all"``, ``"last_prompt"``, or a list of positions and ranges: ``5``, ``-1`` (from the
+    end of the prompt), ``"g0"`` (the first generated token), ``"a:b"`` with ends of those
+    forms, either left open (``"g2:"``, ``":-4"``). A token is steered where ``phase`` and
+    ``positions`` both include it. Not for global steering, which has no prompt to count
+    from."""
     op: Op = "add"
     """``add`` (default), ``ablate`` or ``clamp`` (see :data:`Op`); ``ablate`` and ``clamp``
     use the vector's direction only, so its norm does not matter (it must not be zero)."""
@@ -251,6 +258,14 @@ class SteeringSpec(BaseModel):
     capture: CaptureSpec | None = None
     """Activations to return with the output (``Steering.activations``)."""
 
+    @model_validator(mode="after")
+    def _few_cuts(self) -> SteeringSpec:
+        entries = [*self.steer, *(self.gate.steer if self.gate is not None else ())]
+        if sum(cuts(e.positions) for e in entries) > MAX_CUTS:
+            raise ValueError(f"positions: the entries' positions split the request into more "
+                             f"than {MAX_CUTS} stretches; merge them into fewer ranges")
+        return self
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -378,8 +393,10 @@ def parse_spec(raw: Any, prefix: str = SPEC_KEY) -> SteeringSpec:
         raise _from_validation_error(e, prefix) from e
 
 
-def parse_entries(raw: Any, prefix: str = "steer") -> list[SteerEntry]:
-    """Parse a list of steer entries (the body of global steering)."""
+def parse_entries(raw: Any, prefix: str = "steer", positioned: bool = True
+                  ) -> list[SteerEntry]:
+    """Parse a list of steer entries (the body of global steering: ``positioned`` False
+    refuses entries with ``positions``)."""
     raw = _from_json_text(raw, prefix)
     if not isinstance(raw, list):
         raise SpecError(f"{prefix}: expected a list of steer entries")
@@ -394,6 +411,10 @@ def parse_entries(raw: Any, prefix: str = "steer") -> list[SteerEntry]:
             entries.append(SteerEntry.model_validate(item))
         except ValidationError as e:
             raise _from_validation_error(e, f"{prefix}[{i}]") from e
+    for i, entry in enumerate(entries):
+        if not positioned and entry.positions is not None:
+            raise SpecError(f"{prefix}[{i}].positions: global steering has no prompt to count "
+                            "positions from; steer positions per request (or per session)")
     return entries
 
 

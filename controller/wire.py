@@ -9,10 +9,11 @@ no JSON or pydantic work, and the prefix-cache fingerprint hashes bytes, not dec
 
 Layout (positional, so msgpack stays small):
 
-* entry: ``[hook, layers, phase, scale, vector, op, value]`` (:data:`RawEntry`; readers take
-  it through :class:`WireEntry`'s named fields, :func:`read_entries`), ``vector`` = float32
-  bytes or a registered vector's name, ``op`` = ``add``, ``ablate`` or ``clamp``, ``value`` =
-  the clamp's target (None for the others);
+* entry: ``[hook, layers, phase, scale, vector, op, value, positions]`` (:data:`RawEntry`;
+  readers take it through :class:`WireEntry`'s named fields, :func:`read_entries`),
+  ``vector`` = float32 bytes or a registered vector's name, ``op`` = ``add``, ``ablate`` or
+  ``clamp``, ``value`` = the clamp's target (None for the others), ``positions`` = the spec's
+  (None: every position);
 * spec: ``{"steer": [entry...], "gate": gate or None, "controller": {"name", "params"} or
   None, "key": hex, "session": str or None}``; ``key`` is a content hash of everything but the
   session, so workers can reuse what they built for an identical spec and the prefix-cache
@@ -55,6 +56,9 @@ class WireEntry(NamedTuple):
     """``add``, ``ablate`` or ``clamp``."""
     value: float | None
     """The clamp's target (None for the others)."""
+    positions: Any = None
+    """The entry's ``positions`` as the spec gives them (None: every position; see
+    :mod:`.positions`)."""
 
 
 def read_entries(raw: Iterable[Sequence[Any]]) -> list[WireEntry]:
@@ -69,7 +73,8 @@ probe is registered."""
 def entry_to_wire(entry: SteerEntry) -> RawEntry:
     vector = entry.name if entry.name is not None else f32_bytes(entry.values())
     return list(WireEntry(entry.hook, list(entry.layers), entry.phase, float(entry.scale), vector,
-                          entry.op, None if entry.value is None else float(entry.value)))
+                          entry.op, None if entry.value is None else float(entry.value),
+                          entry.positions))
 
 
 def probe_to_wire(weights: Any, threshold: float, sharpness: float) -> WireProbe:

@@ -29,6 +29,7 @@ from typing import Any
 
 from dynsteer.controller.contract import SpecError
 from dynsteer.controller.extra_args import CLAIMS_KEY
+from dynsteer.controller.positions import MAX_CUTS, cuts
 from dynsteer.controller.wire import RawEntry, fingerprint, read_entries
 
 PHASES = ("prefill", "decode")
@@ -57,7 +58,11 @@ def claims_for(wire: dict[str, Any] | None, global_wire: Sequence[RawEntry],
         return None
     base = fingerprint(wire["key"] if wire else "-", global_key or "-",
                        registry_generation).hex()
-    if {e.phase for e in active} == {"all"}:
+    if any(e.positions is not None for e in active):
+        # One row per stretch of positions at most (see worker/position_rows.py).
+        count = min(2 + sum(cuts(e.positions) for e in active), MAX_CUTS + 2)
+        rows = {f"{base}|s{i}" for i in range(count)}
+    elif {e.phase for e in active} == {"all"}:
         rows = {f"{base}|all"}  # equal contents in both phases: one row on the workers
     else:
         rows = {f"{base}|{p}" for p in PHASES if any(e.phase in ("all", p) for e in active)}

@@ -3,7 +3,8 @@
 ``pre_attn`` adds to the layer's input, ``post_attn`` to the attention branch's output (so to
 the stream after the attention residual add; :func:`attention_branch` says what that branch is
 per architecture), ``post_block`` to the layer's output; each only at the
-positions of the entry's phase (prompt positions = prefill, generated = decode). An ``ablate`` /
+positions of the entry's phase (prompt positions = prefill, generated = decode) that its
+``positions`` name, if it names some. An ``ablate`` /
 ``clamp`` entry acts on the whole residual stream there (for ``post_attn``: the layer input plus
 the attention output), one entry after the other, static entries before gated ones, all before
 the adds. A gate reads the stream at its monitor site *before* that site's steering, in
@@ -40,6 +41,39 @@ def _phase_mask(phase: str, seq_len: int, prompt_len: int) -> torch.Tensor:
     return mask
 
 
+def _position(text: str | int, prompt_len: int) -> int:
+    """One position of an entry's ``positions``, written out independently of the product's
+    parser: ``gK`` is generated token K, a negative index counts from the prompt's end."""
+    if isinstance(text, str) and text.startswith("g"):
+        return prompt_len + int(text[1:])
+    return int(text) + prompt_len if int(text) < 0 else int(text)
+
+
+def _mask(e: dict[str, Any], seq_len: int, prompt_len: int) -> torch.Tensor:
+    """Where an entry steers: its phase's positions that its ``positions`` names."""
+    mask = _phase_mask(e.get("phase", "all"), seq_len, prompt_len)
+    named = e.get("positions")
+    if named is None or named == "all":
+        return mask
+    keep = torch.zeros(seq_len, 1, dtype=torch.float64)
+    if named == "prompt":
+        keep[:prompt_len] = 1
+    elif named == "generated":
+        keep[prompt_len:] = 1
+    elif named == "last_prompt":
+        keep[prompt_len - 1] = 1
+    else:
+        for item in named:
+            if isinstance(item, str) and ":" in item:
+                a, b = item.split(":")
+                start = _position(a, prompt_len) if a else 0
+                stop = _position(b, prompt_len) if b else seq_len
+                keep[max(start, 0):max(stop, 0)] = 1
+            elif 0 <= _position(item, prompt_len) < seq_len:
+                keep[_position(item, prompt_len)] = 1
+    return mask * keep
+
+
 def _vector(e: dict[str, Any], vectors: dict) -> torch.Tensor:
     vec = e["vector"]
     return torch.tensor(vectors[vec] if isinstance(vec, str) else vec, dtype=torch.float64)
@@ -53,7 +87,7 @@ def _projections(entries, seq_len, prompt_len, vectors) -> dict[tuple[str, int],
             continue
         direction = _vector(e, vectors)
         direction = direction / direction.norm()
-        scale = _phase_mask(e.get("phase", "all"), seq_len, prompt_len) * e.get("scale", 1.0)
+        scale = _mask(e, seq_len, prompt_len) * e.get("scale", 1.0)
         for layer in e["layers"]:
             out.setdefault((e.get("hook", "post_block"), layer), []).append(
                 (direction, scale, e.get("value", 0.0)))
@@ -75,7 +109,7 @@ def _deltas(entries, seq_len, prompt_len, vectors) -> dict[tuple[str, int], torc
             continue
         vec = e["vector"]
         vec = torch.tensor(vectors[vec] if isinstance(vec, str) else vec, dtype=torch.float64)
-        add = _phase_mask(e.get("phase", "all"), seq_len, prompt_len) * vec * e.get("scale", 1.0)
+        add = _mask(e, seq_len, prompt_len) * vec * e.get("scale", 1.0)
         for layer in e["layers"]:
             key = (e.get("hook", "post_block"), layer)
             out[key] = out[key] + add if key in out else add

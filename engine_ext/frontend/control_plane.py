@@ -197,7 +197,7 @@ class ControlPlane:
     def set_global(self, entries: Sequence[SteerEntry | dict[str, Any]]) -> Change:
         """Steer every request admitted from now on with ``entries`` (added to its own
         steering); requests in flight keep the global steering they were admitted under."""
-        parsed = parse_entries(_entry_list("steer", entries), prefix="steer")
+        parsed = parse_entries(_entry_list("steer", entries), prefix="steer", positioned=False)
         shape = self.frontend.shape()
         check_entries(parsed, shape, prefix="steer")
         check_projection_slots(parsed, (), shape, prefix="steer")

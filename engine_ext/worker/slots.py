@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .global_steering import NO_GLOBAL, GlobalSteering
+from .position_rows import END, MAX_STRETCHES, Stretch
 from .resolve import (
     PHASES,
     UNSTEERED,
@@ -48,6 +49,9 @@ class Admitted:
     generation: int = 0
     """The registry generation its named vectors and probes resolve in (part of its row
     keys)."""
+    stretches: list[Stretch] | None = None
+    """Where its entries name positions: what steers each stretch of its positions (None:
+    its phases' rows, :attr:`resolved`)."""
 
 
 class SlotTable:
@@ -63,6 +67,14 @@ class SlotTable:
         self.control_row = np.zeros(max_slots, dtype=np.int32)
         self.next_pos = np.full(max_slots, -1, dtype=np.int64)
         """Where each slot's request's last step ended (-1: no step yet)."""
+        self.stretch_start = np.full((max_slots, MAX_STRETCHES), END, dtype=np.int64)
+        """Per slot whose request steers by position: each stretch's first position (unused
+        ones: :data:`.position_rows.END`); see :mod:`.position_rows`."""
+        self.stretch_row = np.zeros((max_slots, MAX_STRETCHES), dtype=np.int32)
+        """Each stretch's steering row."""
+        self.by_position = np.zeros(max_slots, dtype=bool)
+        """Whether the slot's request steers by position (its tokens' rows are its
+        stretches', not its phases')."""
         self.version = 0
         """Counts the changes of the per-slot rows and prompt lengths that the device fill's
         slot table must follow: a steered request's admission and release. An unsteered one
@@ -82,9 +94,11 @@ class SlotTable:
         if slot >= old:
             size = max(slot + 1, 2 * old)
             for name in ("prefill_row", "decode_row", "prompt_len", "probe_row",
-                         "control_row", "next_pos"):
+                         "control_row", "next_pos", "stretch_start", "stretch_row",
+                         "by_position"):
                 arr = getattr(self, name)
-                grown = np.zeros(size, dtype=arr.dtype)
+                grown = np.full((size, *arr.shape[1:]), END if name == "stretch_start" else 0,
+                                dtype=arr.dtype)
                 grown[:old] = arr
                 setattr(self, name, grown)
             self.version += 1
@@ -92,7 +106,8 @@ class SlotTable:
         self.next_pos[slot] = -1
 
     def steers(self, slot: int) -> bool:
-        return bool(self.prefill_row[slot] or self.decode_row[slot] or self.probe_row[slot])
+        return bool(self.prefill_row[slot] or self.decode_row[slot] or self.probe_row[slot]
+                    or self.by_position[slot])
 
     def assign(self, req: Admitted, glob: GlobalSteering) -> None:
         """Take the request's rows. Row keys name what determines the contents (spec key,
@@ -118,27 +133,47 @@ class SlotTable:
                 gated, key = UNSTEERED.gated, key + "-nogate"
                 projections = {p: static_only(projections[p]) for p in PHASES}
             self.probe_row[req.slot] = probe_row or 0
-        for phase, target in zip(PHASES, (self.prefill_row, self.decode_row), strict=True):
-            try:
-                row = self.rows.acquire_keyed(
-                    f"{key}|{phase}|g{req.global_key}".encode(),
-                    lambda p=phase, g=gated, j=projections: (
-                        add_contents(glob.adds[p], own[p]), g[p],
-                        add_projections(glob.projections[p], j[p])))
-            except ValueError as e:  # global + own projections past max_projections
-                logger.warning("dynsteer: a request runs unsteered in %s: %s (raise "
-                               "dynsteer.max_projections)", phase, e)
-                row = 0
-            if row is None:
-                logger.warning(
-                    "dynsteer: all %d steering rows are in use; a request runs unsteered in %s "
-                    "(raise dynsteer.max_rows)", self.rows.max_rows, phase
-                )
-                row = 0
-            target[req.slot] = row
+        gateless = key.endswith("-nogate")
+        if req.stretches is not None:
+            self.by_position[req.slot] = True
+            for i, stretch in enumerate(req.stretches):
+                res = stretch.resolved
+                self.stretch_start[req.slot, i] = stretch.start
+                self.stretch_row[req.slot, i] = self._row(
+                    f"{stretch.key}|r{req.generation}{'-nogate' if gateless else ''}",
+                    stretch.phase, glob, req.global_key, res.own,
+                    UNSTEERED.gated if gateless else res.gated,
+                    {p: static_only(res.projections[p]) for p in PHASES} if gateless
+                    else res.projections)
+        else:
+            for phase, target in zip(PHASES, (self.prefill_row, self.decode_row),
+                                     strict=True):
+                target[req.slot] = self._row(key, phase, glob, req.global_key, own, gated,
+                                             projections)
         if self.steers(req.slot):
             self.num_steered += 1
             self.version += 1
+
+    def _row(self, key: str, phase: str, glob: GlobalSteering, global_key: str,
+             own: dict[str, Any], gated: dict[str, Any], projections: dict[str, Any]) -> int:
+        """The row of one phase of a spec (or of one stretch) under global steering; 0 (and a
+        warning) where it cannot be had."""
+        try:
+            row = self.rows.acquire_keyed(
+                f"{key}|{phase}|g{global_key}".encode(),
+                lambda: (add_contents(glob.adds[phase], own[phase]), gated[phase],
+                         add_projections(glob.projections[phase], projections[phase])))
+        except ValueError as e:  # global + own projections past max_projections
+            logger.warning("dynsteer: a request runs unsteered in %s: %s (raise "
+                           "dynsteer.max_projections)", phase, e)
+            return 0
+        if row is None:
+            logger.warning(
+                "dynsteer: all %d steering rows are in use; a request runs unsteered in %s "
+                "(raise dynsteer.max_rows)", self.rows.max_rows, phase
+            )
+            return 0
+        return row
 
     def release(self, req: Admitted) -> None:
         """Give the request's steering and probe rows back (its slot reads zero rows)."""
@@ -148,5 +183,11 @@ class SlotTable:
         for target in (self.prefill_row, self.decode_row):
             self.rows.release(int(target[req.slot]))
             target[req.slot] = 0
+        if self.by_position[req.slot]:
+            for row in self.stretch_row[req.slot]:
+                self.rows.release(int(row))
+            self.stretch_row[req.slot] = 0
+            self.stretch_start[req.slot] = END
+            self.by_position[req.slot] = False
         self.probe_table.release(int(self.probe_row[req.slot]))
         self.probe_row[req.slot] = 0

@@ -31,6 +31,7 @@ from .events import EngineEvents
 from .global_steering import GlobalSteerings
 from .host_time import HostTime
 from .layout import GATE, SCORE
+from .position_rows import positioned, stretches
 from .registry import Registry
 from .resolve import UNSTEERED, switched
 from .rows import ProbeTable, RowTable
@@ -132,16 +133,21 @@ class SteeringState:
         self.index.forget_batch()
         wire = extra_args.get(WIRE_KEY) if isinstance(extra_args, dict) else None
         generation = self.registry.generation_of(req_id, extra_args)
-        resolved, key = UNSTEERED, "-"
+        resolved, key, parts = UNSTEERED, "-", None
         if wire is not None:
             try:
                 resolved, key = self.registry.resolve(wire, generation), wire["key"]
+                if positioned(wire):
+                    parts = stretches(wire, prompt_len,
+                                      lambda w: self.registry.resolve(w, generation))
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 logger.warning("dynsteer: request %s runs unsteered: %s", req_id, e)
+                resolved, key, parts = UNSTEERED, "-", None
         probe = resolved.probe
         req = Admitted(slot=slot, resolved=resolved, key=key,
                        wire=wire if resolved is not UNSTEERED else None,
-                       global_key=self.globals.hold(req_id, extra_args), generation=generation)
+                       global_key=self.globals.hold(req_id, extra_args), generation=generation,
+                       stretches=parts)
         self.slots.place(slot, prompt_len)
         self._requests[req_id] = req
         self.slots.assign(req, self.globals[req.global_key])
@@ -209,8 +215,12 @@ class SteeringState:
         wire = switched(req.wire or {}, req.key, action, name, self.registry.vectors,
                          self.registry.probes)
         resolved = self.registry.resolve(wire, self.registry.current)
+        parts = None
+        if positioned(wire):
+            parts = stretches(wire, int(self.slots.prompt_len[req.slot]),
+                              lambda w: self.registry.resolve(w, self.registry.current))
         self.slots.release(req)
-        req.resolved, req.wire, req.key = resolved, wire, wire["key"]
+        req.resolved, req.wire, req.key, req.stretches = resolved, wire, wire["key"], parts
         req.generation = self.registry.current
         self.slots.assign(req, self.globals[req.global_key])
         record = self.telemetry.record_of_slot(req.slot)

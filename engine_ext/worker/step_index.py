@@ -4,7 +4,8 @@ step reads (:mod:`.token_rows` holds it and its device fill).
 Three ways to fill it, cheapest first: *kept* (a decode step of the steady batch before: three
 byte comparisons, nothing launched), *device* (the device gathers from the slot table, uploaded
 only when a steered request came or went), and *host* (vectorized numpy, for steps with a token
-that needs host work of its own: capture, a controller, gate traces). Whole-array work only:
+that needs host work of its own: capture, a controller, gate traces, steering by position).
+Whole-array work only:
 the step's host cost does not grow with the number of requests beyond numpy's vectorized
 passes.
 """
@@ -106,10 +107,12 @@ class StepIndex:
         capture = self.capture.slot_starts(slots)
         control_rows = table.control_row[slots]
         controlled = np.count_nonzero(control_rows) > 0
+        by_position = table.by_position[slots]
+        stretched = np.count_nonzero(by_position) > 0
         tokens = int(counts.sum())
         if (device_slots is not None and self.device_fill is not None
                 and capture is None and not controlled and not self.telemetry.wants_tokens
-                and self.device_fill.table.fits(len(table))):
+                and not stretched and self.device_fill.table.fits(len(table))):
             filled = self._fill_on_device(slots, num_computed, num_scheduled, tokens,
                                           any_gated)
             self.fills["device" if filled else "kept"] += 1
@@ -142,6 +145,8 @@ class StepIndex:
             slots if any_gated else None,
             pos_entries,
             tokens,
+            (by_position, table.stretch_start[slots], entries[table.stretch_row[slots]])
+            if stretched else None,
         )
         if capture is not None:
             self.capture.record(slots, capture[0], num_computed, num_scheduled)

@@ -72,6 +72,20 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+def _stretch_rows(rows: np.ndarray, positions: np.ndarray, counts: np.ndarray,
+                  by_position: np.ndarray, starts: np.ndarray, stretch_rows: np.ndarray
+                  ) -> np.ndarray:
+    """``rows`` with the tokens of requests that steer by position given the row of their
+    stretch (see :meth:`TokenRows.fill`)."""
+    request = np.repeat(np.arange(len(counts)), counts)
+    mine = np.flatnonzero(by_position[request])
+    owner = request[mine]
+    stretch = np.count_nonzero(starts[owner] <= positions[mine, None], axis=1) - 1
+    rows = rows.copy()
+    rows[mine] = stretch_rows[owner, stretch]
+    return rows
+
+
 def fill_layout(max_slots: int, batch: int) -> Layout:
     """The device fill's regions of a :class:`.StepUpload`: the batch's slots (changed with
     every admission or finish) and the slot table (with a steered one's)."""
@@ -205,6 +219,7 @@ class TokenRows:
         slots: np.ndarray | None = None,
         pos_entries: np.ndarray | None = None,
         tokens: int | None = None,
+        stretches: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """Set this step's tokens; arrays are per request, in batch order (``positions``, per
         token, may be passed by a caller that computed them already).
@@ -218,13 +233,17 @@ class TokenRows:
         ``slots`` (the requests' slots, given when a probe row is set) the slot row is set
         too, and the position row to ``pos_entries`` (per token, see ``layout.POS_ABSOLUTE``).
         ``tokens``: the sum of ``num_scheduled``, where the caller has it already.
+        ``stretches``: per request, whether it steers by position, and its stretches' first
+        positions and rows (``[requests, MAX_STRETCHES]``, :mod:`.position_rows`): such a
+        request's token at position ``p`` uses the row of the last stretch starting at or
+        before ``p`` instead of its phase's (None: no request steers by position).
         """
         counts = num_scheduled.astype(np.int64, copy=False)
         tokens = int(counts.sum()) if tokens is None else tokens
         one_each = tokens == len(counts)
         capturing = capture is not None and np.count_nonzero(capture[0]) > 0
         by_phase = not same(prefill_rows, decode_rows)
-        if positions is None and (capturing or by_phase):
+        if positions is None and (capturing or by_phase or stretches is not None):
             positions = expand_positions(num_computed, counts)
         if by_phase:
             in_prompt = positions < per_token(prompt_lens, counts, one_each)
@@ -232,6 +251,8 @@ class TokenRows:
                             per_token(decode_rows, counts, one_each))
         else:
             rows = per_token(prefill_rows, counts, one_each)
+        if stretches is not None:
+            rows = _stretch_rows(rows, positions, counts, *stretches)
         index = np.zeros((INDEX_ROWS, tokens), dtype=np.int32)
         index[INDEX_ROW] = rows
         index[INDEX_PROBE] = per_token(probe_rows, counts, one_each)
