@@ -102,11 +102,18 @@ class SteerEntry(BaseModel):
     value: FiniteFloat | None = None
     """The projection ``clamp`` pins the stream to (required by ``clamp``, refused by the
     others)."""
+    norm_match: bool = False
+    """``add`` only: add ``scale · ‖stream‖ · vector / ‖vector‖``, the stream's norm taken at
+    each token and site before the site's steering (fp32), so one scale means the same at
+    every layer and in every model. Takes a projection slot (engine option
+    ``max_projections``); gated entries multiply it by the gate."""
 
     @model_validator(mode="after")
     def _one_vector(self) -> SteerEntry:
         if (self.vector is None) == (self.vector_b64 is None):
             raise ValueError("give exactly one of vector (floats or a name) or vector_b64")
+        if self.norm_match and self.op != "add":
+            raise ValueError(f"norm_match is for op 'add' (this entry's op is {self.op!r})")
         if (self.op == "clamp") != (self.value is not None):
             raise ValueError("op 'clamp' needs a value (the projection to pin the stream to)"
                              if self.op == "clamp" else
@@ -488,7 +495,9 @@ def check_entries(entries: Iterable[SteerEntry], shape: ModelShape, prefix: str)
         else:
             vector = _inline_values(where, entry, shape)
             norm = float(np.linalg.norm(vector.astype(np.float64)))
-        if entry.op == "add":
+        if entry.norm_match:
+            _check_norm_match(where, entry, norm, shape)
+        elif entry.op == "add":
             check_steer_magnitude(where, norm, entry.scale, shape.max_steer_norm,
                                   shape.dtype_max)
         else:
@@ -511,6 +520,25 @@ def _check_projection(where: str, entry: SteerEntry, norm: float, shape: ModelSh
                               shape.max_steer_norm, shape.dtype_max)
 
 
+MAX_NORM_MATCH_SCALE = 64.0
+"""Largest ``|scale|`` of a ``norm_match`` entry: the added norm is ``|scale|`` times the
+stream's."""
+
+
+def _check_norm_match(where: str, entry: SteerEntry, norm: float, shape: ModelShape) -> None:
+    """A norm-matched add is usable: the engine has projection slots (it takes one), the
+    vector has a direction, and the scale is a multiple of the stream's norm within bounds."""
+    if shape.max_projections == 0:
+        raise SpecError(f"{where}.norm_match: needs the engine option dynsteer.max_projections "
+                        ">= 1 (a norm-matched entry takes a projection slot; it is 0)")
+    if not norm > 0:
+        raise SpecError(f"{where}.vector: norm_match adds along the vector's direction, and a "
+                        "zero vector has none")
+    if abs(entry.scale) > MAX_NORM_MATCH_SCALE:
+        raise SpecError(f"{where}.scale: {entry.scale} times the stream's norm; at most "
+                        f"{MAX_NORM_MATCH_SCALE:g} with norm_match")
+
+
 def check_projection_slots(steer: Sequence[SteerEntry], gated: Sequence[SteerEntry],
                            shape: ModelShape, prefix: str) -> None:
     """The ablate / clamp entries a kind of token gets at one site (a phase's own and gated
@@ -518,15 +546,16 @@ def check_projection_slots(steer: Sequence[SteerEntry], gated: Sequence[SteerEnt
     for phase in ("prefill", "decode"):
         count: dict[tuple[str, int], int] = {}
         for entry in (*steer, *gated):
-            if entry.op in PROJECTIONS and entry.applies_to(phase):  # type: ignore[arg-type]
+            takes_slot = entry.op in PROJECTIONS or entry.norm_match
+            if takes_slot and entry.applies_to(phase):  # type: ignore[arg-type]
                 for layer in entry.layers:
                     site = (entry.hook, layer)
                     count[site] = count.get(site, 0) + 1
                     if count[site] > shape.max_projections:
                         raise SpecError(
-                            f"{prefix}: more than {shape.max_projections} ablate / clamp "
-                            f"entries steer {phase} tokens at ({entry.hook}, layer {layer}); "
-                            "raise dynsteer.max_projections or merge the directions")
+                            f"{prefix}: more than {shape.max_projections} ablate / clamp / "
+                            f"norm_match entries steer {phase} tokens at ({entry.hook}, layer "
+                            f"{layer}); raise dynsteer.max_projections or merge the directions")
 
 
 def check_gate(gate: GateSpec, shape: ModelShape, prefix: str) -> None:

@@ -9,11 +9,11 @@ no JSON or pydantic work, and the prefix-cache fingerprint hashes bytes, not dec
 
 Layout (positional, so msgpack stays small):
 
-* entry: ``[hook, layers, phase, scale, vector, op, value, positions]`` (:data:`RawEntry`;
-  readers take it through :class:`WireEntry`'s named fields, :func:`read_entries`),
-  ``vector`` = float32 bytes or a registered vector's name, ``op`` = ``add``, ``ablate`` or
-  ``clamp``, ``value`` = the clamp's target (None for the others), ``positions`` = the spec's
-  (None: every position);
+* entry: ``[hook, layers, phase, scale, vector, op, value, positions, norm_match]``
+  (:data:`RawEntry`; readers take it through :class:`WireEntry`'s named fields,
+  :func:`read_entries`), ``vector`` = float32 bytes or a registered vector's name, ``op`` =
+  ``add``, ``ablate`` or ``clamp``, ``value`` = the clamp's target (None for the others),
+  ``positions`` = the spec's (None: every position), ``norm_match`` = a bool;
 * spec: ``{"steer": [entry...], "gate": gate or None, "controller": {"name", "params"} or
   None, "key": hex, "session": str or None}``; ``key`` is a content hash of everything but the
   session, so workers can reuse what they built for an identical spec and the prefix-cache
@@ -59,6 +59,8 @@ class WireEntry(NamedTuple):
     positions: Any = None
     """The entry's ``positions`` as the spec gives them (None: every position; see
     :mod:`.positions`)."""
+    norm_match: bool = False
+    """An ``add`` scaled to the stream's norm at each token (see the spec)."""
 
 
 def read_entries(raw: Iterable[Sequence[Any]]) -> list[WireEntry]:
@@ -74,7 +76,7 @@ def entry_to_wire(entry: SteerEntry) -> RawEntry:
     vector = entry.name if entry.name is not None else f32_bytes(entry.values())
     return list(WireEntry(entry.hook, list(entry.layers), entry.phase, float(entry.scale), vector,
                           entry.op, None if entry.value is None else float(entry.value),
-                          entry.positions))
+                          entry.positions, entry.norm_match))
 
 
 def probe_to_wire(weights: Any, threshold: float, sharpness: float) -> WireProbe:

@@ -58,9 +58,9 @@ class EngineOptions(BaseModel):
     would need a new row waiting in its queue until one is free (everything that fits runs
     meanwhile); a spec that alone needs more rows than this is refused naming the option."""
     max_projections: int = Field(default=0, ge=0, le=16)
-    """Ablate / clamp entries (``"op"``) one kind of token may have at one site: the slots of a
-    row. 0 (the default) turns the two ops off and costs nothing; each slot costs
-    ``sites * (max_rows + 1) * (hidden + 4) * 4`` bytes of device memory, and a steered token
+    """Ablate / clamp / ``norm_match`` entries one kind of token may have at one site: the
+    slots of a row. 0 (the default) turns them off and costs nothing; each slot costs
+    ``sites * (max_rows + 1) * (hidden + 5) * 4`` bytes of device memory, and a steered token
     reads its row's slots at every site (one dot product per slot)."""
     site_groups: bool = True
     """Whether a fused site (no monitor) skips the row of a token whose row steers no site of

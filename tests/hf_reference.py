@@ -4,7 +4,8 @@
 the stream after the attention residual add; :func:`attention_branch` says what that branch is
 per architecture), ``post_block`` to the layer's output; each only at the
 positions of the entry's phase (prompt positions = prefill, generated = decode) that its
-``positions`` name, if it names some. An ``ablate`` /
+``positions`` name, if it names some (a ``norm_match`` add is scaled by the norm of the
+stream reaching the site). An ``ablate`` /
 ``clamp`` entry acts on the whole residual stream there (for ``post_attn``: the layer input plus
 the attention output), one entry after the other, static entries before gated ones, all before
 the adds. A gate reads the stream at its monitor site *before* that site's steering, in
@@ -102,10 +103,23 @@ def _project(stream: torch.Tensor, items: list, gates: torch.Tensor | None) -> t
     return stream
 
 
+def _norm_matched(entries, seq_len, prompt_len, vectors) -> dict[tuple[str, int], list]:
+    """Per site, the ``norm_match`` adds: (``scale`` per position times the unit vector)."""
+    out: dict[tuple[str, int], list] = {}
+    for e in entries:
+        if not e.get("norm_match"):
+            continue
+        unit = _vector(e, vectors) / _vector(e, vectors).norm()
+        for layer in e["layers"]:
+            out.setdefault((e.get("hook", "post_block"), layer), []).append(
+                _mask(e, seq_len, prompt_len) * e.get("scale", 1.0) * unit)
+    return out
+
+
 def _deltas(entries, seq_len, prompt_len, vectors) -> dict[tuple[str, int], torch.Tensor]:
     out: dict[tuple[str, int], torch.Tensor] = {}
     for e in entries:
-        if e.get("op", "add") != "add":
+        if e.get("op", "add") != "add" or e.get("norm_match"):
             continue
         vec = e["vector"]
         vec = torch.tensor(vectors[vec] if isinstance(vec, str) else vec, dtype=torch.float64)
@@ -123,7 +137,9 @@ class Steerer:
                  gate_fn=None) -> None:
         self.static = _deltas(entries, seq_len, prompt_len, vectors)
         self.static_projections = _projections(entries, seq_len, prompt_len, vectors)
+        self.static_matched = _norm_matched(entries, seq_len, prompt_len, vectors)
         self.gated_projections: dict[tuple[str, int], list] = {}
+        self.gated_matched: dict[tuple[str, int], list] = {}
         self.gate_fn = gate_fn
         """``gate_fn(scores, gates) -> gates`` (numpy, per position): a controller's decisions
         on top of the probe's gates (None: the gates as they are)."""
@@ -134,6 +150,7 @@ class Steerer:
         if gate is not None:
             self.gated = _deltas(gate["steer"], seq_len, prompt_len, vectors)
             self.gated_projections = _projections(gate["steer"], seq_len, prompt_len, vectors)
+            self.gated_matched = _norm_matched(gate["steer"], seq_len, prompt_len, vectors)
             probe = gate["probe"]
             probe = probes[probe] if isinstance(probe, str) else probe
             self.w = torch.tensor(probe["weights"], dtype=torch.float64)
@@ -162,6 +179,14 @@ class Steerer:
                 assert self.gates is not None, "gated site before the monitor"
                 projected = _project(projected, self.gated_projections[site], self.gates)
             delta = projected - z if delta is None else delta + projected - z
+        # norm_match: the incoming stream's norm (fp64 here) times each entry's scaled unit.
+        norm = stream[0].double().norm(dim=-1, keepdim=True)
+        for add in self.static_matched.get(site, []):
+            delta = norm * add if delta is None else delta + norm * add
+        for add in self.gated_matched.get(site, []):
+            assert self.gates is not None, "gated site before the monitor"
+            g = self.gates[:, None] * norm * add
+            delta = g if delta is None else delta + g
         return x if delta is None else x + delta.to(x.dtype)
 
 

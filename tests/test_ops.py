@@ -64,7 +64,8 @@ def make_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, extreme
     control[1:, layout.CTL_SCALE] = torch.tensor([1.0, 0.4, 0.0])
     index[layout.INDEX_CONTROL, :tokens] = torch.randint(0, 4, (tokens,), generator=g,
                                                       dtype=torch.int32)
-    # Projection slots (2): rows 2 and 3 have two, row 4 one (its second slot unused).
+    # Projection slots (2): rows 2 and 3 have two, row 4 one (its second slot unused); row 3's
+    # second is a norm-matched add.
     flags[2:] |= layout.PROJECT_FLAG
     proj_dir = torch.randn(rows_n, 2, hidden, generator=g, dtype=torch.float64)
     proj_dir /= proj_dir.norm(dim=-1, keepdim=True)
@@ -73,6 +74,8 @@ def make_inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, extreme
     proj_par = torch.zeros(rows_n, 2, layout.PROJ_PARAMS)
     proj_par[2:] = torch.randn(rows_n - 2, 2, layout.PROJ_PARAMS, generator=g)
     proj_par[2:, :, layout.PROJ_VALUE] *= 5
+    proj_par[:, :, layout.PROJ_NORM] = 0
+    proj_par[3, 1, layout.PROJ_NORM] = 1  # row 3's second slot: a norm-matched add
     proj_par[4, 1] = 0
     proj_gram = (proj_dir @ proj_dir.transpose(1, 2)).float()
     return x, h, ops.SteerBuffers(index=index, gate_score=gate_score, table=table, dyn=dyn,
@@ -91,8 +94,11 @@ def projection_reference(stream: torch.Tensor, gate: float, r: int, b: ops.Steer
         return torch.zeros_like(z)
     for d in range(b.proj_dir.shape[1]):
         direction = b.proj_dir[r, d].double()
-        static, gated, value = (float(v) for v in b.proj_par[r, d])
-        z = z + (static + gate * gated) * (value - z @ direction) * direction
+        static, gated, value, matched = (float(v) for v in b.proj_par[r, d])
+        if matched:  # a norm-matched add: the incoming stream's norm along the direction
+            z = z + (static + gate * gated) * stream.double().norm() * direction
+        else:
+            z = z + (static + gate * gated) * (value - z @ direction) * direction
     return z - stream.double()
 
 

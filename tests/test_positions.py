@@ -1,19 +1,28 @@
-"""Steering entries that name ``positions``: the product's stretches (``worker/
-position_rows.py``) without an engine, then a real engine (CPU, fp32, tiny Llama) against the
-HF reference, whose position masks are written out independently (``hf_reference._mask``):
-static adds, a clamp, generated-token offsets, phase and positions together, a gated entry with
-positions, and a prefix-cache hit up to the first steered position."""
+"""Steering entries that name ``positions``, and ``norm_match`` adds: the product's stretches
+(``worker/position_rows.py``) without an engine, then a real engine (CPU, fp32, tiny Llama)
+against the HF reference, whose position masks and norm-matched adds are written out
+independently (``hf_reference._mask``, ``_norm_matched``): static adds, a clamp, generated-token
+offsets, phase and positions together, a gated entry with positions, norm-matched entries
+(static, and gated with positions), and a prefix-cache hit up to the first steered position."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from engine_utils import ALL_SITES, LOGPROB_ATOL, params, run, start_llm, stop_llm
 from hf_reference import assert_logprobs_match_hf, load_hf, reference_logprobs
-from tiny_models import vec
+from tiny_models import HIDDEN, vec
 
 from dynsteer.controller.positions import MAX_CUTS, intervals, steered
-from dynsteer.controller.spec import SpecError, parse_entries, parse_spec
+from dynsteer.controller.spec import (
+    ModelShape,
+    SpecError,
+    check_entries,
+    parse_entries,
+    parse_spec,
+)
 from dynsteer.controller.wire import entry_to_wire
 from dynsteer.engine_ext.worker.position_rows import END, positioned, stretches
 from dynsteer.engine_ext.worker.resolve import UNSTEERED
@@ -33,9 +42,13 @@ CASES = {
                             {"vector": vec(5), "layers": [1], "positions": [":3"]}],
     "clamp": [{"vector": vec(6), "layers": [1, 2], "op": "clamp", "value": 8.0,
                "positions": ["9:g2"]}],
+    "norm_match": [{"vector": vec(10), "layers": [1, 3], "scale": 0.6, "norm_match": True},
+                   {"vector": vec(12), "layers": [0], "hook": "pre_attn"}],
 }
 GATED = {"probe": GATE_PROBE, "layer": 1,
-         "steer": [{"vector": vec(8), "layers": [2, 3], "positions": ["-2:g1"]}]}
+         "steer": [{"vector": vec(8), "layers": [2, 3], "positions": ["-2:g1"]},
+                   {"vector": vec(11), "layers": [3], "hook": "pre_attn", "scale": -0.5,
+                    "norm_match": True, "positions": ["g0:"]}]}
 
 
 def wire_of(entries, gate=None):
@@ -76,6 +89,22 @@ def test_bad_positions_are_refused_naming_the_field():
                                         r"prompt"):
         parse_entries([{"vector": vec(1), "layers": [1], "positions": [3]}], "steer",
                       positioned=False)
+
+
+def test_bad_norm_match_entries_are_refused_naming_the_field():
+    shape = ModelShape(hidden_size=HIDDEN, num_layers=4, sites=frozenset({("post_block", 1)}),
+                       max_projections=1)
+    with pytest.raises(SpecError, match=r"steer\[0\]: norm_match is for op 'add'"):
+        parse_spec({"steer": [{"vector": vec(1), "layers": [1], "op": "ablate",
+                               "norm_match": True}]})
+    for entry, message, slots in [
+            ({"scale": 65.0}, r"steer\[0\]\.scale: 65.0 times the stream's norm; at most 64", 1),
+            ({}, r"steer\[0\]\.norm_match: needs the engine option dynsteer.max_projections", 0),
+            ({"vector": [0.0] * HIDDEN}, r"steer\[0\]\.vector: norm_match adds along", 1)]:
+        spec = parse_spec({"steer": [{"vector": vec(1), "layers": [1], "norm_match": True,
+                                      **entry}]})
+        with pytest.raises(SpecError, match=message):
+            check_entries(spec.steer, replace(shape, max_projections=slots), "steer")
 
 
 @pytest.fixture(scope="module")

@@ -432,7 +432,7 @@ def test_projections_fill_their_slots_in_order():
     np.testing.assert_allclose(directions, [[0, 1, 0, 0], [0.8, 0.6, 0, 0], [0, 0, 0, -1]],
                                rtol=1e-6)
     np.testing.assert_allclose(state.rows.proj_par[i, row].numpy(),
-                               [[1, 0, 0], [0.5, 0, 2], [0, 1, 0]])
+                               [[1, 0, 0, 0], [0.5, 0, 2, 0], [0, 1, 0, 0]])
     np.testing.assert_allclose(state.rows.proj_gram[i, row].numpy(),
                                directions @ directions.T, atol=1e-7)
     assert np.isfinite(directions).all()

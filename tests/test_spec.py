@@ -124,8 +124,8 @@ def test_malformed_projections_name_the_field(entry, message):
         ([{"vector": "calm", "layers": [0], "op": "clamp", "value": 1e9}], PROJECTING,
          r"^dynsteer.steer\[0\].value: ‖scale · vector‖ = 1e\+09 exceeds"),
         ([{"vector": "calm", "layers": [0, 1], "op": "ablate", "phase": "decode"}] * 3,
-         PROJECTING, r"^dynsteer: more than 2 ablate / clamp entries steer decode tokens at "
-         r"\(post_block, layer 0\); raise dynsteer.max_projections"),
+         PROJECTING, r"^dynsteer: more than 2 ablate / clamp / norm_match entries steer "
+         r"decode tokens at \(post_block, layer 0\); raise dynsteer.max_projections"),
     ],
 )
 def test_projections_that_do_not_fit_the_engine_are_refused(entries, shape, message):

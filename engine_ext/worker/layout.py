@@ -18,10 +18,12 @@ DYNAMIC_FLAG = 2
 PROJECT_FLAG = 4
 """Bits of ``flags[row]``: the row uses ``table`` (static) / ``dyn`` (gated) / projection
 slots (``proj_*``)."""
-PROJ_STATIC, PROJ_GATED, PROJ_VALUE = 0, 1, 2
-PROJ_PARAMS = 3
+PROJ_STATIC, PROJ_GATED, PROJ_VALUE, PROJ_NORM = 0, 1, 2, 3
+PROJ_PARAMS = 4
 """Columns of ``proj_par[row, slot]``: the slot's static coefficient, its gated coefficient
-(times the token's gate) and its target projection (0 for ``ablate``)."""
+(times the token's gate), its target projection (0 for ``ablate``) and whether it is a
+norm-matched add (1: the slot adds ``coefficient · ‖stream‖`` along its direction instead of
+moving the stream's projection to the target)."""
 PARAM_THRESHOLD, PARAM_SHARPNESS, PARAM_SITE = 0, 1, 2
 PARAMS = 3
 """Columns of ``params[probe]``."""

@@ -19,9 +19,14 @@ residual stream, so the stream is ``x + h``; ``h`` is None where ``x`` is the wh
     P = 0
     if flags[r] & PROJECT_FLAG:                          (ablate / clamp, in slot order)
         s[d] = (x[t] + h[t]) · proj_dir[r, d]            (fp32, every slot d at once)
+        n = ‖x[t] + h[t]‖                                (fp32)
         for d in 0..D-1:
             c = proj_par[r, d, STATIC] + gate[t] * proj_par[r, d, GATED]
-            delta[d] = c * (proj_par[r, d, VALUE] - s[d] - sum_{e<d} delta[e] * proj_gram[r, e, d])
+            if proj_par[r, d, NORM]:                     (a norm-matched add)
+                delta[d] = c * n
+            else:
+                seen = s[d] + sum_{e<d} delta[e] * proj_gram[r, e, d]
+                delta[d] = c * (proj_par[r, d, VALUE] - seen)
         P = sum_d delta[d] * proj_dir[r, d]
     y = x[t] + P + table[r] + gate[t] * dyn[r]          (fp32)
     out[t] = y where |y| <= limit, else x[t]            (element-wise; NaN fails the test)
@@ -39,7 +44,9 @@ incoming stream, before the adds, one after the other in slot order: slot ``d`` 
 as the slots before it left it, ``z_d = z_0 + sum_{e<d} delta[e] * dir[e]``, whose projection
 on ``dir[d]`` is ``s[d] + sum_{e<d} delta[e] * gram[e, d]``. So one pass over the stream (the
 dot products with every slot's direction) gives all of them, exactly as applying them in
-sequence would. Unused slots have zero coefficients (their delta is 0). With
+sequence would. A ``norm_match`` add takes a slot too, after the site's ablate / clamp slots:
+it adds ``c * ‖stream‖`` along its unit direction, ``‖stream‖`` being the incoming stream's
+norm, computed in the same pass. Unused slots have zero coefficients (their delta is 0). With
 ``max_projections`` 0 (the default) the tables have no slots and none of this is traced.
 
 The monitor reads the stream *before* this site's steering; the gate stays in the per-token
@@ -116,6 +123,7 @@ from .layout import (
     PARAM_SITE,
     PARAM_THRESHOLD,
     PROJ_GATED,
+    PROJ_NORM,
     PROJ_STATIC,
     PROJ_VALUE,
     PROJECT_FLAG,
@@ -270,6 +278,7 @@ def projection_change(stream: torch.Tensor, gate: torch.Tensor, rows: torch.Tens
     directions = gather(proj_dir, rows)                       # [T, D, H]
     par = proj_par[rows]                                      # [T, D, PROJ_PARAMS]
     s = (stream[:, None, :] * directions).sum(-1)
+    norm = (stream * stream).sum(-1).sqrt()
     coef = par[..., PROJ_STATIC] + gate[:, None] * par[..., PROJ_GATED]
     gram = proj_gram[rows]                                    # [T, D, D]
     deltas: list[torch.Tensor] = []
@@ -277,7 +286,8 @@ def projection_change(stream: torch.Tensor, gate: torch.Tensor, rows: torch.Tens
         seen = s[:, d]
         for e, earlier in enumerate(deltas):
             seen = seen + earlier * gram[:, e, d]
-        deltas.append(coef[:, d] * (par[:, d, PROJ_VALUE] - seen))
+        deltas.append(coef[:, d] * torch.where(par[:, d, PROJ_NORM] != 0, norm,
+                                               par[:, d, PROJ_VALUE] - seen))
     return (torch.stack(deltas, dim=1)[..., None] * directions).sum(1)
 
 

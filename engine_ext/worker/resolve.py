@@ -28,7 +28,7 @@ Contents = dict[Site, np.ndarray]
 
 @dataclass(frozen=True)
 class Projection:
-    """One ablate / clamp entry at one site: the stream ``z`` becomes
+    """One ablate / clamp entry (or norm-matched add) at one site: the stream ``z`` becomes
     ``z + (static + gate * gated) * (value - z·direction) * direction``."""
 
     direction: np.ndarray
@@ -36,6 +36,8 @@ class Projection:
     static: float
     gated: float
     value: float
+    norm: bool = False
+    """A norm-matched add: ``z + (static + gate * gated) * ‖z‖ * direction`` instead."""
 
 
 Projections = dict[Site, tuple[Projection, ...]]
@@ -115,7 +117,7 @@ def entry_contents(entries: list[RawEntry], vectors: Mapping[str, np.ndarray], h
         if values.shape != (hidden_size,):
             raise ValueError(f"vector length {values.shape[0]} != hidden {hidden_size}")
         phases = [p for p in PHASES if entry.phase in ("all", p)]
-        if entry.op == "add":
+        if entry.op == "add" and not entry.norm_match:
             scaled = values * np.float32(entry.scale)
             part = {(entry.hook, layer): scaled for layer in entry.layers}
             for phase in phases:
@@ -123,11 +125,11 @@ def entry_contents(entries: list[RawEntry], vectors: Mapping[str, np.ndarray], h
             continue
         norm = float(np.linalg.norm(values.astype(np.float64)))
         if not 0 < norm < np.inf:
-            raise ValueError(f"op {entry.op!r} needs a vector with a direction")
+            raise ValueError(f"op {entry.op!r} (or norm_match) needs a vector with a direction")
         scale = float(entry.scale)
         item = (Projection(direction=(values / norm).astype(F32),
                            static=0.0 if gated else scale, gated=scale if gated else 0.0,
-                           value=entry.value or 0.0),)
+                           value=entry.value or 0.0, norm=entry.op == "add"),)
         for phase in phases:
             projections[phase] = add_projections(
                 projections[phase], {(entry.hook, layer): item for layer in entry.layers})

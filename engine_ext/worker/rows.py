@@ -36,6 +36,7 @@ from .layout import (
     PARAM_THRESHOLD,
     PARAMS,
     PROJ_GATED,
+    PROJ_NORM,
     PROJ_PARAMS,
     PROJ_STATIC,
     PROJ_VALUE,
@@ -298,13 +299,17 @@ class RowTable:
 
 def _pack_projections(items: tuple[Projection, ...], out: torch.Tensor, hidden: int) -> None:
     """One site's projections into ``out[D, hidden + PROJ_PARAMS + D]``: directions, then
-    (static, gated, value), then the Gram matrix of the directions (float64 products)."""
+    (static, gated, value, norm), then the Gram matrix of the directions (float64 products).
+    Norm-matched adds go after the ablate / clamp slots, which then see the stream as it came
+    in (order is otherwise kept)."""
+    items = tuple(sorted(items, key=lambda p: p.norm))
     directions = np.stack([p.direction for p in items]).astype(np.float32)
     out[:len(items), :hidden] = torch.from_numpy(directions)
     for i, p in enumerate(items):
         out[i, hidden + PROJ_STATIC] = p.static
         out[i, hidden + PROJ_GATED] = p.gated
         out[i, hidden + PROJ_VALUE] = p.value
+        out[i, hidden + PROJ_NORM] = float(p.norm)
     d64 = directions.astype(np.float64)
     gram = torch.from_numpy((d64 @ d64.T).astype(np.float32))
     out[:len(items), hidden + PROJ_PARAMS:hidden + PROJ_PARAMS + len(items)] = gram

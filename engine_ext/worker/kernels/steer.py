@@ -26,6 +26,7 @@ from ._tl import (
     INDEX_ROW,
     PARAM_SITE,
     PROJ_GATED,
+    PROJ_NORM,
     PROJ_PARAMS,
     PROJ_STATIC,
     PROJ_VALUE,
@@ -85,8 +86,9 @@ def _steer_kernel(
     use_static = (flags & STATIC_FLAG) != 0
     use_dynamic = (flags & DYNAMIC_FLAG) != 0
     use_proj = (flags & PROJECT_FLAG) != 0
-    # Projection slots (ablate / clamp): one pass for the dot products with every slot's
-    # direction, then the slots in order through the Gram matrix (see ops.py). ``deltas`` stays
+    # Projection slots (ablate / clamp, norm-matched adds): one pass for the dot products with
+    # every slot's direction and the stream's norm, then the slots in order through the Gram
+    # matrix (see ops.py). ``deltas`` stays
     # zero for tokens whose row has none, and then no direction is loaded below.
     slot = tl.arange(0, SLOTS_P2)
     deltas = tl.zeros([SLOTS_P2], dtype=tl.float32)
@@ -94,6 +96,7 @@ def _steer_kernel(
     if SLOTS > 0:  # noqa: SIM102  (a constexpr test: the block is not traced without slots)
         if use_proj:
             dots = tl.zeros([SLOTS_P2, BLOCK], dtype=tl.float32)
+            squares = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, hidden, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < hidden
@@ -101,17 +104,21 @@ def _steer_kernel(
                 w = tl.load(dir_base + offs[None, :],
                             mask=(slot[:, None] < SLOTS) & mask[None, :], other=0.0)
                 dots += w * z[None, :]
+                squares += z * z
             s = tl.sum(dots, axis=1)
+            norm = tl.sqrt(tl.sum(squares, axis=0))
             par = proj_par_ptr + (row * SLOTS + slot) * PROJ_PARAMS
             inside = slot < SLOTS
             coef = (tl.load(par + PROJ_STATIC, mask=inside, other=0.0)
                     + g * tl.load(par + PROJ_GATED, mask=inside, other=0.0))
             value = tl.load(par + PROJ_VALUE, mask=inside, other=0.0)
+            matched = tl.load(par + PROJ_NORM, mask=inside, other=0.0) != 0
             for d in tl.static_range(SLOTS):
                 gram = tl.load(proj_gram_ptr + (row * SLOTS + slot) * SLOTS + d,
                                mask=slot < d, other=0.0)
                 seen = tl.sum(tl.where(slot == d, s, 0.0)) + tl.sum(deltas * gram)
-                delta = tl.sum(tl.where(slot == d, coef * (value - seen), 0.0))
+                delta = tl.sum(tl.where(slot == d,
+                                        coef * tl.where(matched, norm, value - seen), 0.0))
                 deltas = tl.where(slot == d, delta, deltas)
     for start in range(0, hidden, BLOCK):
         offs = start + tl.arange(0, BLOCK)
