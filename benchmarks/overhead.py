@@ -30,7 +30,11 @@ Scenarios, each request of a batch carrying its own spec:
 * ``events``      ``gated`` on a third engine that publishes controller events every step to a
                   live ZeroMQ subscriber in this process (events counted and reported);
 * ``ablate``      every request ablating one registered direction at layers 16-23, on an engine
-                  of its own with one projection slot (``max_projections: 1``).
+                  of its own with one projection slot (``max_projections: 1``);
+* ``positions``   ``registered`` on the last prompt token and every generated one only
+                  (``"positions": [-1, "g0:"]``): the per-token index by position;
+* ``norm-match``  every request adding the registered vector at layers 16-23 scaled to the
+                  stream's norm (``norm_match``, scale 0.05), on the projection-slot engine.
 
 With ``--variant JSON`` a ``variant`` engine (the plugin with those engine options, e.g.
 ``'{"max_rows": 256}'``) runs every scenario the ``plugin`` engine runs, in the same
@@ -101,7 +105,8 @@ GATED_LAYERS = list(range(16, 24))
 DISTINCT = 32
 DICT_DISTINCT = 16
 SCENARIOS = ["idle", "registered", "registered-null", "inline-32", "inline-32-b64", "dict-16",
-             "dict-16-b64", "gated", "gates-32", "latch", "python", "events", "ablate"]
+             "dict-16-b64", "gated", "gates-32", "latch", "python", "events", "ablate",
+             "positions", "norm-match"]
 DICT_SCENARIOS = ("dict-16", "dict-16-b64")
 """Scenarios whose specs are handed over as Python dicts (the others as JSON text)."""
 TRAFFIC = ("fresh", "shared", "resend")
@@ -112,7 +117,7 @@ TURN = 128
 turn's prompt and its generated tokens)."""
 FOLLOW_UP = 64
 """New tokens of the second turn of a ``resend`` conversation."""
-OWN_ENGINE = {"events": "events", "ablate": "projecting"}
+OWN_ENGINE = {"events": "events", "ablate": "projecting", "norm-match": "projecting"}
 """Scenarios that run on an engine of their own (others run on ``plugin``)."""
 REPEATED = ("stock", "plugin", "variant")
 """The engines ``--instances`` starts more than once."""
@@ -180,6 +185,10 @@ class Specs:
         self.by_scenario["events"] = self.by_scenario["gated"]
         self.by_scenario["ablate"] = [{"steer": [{"vector": "bench", "layers": GATED_LAYERS,
                                                   "op": "ablate"}]}]
+        self.by_scenario["positions"] = [{"steer": [{"vector": "bench", "layers": [MONITOR],
+                                                     "positions": [-1, "g0:"]}]}]
+        self.by_scenario["norm-match"] = [{"steer": [{"vector": "bench", "layers": GATED_LAYERS,
+                                                      "scale": 0.05, "norm_match": True}]}]
 
     def params(self, scenario: str, batch: int, gen_len: int) -> list[Any]:
         """One ``SamplingParams`` per request: the spec as a JSON string, as the OpenAI
@@ -588,7 +597,7 @@ def main() -> None:
         plan.append(("plugin", {}))
     if args.variant is not None:
         plan.append(("variant", args.variant))
-    if "ablate" in args.scenarios:
+    if "ablate" in args.scenarios or "norm-match" in args.scenarios:
         plan.append(("projecting", {"max_projections": 1}))
     if args.control:
         plan.append(("control", None))
