@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
@@ -158,10 +159,16 @@ class DynsteerClient:
                 out[site] = CapturedArray.model_validate(value).to_numpy()
         return out
 
-    def set_global_capture(self, capture: dict[str, Any]) -> GlobalCapture:
+    def set_global_capture(self, capture: dict[str, Any], *, session: str | None = None,
+                           caller: str | None = None) -> GlobalCapture:
         """Capture every completion that asks for none into a sink (``capture``:
-        a ``CaptureSpec`` with ``sink``)."""
-        return GlobalCapture.model_validate(self.call("PUT", "/capture/global", capture))
+        a ``CaptureSpec`` with ``sink``); only those of ``session`` (as the server names it,
+        ``<key namespace><name>`` with API keys) and of the API key whose namespace is
+        ``caller``, where given."""
+        scope = {k: v for k, v in (("session", session), ("caller", caller)) if v is not None}
+        query = f"?{urllib.parse.urlencode(scope)}" if scope else ""
+        return GlobalCapture.model_validate(self.call("PUT", "/capture/global" + query,
+                                                      capture))
 
     def get_global_capture(self) -> GlobalCapture:
         return GlobalCapture.model_validate(self.call("GET", "/capture/global"))

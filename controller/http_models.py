@@ -211,3 +211,9 @@ class GlobalCapture(_Body):
     (``/v1/dynsteer/capture/global``); None: off."""
 
     capture: CaptureSpec | None = None
+    session: str | None = None
+    """Only requests of this session (as the server names it: ``<key namespace><name>`` with
+    API keys configured); None: every session and none."""
+    caller: str | None = None
+    """Only requests authenticated by the API key of this namespace (``-/``: requests without
+    a configured key); None: every caller."""

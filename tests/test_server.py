@@ -220,6 +220,42 @@ def test_a_capture_into_a_sink_and_the_global_capture(openai_client, server, sin
         chat(openai_client, dynsteer=bad)
 
 
+
+def test_a_global_capture_scoped_to_a_session_or_a_key(openai_client, client, server,
+                                                       sink_dir):
+    """Scoped to a session, the global capture covers that session's completions only (the
+    name as the server namespaces it); scoped to a key's namespace, only that key's."""
+    model = openai_client.models.list().data[0].id
+    before = len(capture.open(sink_dir))
+    everything = {"sites": "post_block@1", "positions": "last_prompt", "sink": "audit"}
+    audited = key_namespace(KEY) + "audited"
+
+    def complete(session=None, api_key=KEY):
+        body = {"model": model, "prompt": "The sea is", "max_tokens": 2, "temperature": 0.0}
+        if session is not None:
+            body["dynsteer"] = {"session": session}
+        status, found = http("POST", server.url + "/v1/completions", body, api_key=api_key)
+        assert status == 200, found
+        return (found.get("dynsteer") or {}).get("activations")
+
+    scoped = client.set_global_capture(everything, session=audited)
+    try:
+        assert (scoped.session, scoped.caller) == (audited, None)
+        assert client.get_global_capture().session == audited
+        assert complete("audited")[0]["sink"] == "audit"
+        assert complete("other") is None and complete() is None
+        assert complete("audited", api_key=None) is None  # another namespace's "audited"
+        client.set_global_capture(everything, caller=key_namespace(KEY))
+        assert complete()[0]["sink"] == "audit"
+        assert complete(api_key=None) is None
+    finally:
+        client.clear_global_capture()
+    assert client.get_global_capture().session is None
+    assert len(sealed(sink_dir, before + 2)) == before + 2
+    status, body = http("PUT", server.url + "/v1/dynsteer/capture/global?caller=nobody",
+                        everything, api_key=KEY)
+    assert status == 400 and "caller" in json.dumps(body)
+
 def test_a_streamed_request_gets_its_activations_before_done(openai_client):
     """The stream passes through as it comes and ends with one more event carrying the
     activations, the rows the same request gets unstreamed (the stream's may hold one more

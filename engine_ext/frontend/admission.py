@@ -113,8 +113,11 @@ class FrontendState:
     sinks: frozenset[str] = frozenset()
     """Names of the capture sinks a server configured (a spec's ``capture.sink``)."""
     global_capture: dict[str, Any] | None = None
-    """A capture (``CaptureSpec`` fields, with a sink) the server adds to every non-streaming
-    completion that asks for none (``PUT /v1/dynsteer/capture/global``)."""
+    """A capture (``CaptureSpec`` fields, with a sink) the server adds to every completion
+    that asks for none (``PUT /v1/dynsteer/capture/global``)."""
+    global_capture_scope: dict[str, str | None] = field(default_factory=dict)
+    """Which completions the global capture covers: ``session`` (namespaced) and ``caller``
+    (a key namespace), each None or absent for all."""
     default_caller: Caller = TRUSTED
     """Who a request is admitted as when nobody said (see :mod:`.caller`): the API server sets
     a keyless client, so a request that reaches admission without its caller fails closed."""

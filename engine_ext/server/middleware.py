@@ -42,7 +42,7 @@ from dynsteer.controller.spec import MAX_JSON_DEPTH, check_json_depth
 
 from ..frontend import admission
 from ..frontend.admission import FrontendState
-from ..frontend.caller import acting_as
+from ..frontend.caller import acting_as, current
 from .activations import with_activations
 from .routes import PREFIX
 from .sessions import client
@@ -168,10 +168,11 @@ class Checked(NamedTuple):
     streamed: bool = False
 
 
-def _with_global_capture(found: _Json, capture: dict[str, Any]) -> bool:
+def _with_global_capture(found: _Json, frontend: FrontendState) -> bool:
     """Add the server's global capture to a completion whose spec asks for no capture of its
-    own (a ``when: "gated"`` one only to a spec with a gate) in place; whether the body
-    changed."""
+    own (a ``when: "gated"`` one only to a spec with a gate), of the session and caller it is
+    scoped to if it is, in place; whether the body changed."""
+    capture, scope = frontend.global_capture or {}, frontend.global_capture_scope
     data = found.data
     xargs = data.get("vllm_xargs") or {}
     if not isinstance(xargs, dict):
@@ -182,6 +183,13 @@ def _with_global_capture(found: _Json, capture: dict[str, Any]) -> bool:
         return False
     if capture.get("when") == "gated" and not spec.get("gate"):
         return False
+    caller = current(frontend.default_caller)
+    if scope.get("caller") is not None and caller.namespace != scope["caller"]:
+        return False
+    if scope.get("session") is not None:
+        session = spec.get("session")
+        if not isinstance(session, str) or caller.session(session) != scope["session"]:
+            return False
     spec["capture"] = capture
     xargs[SPEC_KEY] = found.dumps(spec).decode()
     data["vllm_xargs"] = xargs
@@ -214,7 +222,7 @@ def check_body(path: str, body: bytes, frontend: FrontendState | None) -> Checke
                 f"{SPEC_KEY}: not supported on {path}; send steered requests to "
                 f"{' or '.join(COMPLETION_PATHS)} (top-level \"{SPEC_KEY}\" or vllm_xargs)")
         _move_into_xargs(found)
-    if global_capture is not None and _with_global_capture(found, global_capture):
+    if global_capture is not None and _with_global_capture(found, frontend):
         moved = True
     xargs = found.data.get("vllm_xargs")
     spec = None

@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -33,7 +33,7 @@ from dynsteer.controller.http_models import (
     VectorIn,
     VectorOut,
 )
-from dynsteer.controller.spec import CaptureSpec, validation_message
+from dynsteer.controller.spec import SESSION_PATTERN, CaptureSpec, validation_message
 
 from ..compat.frontend import Generation
 from ..compat.server import vllm_version
@@ -41,6 +41,7 @@ from ..frontend import request_capture
 from ..frontend.control_plane import ConflictError, UnknownNameError
 from ..options import KERNEL_ABI, PLUGIN_VERSION
 from .runtime import DynsteerServer
+from .sessions import CALLER_PATTERN
 from .settings import is_configured_key
 
 PREFIX = "/v1/dynsteer"
@@ -129,28 +130,42 @@ async def info(server: DynsteerServer = Server) -> ServerInfo:
 
 @router.get("/capture/global", response_model=GlobalCapture, dependencies=Guarded)
 async def get_global_capture(server: DynsteerServer = Server) -> GlobalCapture:
-    """The capture every completion that asks for none gets (None: off)."""
-    return GlobalCapture.model_validate({"capture": server.frontend.global_capture})
+    """The capture every completion that asks for none gets (None: off), and which
+    completions it covers."""
+    return _global_capture(server)
 
 
 @router.put("/capture/global", response_model=GlobalCapture, dependencies=Guarded)
-async def put_global_capture(body: CaptureSpec,
-                             server: DynsteerServer = Server) -> GlobalCapture:
+async def put_global_capture(
+        body: CaptureSpec, server: DynsteerServer = Server,
+        session: str | None = Query(None, pattern=SESSION_PATTERN,
+                                    description="only requests of this (namespaced) session"),
+        caller: str | None = Query(None, pattern=CALLER_PATTERN,
+                                   description="only requests of the API key of this "
+                                   "namespace (-/: requests without a configured key)"),
+) -> GlobalCapture:
     """Capture every completion that asks for no capture of its own into a sink
     (dataset collection while serving; with ``when: "gated"``, the requests with a gate whose
-    gate fired: the audit log of a probe-gated deployment); applies to requests received from
-    now on."""
+    gate fired: the audit log of a probe-gated deployment), or only those of one session or
+    one API key; applies to requests received from now on."""
     with http_errors():
         check_global_capture(body, server.frontend)
     server.frontend.global_capture = body.model_dump(exclude_none=True)
-    return GlobalCapture.model_validate({"capture": server.frontend.global_capture})
+    server.frontend.global_capture_scope = {"session": session, "caller": caller}
+    return _global_capture(server)
 
 
 @router.delete("/capture/global", response_model=GlobalCapture, dependencies=Guarded)
 async def delete_global_capture(server: DynsteerServer = Server) -> GlobalCapture:
     """Stop the global capture."""
     server.frontend.global_capture = None
+    server.frontend.global_capture_scope = {}
     return GlobalCapture()
+
+
+def _global_capture(server: DynsteerServer) -> GlobalCapture:
+    return GlobalCapture.model_validate({"capture": server.frontend.global_capture,
+                                         **server.frontend.global_capture_scope})
 
 
 def check_global_capture(capture: CaptureSpec, frontend: Any) -> None:

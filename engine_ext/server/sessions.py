@@ -26,6 +26,8 @@ NAMESPACE_CHARS = 16
 
 ANONYMOUS = "-/"
 """Namespace prefix of sessions of requests without a configured key (no digest spells it)."""
+CALLER_PATTERN = rf"^(?:[0-9a-f]{{{NAMESPACE_CHARS}}}/|-/)$"
+"""A key namespace as routes take it (:func:`key_namespace`'s form, or :data:`ANONYMOUS`)."""
 
 
 def key_namespace(api_key: str) -> str:
