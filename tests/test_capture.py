@@ -317,6 +317,24 @@ def test_async_capture_matches_hf(loop, async_engine, hf_streams, reduce):
 
 
 @pytest.mark.engine
+def test_a_cancelled_capture_frees_the_engine_for_the_next(loop, async_engine, hf_streams):
+    """Cancelling a capture mid-way (its HTTP client disconnected) aborts its requests and
+    ends its pass: the next capture starts at once and is exact."""
+    async def scenario():
+        task = asyncio.ensure_future(capture_async(async_engine, PROMPTS * 30, ALL_SITES,
+                                                   "mean"))
+        await asyncio.sleep(0.5)
+        assert not task.done(), "the capture to cancel finished already"
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return await asyncio.wait_for(capture_async(async_engine, PROMPTS, ALL_SITES, "last"),
+                                      60)
+
+    result = loop.run_until_complete(scenario())
+    assert_capture_matches_hf(result, hf_streams("llama")[1], "last")
+
+
+@pytest.mark.engine
 def test_capture_alongside_steered_requests(loop, async_engine, hf_streams):
     """Steered requests batched with a capture are unchanged, and the capture stays exact."""
     engine = async_engine

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Request
 
 from dynsteer.controller.http_models import (
     CaptureResponse,
@@ -28,6 +28,7 @@ from dynsteer.controller.http_models import (
 
 from ..frontend.capture import CaptureArgs, capture_async, encode_result
 from ..frontend.control_plane import Change, ConflictError, ControlError
+from .disconnect import unless_disconnected
 from .routes import (
     PREFIX,
     DynsteerRoute,
@@ -123,9 +124,11 @@ async def _restore(server: DynsteerServer, kind: str, option: str,
 
 
 @router.post("/capture", response_model=CaptureResponse, dependencies=Guarded)
-async def capture(body: CaptureArgs, server: DynsteerServer = Server) -> dict:
+async def capture(body: CaptureArgs, request: Request, server: DynsteerServer = Server) -> dict:
     """Residual-stream activations of prompts at sites, computed by the served engine (for
-    training probes). Runs one capture at a time; other traffic continues alongside."""
+    training probes). Runs one capture at a time; other traffic continues alongside. A client
+    that disconnects cancels its capture (its requests are aborted)."""
     with http_errors():
-        result = await capture_async(server.engine, body.prompts, body.sites, body.reduce)
+        result = await unless_disconnected(
+            request, capture_async(server.engine, body.prompts, body.sites, body.reduce))
     return encode_result(result)
