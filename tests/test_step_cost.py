@@ -96,10 +96,23 @@ def decode_lines(state: SteeringState, slots: np.ndarray, steps: int, gate: floa
     return counted
 
 
-def lines_per_step(requests: int, gate: float, capture: bool = False) -> int:
+def positioned(i: int) -> dict:
+    """:func:`spec` with its entries on some positions only (stretches, see
+    ``worker/position_rows.py``), different per request."""
+    def narrow(entries: list[dict]) -> list[dict]:
+        return [{**e, "positions": [-1 - i % 3, f"g{i % 2}:g{3 + i % 4}"]} for e in entries]
+
+    found = spec(i)
+    if "steer" in found:
+        return {**found, "steer": narrow(found["steer"])}
+    return {**found, "gate": {**found["gate"], "steer": narrow(found["gate"]["steer"])}}
+
+
+def lines_per_step(requests: int, gate: float, capture: bool = False,
+                   spec_of: Callable[[int], dict] = spec) -> int:
     """Python lines executed by one decode step with ``requests`` requests (the one after the
     first decode step)."""
-    state = make_state(requests, spec, capture)
+    state = make_state(requests, spec_of, capture)
     slots = np.arange(1, requests + 1)
     state.fill(slots, np.zeros(requests, np.int64), np.full(requests, PROMPT))  # prefill
     state.cache_report()
@@ -117,6 +130,14 @@ def test_capturing_step_lines_do_not_depend_on_the_number_of_requests():
     """The same with every request capturing its own activations at two sites (rows noted
     per step for prompt and generated positions)."""
     small, large = lines_per_step(8, 1.0, capture=True), lines_per_step(200, 1.0, capture=True)
+    assert large == small, f"{small} Python lines per step with 8 requests, {large} with 200"
+
+
+def test_positioned_step_lines_do_not_depend_on_the_number_of_requests():
+    """The same with every request's entries on some positions only: each token's row is
+    looked up among its request's stretches, vectorized."""
+    small = lines_per_step(8, 1.0, spec_of=positioned)
+    large = lines_per_step(200, 1.0, spec_of=positioned)
     assert large == small, f"{small} Python lines per step with 8 requests, {large} with 200"
 
 
