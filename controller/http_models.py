@@ -106,6 +106,8 @@ class GateReport(_Body):
     gated_prefill: int
     gated_decode: int
     first_decode_gated: int | None
+    first_gated: int | None = None
+    """The first position (prompt or generated, from 0) whose gate was above 0.5."""
     max_score: float | None
     gates: list[float | None] | None = None
     """Per position (None where not processed); only for gates with ``"trace": true``."""

@@ -20,7 +20,15 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .contract import (
     Hook,
@@ -244,6 +252,19 @@ class CaptureSpec(BaseModel):
     """``gated``: keep the rows only if the request's gate fired (gate > 0.5 at some
     position); otherwise they are freed on the device and the status is ``skipped``. Needs a
     ``gate`` in the same spec."""
+    window: tuple[Annotated[int, Field(ge=0, lt=2**31)],
+                  Annotated[int, Field(ge=0, lt=2**31)]] | None = None
+    """With ``when: "gated"``: ``[before, after]``, keep only the positions from ``before``
+    before the first position whose gate fired to ``after`` after it (of those ``positions``
+    names); None: all of them."""
+
+    @field_validator("window")
+    @classmethod
+    def _window_needs_a_gate(cls, window: tuple[int, int] | None,
+                             info: ValidationInfo) -> tuple[int, int] | None:
+        if window is not None and info.data.get("when") != "gated":
+            raise ValueError("a window around the gate's first firing needs when: 'gated'")
+        return window
 
 
 class SteeringSpec(BaseModel):

@@ -111,6 +111,8 @@ def test_numpy_fold_matches_a_per_token_reference():
                 if on and not prompt:
                     first = layout.FIRST_DECODE_GATED
                     stats[first, k] = min(stats[first, k], p)
+                if on:
+                    stats[layout.FIRST_GATED, k] = min(stats[layout.FIRST_GATED, k], p)
             if not math.isnan(s):
                 best[k] = max(best.get(k, -math.inf), float(s))
             if g > DYNAMIC_EPSILON and p >= stats[layout.DYNAMIC_FROM, k]:

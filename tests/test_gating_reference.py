@@ -133,6 +133,7 @@ def test_telemetry_matches_hf(gated_run, case):
     decode_on = np.flatnonzero(on & (pos >= len(PROMPT)))
     want_first = int(decode_on[0] - len(PROMPT)) if len(decode_on) else None
     assert report["first_decode_gated"] == want_first
+    assert report["first_gated"] == (int(np.flatnonzero(on)[0]) if on.any() else None)
     assert report["max_score"] == pytest.approx(steerer.scores.numpy()[:processed].max(),
                                                 abs=2e-3)
 

@@ -266,6 +266,31 @@ def test_half_dtypes_round_the_float32_rows(llm, dtype):
 
 
 @pytest.mark.engine
+def test_a_window_keeps_the_positions_around_the_gates_first_firing(llm, hf):
+    """``window: [before, after]``: of a gated capture, only the positions around the first
+    one whose gate fired (the telemetry's ``first_gated``, where the traced score first
+    exceeds the threshold), equal to HF's rows there."""
+    probe = {"weights": vec(7, norm=1.0), "threshold": -1e4}
+    gate = {"probe": probe, "layer": 1, "trace": True,
+            "steer": [{"vector": vec(8), "layers": [2, 3]}]}
+    prompt = PROMPTS[1]
+    out, = run(llm, [prompt], [params(DECODE, spec={"gate": gate}, prompt_logprobs=None)])
+    scores = np.array(Steering(llm).telemetry(out)["scores"])
+    threshold = float(np.sort(scores[2:])[-2])  # fires first where a larger score comes
+    first = int(np.flatnonzero(scores > threshold)[0])
+    spec = {"gate": {**gate, "probe": {**probe, "threshold": threshold}},
+            "capture": {"sites": CAPTURED, "when": "gated", "window": [2, 1]}}
+    outs, (act,) = captured(llm, [prompt], spec)
+    assert Steering(llm).telemetry(outs[0])["first_gated"] == first
+    assert act.status == "ok"
+    assert act.positions.tolist() == list(range(max(first - 2, 0), first + 2))
+    assert_rows_match_hf(hf, outs[0], act, spec)
+    with pytest.raises(ValueError, match=r"capture\.window: .*needs when: 'gated'"):
+        run(llm, [prompt], [params(3, spec={"capture": {"sites": CAPTURED,
+                                                        "window": [1, 1]}})])
+
+
+@pytest.mark.engine
 def test_a_batch_comes_through_the_inbox_or_inline_alike(llm, monkeypatch):
     """A batch collected in one call: its rows travel through the frontend's inbox (one file,
     unlinked once mapped) or, where the workers cannot see one, inline in the reply; the same

@@ -59,6 +59,7 @@ def expected(seen: dict[int, tuple[float, float]], prompt_len: int, dynamic_from
         "gated_prefill": int(sum(o for p, o in zip(pos, on, strict=True) if p < prompt_len)),
         "gated_decode": len(decode_on),
         "first_decode_gated": decode_on[0] - prompt_len if decode_on else None,
+        "first_gated": next((p for p, o in zip(pos, on, strict=True) if o), None),
         "max_score": max(seen[p][1] for p in pos),
         "first_dynamic": next((p for p in pos if dynamic_from is not None and p >= dynamic_from
                                and seen[p][0] > DYNAMIC_EPSILON), None),
@@ -88,7 +89,8 @@ def test_counters_trace_recompute_and_block_reports():
     for name, prompt_len, dynamic_from in (("a", 6, 6), ("b", 3, 0)):
         report = tele.report(name)
         want = expected(seen[name], prompt_len, dynamic_from)
-        for key in ("tokens_monitored", "gated_prefill", "gated_decode", "first_decode_gated"):
+        for key in ("tokens_monitored", "gated_prefill", "gated_decode", "first_decode_gated",
+                    "first_gated"):
             assert report[key] == want[key], (name, key)
         # "b"'s recomputed positions were scored again (new random values): its max only grows
         assert report["max_score"] >= want["max_score"] - 1e-5

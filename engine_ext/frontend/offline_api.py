@@ -91,9 +91,10 @@ class Steering:
 
         Keys: ``tokens_monitored``, ``gated_prefill`` / ``gated_decode`` (tokens with gate >
         0.5), ``first_decode_gated`` (0-based index of the first generated position gated, or
-        None), ``max_score``, ``gates`` and ``scores`` (per position, None where not processed;
-        only for gates with ``"trace": true``) and ``controller`` (name, ``events``: what it
-        changed from which position, ``error``; None without a controller).
+        None), ``first_gated`` (the first position gated, prompt or generated), ``max_score``,
+        ``gates`` and ``scores`` (per position, None where not processed; only for gates with
+        ``"trace": true``) and ``controller`` (name, ``events``: what it changed from which
+        position, ``error``; None without a controller).
         """
         request_id = output if isinstance(output, str) else output.request_id
         return vllm_frontend.rpc(self._llm, "dynsteer_telemetry", (request_id,))[0]

@@ -60,6 +60,7 @@ def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, promp
             "(dynsteer.capture_tokens): lower max_tokens, or restart the engine with more")
     return {"sites": [site_name(site) for site in sites], "rows": rows,
             "positions": capture.positions, "dtype": capture.dtype, "when": capture.when,
+            "window": list(capture.window) if capture.window is not None else None,
             "project": capture.project.model_dump() if capture.project is not None else None}
 
 

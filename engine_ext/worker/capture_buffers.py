@@ -208,16 +208,17 @@ class CaptureBuffers:
 
     # ---- request captures ----------------------------------------------------------------
     def collect_requests(self, requests: list[tuple[str, int | None]], reply: bool,
-                         fired: Callable[[str], bool] = lambda _: True,
+                         first_gated: Callable[[str], int | None] = lambda _: 0,
                          inbox: dict[str, str] | None = None) -> dict[str, Any] | None:
         """The captured positions of requests (each by its id or the caller's id of it), then
         freed; None on TP ranks other than 0.
 
         ``requests``: (id, computed) pairs; ``computed`` is how many positions the request
         computed, as its output says (prompt plus generated tokens, less one); None: as far as
-        this worker saw. ``fired(req_id)``: whether the request's gate fired (a ``when:
-        "gated"`` capture keeps its rows only then; otherwise they are freed without leaving
-        the device). ``inbox``: where the frontend takes the rows (:mod:`.capture_transfer`).
+        this worker saw. ``first_gated(req_id)``: the first position whose gate fired (None:
+        none; a ``when: "gated"`` capture keeps its rows only if there is one, and only
+        those within its ``window`` of it; otherwise they are freed without leaving the
+        device). ``inbox``: where the frontend takes the rows (:mod:`.capture_transfer`).
 
         Reply: ``file`` (the inbox file holding the rows, or None) and per request, in order,
         None (it asked for no capture) or ``status`` (``ok`` / ``skipped`` / ``partial`` /
@@ -227,7 +228,7 @@ class CaptureBuffers:
         ``nbytes`` in the file, and ``scales`` (int8: one float32 per row).
         """
         self._synchronize(reply)
-        taken = [self._take(request_id, computed, reply, fired)
+        taken = [self._take(request_id, computed, reply, first_gated)
                  for request_id, computed in requests]
         if not reply:
             return None
@@ -239,7 +240,7 @@ class CaptureBuffers:
         return {"file": file, "items": items}
 
     def _take(self, request_id: str, computed: int | None, reply: bool,
-              fired: Callable[[str], bool]
+              first_gated: Callable[[str], int | None]
               ) -> tuple[dict[str, Any] | None, torch.Tensor | None]:
         """One request's reply (without its rows) and its rows' bytes on the device; its rows
         and lanes are free once the bytes are copied out."""
@@ -255,13 +256,17 @@ class CaptureBuffers:
         self._detach(entry)
         self._release(entry.lanes)
         wanted = entry.wanted or {}
-        if wanted.get("when") == "gated" and not fired(req_id):
+        fired = first_gated(req_id) if wanted.get("when") == "gated" else None
+        if wanted.get("when") == "gated" and fired is None:
             return {**self._nothing("skipped", "the request's gate never fired"),
                     "dtype": wanted["dtype"]}, None
         if not reply:
             return None, None
         end = entry.end if computed is None else min(entry.end, computed)
         positions = select(wanted["positions"], entry.prompt_len, max(end, 0))
+        if fired is not None and wanted.get("window") is not None:
+            before, after = wanted["window"]
+            positions = positions[(positions >= fired - before) & (positions <= fired + after)]
         seen = positions[positions >= max(entry.first, 0)] if entry.first >= 0 else positions[:0]
         status, detail = "ok", ""
         if len(seen) < len(positions):

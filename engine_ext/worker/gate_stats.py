@@ -30,6 +30,7 @@ index does not change and needs no upload)::
         GATED_PREFILL[k] += g > GATE_ON and p < PROMPT_LEN[k]
         GATED_DECODE[k]  += g > GATE_ON and p >= PROMPT_LEN[k]
         FIRST_DECODE_GATED[k] = min(., p)     where g > GATE_ON and p >= PROMPT_LEN[k]
+        FIRST_GATED[k] = min(., p)            where g > GATE_ON
     MAX_SCORE[k] = max(., score_key(s))      (NaN scores are ignored)
     FIRST_DYNAMIC[k] = min(., p)             where g > DYNAMIC_EPSILON and p >= DYNAMIC_FROM[k]
     UPTO[k] = max(., p + 1)
@@ -59,6 +60,7 @@ from .layout import (
     DYNAMIC_FROM,
     FIRST_DECODE_GATED,
     FIRST_DYNAMIC,
+    FIRST_GATED,
     FRONTIER,
     GATE,
     GATE_ON,
@@ -82,7 +84,7 @@ from .layout import (
 from .step_upload import Layout, StepUpload
 
 COUNTERS = [MONITORED, GATED_PREFILL, GATED_DECODE, FIRST_DECODE_GATED, MAX_SCORE,
-            FIRST_DYNAMIC, UPTO]
+            FIRST_DYNAMIC, UPTO, FIRST_GATED]
 """What a request's summary reads (and a resumed request gets back)."""
 NO_SCORE = np.iinfo(np.int64).min
 """``MAX_SCORE`` of a request without a (non-NaN) score yet."""
@@ -110,7 +112,7 @@ def key_score(key: int) -> float | None:
 def fresh_column(prompt_len: int, dynamic_from: int, site: int) -> np.ndarray:
     """A new request's column."""
     column = np.zeros(STAT_COLS, dtype=np.int64)
-    column[[FIRST_DYNAMIC, FIRST_DECODE_GATED]] = NONE
+    column[[FIRST_DYNAMIC, FIRST_DECODE_GATED, FIRST_GATED]] = NONE
     column[MAX_SCORE] = NO_SCORE
     column[PROMPT_LEN], column[DYNAMIC_FROM], column[SITE] = prompt_len, dynamic_from, site
     return column
@@ -138,6 +140,7 @@ def fold_numpy(index: np.ndarray, gate_score: np.ndarray, stats: np.ndarray,
         stats[GATED_PREFILL] += np.bincount(k[new & on & prompt], minlength=slots)
         stats[GATED_DECODE] += np.bincount(k[decode_on], minlength=slots)
         np.minimum.at(stats[FIRST_DECODE_GATED], k[decode_on], p[decode_on])
+        np.minimum.at(stats[FIRST_GATED], k[new & on], p[new & on])
         scored = ~np.isnan(s)
         np.maximum.at(stats[MAX_SCORE], k[scored], score_key(s[scored]))
         hot = (g > DYNAMIC_EPSILON) & (p >= stats[DYNAMIC_FROM, k])

@@ -85,8 +85,8 @@ GATE_ON = 0.5
 """A token counts as gated when its gate is above this."""
 
 (FIRST_DYNAMIC, UPTO, MONITORED, GATED_PREFILL, GATED_DECODE, FIRST_DECODE_GATED, MAX_SCORE,
- FRONTIER, PROMPT_LEN, DYNAMIC_FROM, SITE, START, NEXT) = range(13)
-STAT_COLS = 13
+ FRONTIER, PROMPT_LEN, DYNAMIC_FROM, SITE, START, NEXT, FIRST_GATED) = range(14)
+STAT_COLS = 14
 """Rows of ``stats`` (one value per slot each): the first two are the per-step read-back."""
 OPS_HEAD = 3
 """The op buffer: [reads, writes, fold (0: the replay applies the ops only), read slots,

@@ -254,11 +254,12 @@ class SteeringState:
     def collect_activations(self, requests: list[tuple[str, int | None]], reply: bool,
                             inbox: dict[str, str] | None) -> dict[str, Any] | None:
         """Requests' own captured rows (see :meth:`.CaptureBuffers.collect_requests`)."""
-        return self.capture.collect_requests(requests, reply, self._gate_fired, inbox)
+        return self.capture.collect_requests(requests, reply, self._first_gated, inbox)
 
-    def _gate_fired(self, req_id: str) -> bool:
+    def _first_gated(self, req_id: str) -> int | None:
+        """The first position whose gate fired (None: none, or no gate)."""
         report = self.telemetry.report(req_id)
-        return report is not None and report["gated_prefill"] + report["gated_decode"] > 0
+        return None if report is None else report["first_gated"]
 
     def site_buffers(self) -> dict[Site, SiteBuffers]:
         """The buffer views each site's op reads."""

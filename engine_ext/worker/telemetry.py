@@ -44,6 +44,7 @@ from . import cuda_events
 from .gate_stats import COUNTERS, GateStats, fresh_column, key_score
 from .layout import (
     FIRST_DECODE_GATED,
+    FIRST_GATED,
     FRONTIER,
     GATE_ON,
     GATED_DECODE,
@@ -433,6 +434,7 @@ class GateTelemetry:
     def _summary(self, req: _Request) -> dict[str, Any]:
         column = req.column if req.column is not None else self._stats.column(req.slot)
         first_decode = int(column[FIRST_DECODE_GATED])
+        first = int(column[FIRST_GATED])
         max_score = key_score(int(column[MAX_SCORE]))
         gates = scores = None
         if req.trace:
@@ -443,6 +445,7 @@ class GateTelemetry:
             "gated_prefill": int(column[GATED_PREFILL]),
             "gated_decode": int(column[GATED_DECODE]),
             "first_decode_gated": None if first_decode == NONE else first_decode - req.prompt_len,
+            "first_gated": None if first == NONE else first,
             "max_score": max_score if max_score is not None and np.isfinite(max_score) else None,
             "gates": gates,
             "scores": scores,

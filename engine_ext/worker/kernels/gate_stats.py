@@ -21,6 +21,7 @@ from ._tl import (
     ST_DYNAMIC_FROM,
     ST_FIRST_DECODE_GATED,
     ST_FIRST_DYNAMIC,
+    ST_FIRST_GATED,
     ST_FRONTIER,
     ST_GATED_DECODE,
     ST_GATED_PREFILL,
@@ -89,6 +90,7 @@ def _stats_fold_kernel(ops_ptr, index_ptr, gate_score_ptr, stats_ptr, site_count
     decode_on = new & on & ~prompt
     tl.atomic_add(stats_ptr + ST_GATED_DECODE * slots + k, one, mask=decode_on)
     tl.atomic_min(stats_ptr + ST_FIRST_DECODE_GATED * slots + k, p, mask=decode_on)
+    tl.atomic_min(stats_ptr + ST_FIRST_GATED * slots + k, p, mask=new & on)
     bits = s.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # gate_stats.score_key
     tl.atomic_max(stats_ptr + ST_MAX_SCORE * slots + k, key, mask=mine & (s == s))
