@@ -64,8 +64,9 @@ class WireEntry(NamedTuple):
 
 
 def read_entries(raw: Iterable[Sequence[Any]]) -> list[WireEntry]:
-    """Raw entries (lists, as msgpack delivers them) through their named fields."""
-    return [WireEntry._make(e) for e in raw]
+    """Raw entries (lists, as msgpack delivers them) through their named fields (trailing
+    fields an entry lacks take their defaults)."""
+    return [WireEntry(*e) for e in raw]
 
 WireProbe = list[Any]
 """``[weights bytes, threshold, sharpness]``: an inline probe, and what a worker is sent when a

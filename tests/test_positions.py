@@ -23,7 +23,7 @@ from dynsteer.controller.spec import (
     parse_entries,
     parse_spec,
 )
-from dynsteer.controller.wire import entry_to_wire
+from dynsteer.controller.wire import entry_to_wire, read_entries
 from dynsteer.engine_ext.worker.position_rows import END, positioned, stretches
 from dynsteer.engine_ext.worker.resolve import UNSTEERED
 
@@ -76,6 +76,13 @@ def test_stretches_cut_where_the_active_entries_change():
     assert [len(w["steer"]) for w in seen] == [1, 0, 1]
     assert all(e[2] == "all" and e[7] is None for w in seen for e in w["steer"])
     assert not positioned(wire_of([{"vector": vec(1), "layers": [1]}]))
+    # A session's entries joined to a request's may cut more than one spec may: refused here
+    # (the request then runs unsteered), never past the slot table's stretches.
+    crowded = wire_of([{"vector": vec(1), "layers": [1], "positions": list(range(0, 60, 3))}])
+    crowded["steer"] = [[*crowded["steer"][0][:7], list(range(i, 100, 3))] for i in range(3)]
+    assert read_entries(crowded["steer"])[0].norm_match is False  # an absent field's default
+    with pytest.raises(ValueError, match="stretches of positions, more than 66"):
+        stretches(crowded, 120, lambda w: UNSTEERED)
     assert END > 2**30
 
 

@@ -57,7 +57,8 @@ def positioned(wire: dict[str, Any] | None) -> bool:
 def stretches(wire: dict[str, Any], prompt_len: int,
               resolve: Callable[[dict[str, Any]], Resolved]) -> list[Stretch]:
     """The request's stretches, first at position 0; ``resolve`` builds a stretch's spec
-    (the registry's cached resolution)."""
+    (the registry's cached resolution). ValueError past :data:`MAX_STRETCHES` (the request
+    then runs unsteered)."""
     gate = wire["gate"]
     own = read_entries(wire["steer"])
     gated = read_entries(gate["steer"]) if gate is not None else []
@@ -69,6 +70,8 @@ def stretches(wire: dict[str, Any], prompt_len: int,
         phase = "prefill" if start < prompt_len else "decode"
         if not found or found[-1][1:] != (phase, active):
             found.append((start, phase, active))
+    if len(found) > MAX_STRETCHES:  # a session's entries added to a request's own
+        raise ValueError(f"{len(found)} stretches of positions, more than {MAX_STRETCHES}")
     out = []
     for start, phase, active in found:
         key = f"{wire['key']}|p{','.join(map(str, active))}"
