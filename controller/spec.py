@@ -516,29 +516,13 @@ def check_entries(entries: Iterable[SteerEntry], shape: ModelShape, prefix: str)
         else:
             vector = _inline_values(where, entry, shape)
             norm = float(np.linalg.norm(vector.astype(np.float64)))
-        if entry.norm_match:
-            _check_norm_match(where, entry, norm, shape)
-        elif entry.op == "add":
+        if entry.op == "add" and not entry.norm_match:
             check_steer_magnitude(where, norm, entry.scale, shape.max_steer_norm,
                                   shape.dtype_max)
         else:
-            _check_projection(where, entry, norm, shape)
+            _check_slotted(where, entry, norm, shape)
         for layer in entry.layers:
             _check_site(f"{where}.layers", entry.hook, layer, shape)
-
-
-def _check_projection(where: str, entry: SteerEntry, norm: float, shape: ModelShape) -> None:
-    """An ablate / clamp entry is usable: the engine has projection slots, the vector has a
-    direction, and a clamp's target is within the steering bound."""
-    if shape.max_projections == 0:
-        raise SpecError(f"{where}.op: {entry.op!r} needs the engine option "
-                        "dynsteer.max_projections >= 1 (it is 0: start the engine with it)")
-    if not norm > 0:
-        raise SpecError(f"{where}.vector: op {entry.op!r} acts along the vector's direction, "
-                        "and a zero vector has none")
-    if entry.value is not None:
-        check_steer_magnitude(f"{where}.value", abs(entry.value), entry.scale,
-                              shape.max_steer_norm, shape.dtype_max)
 
 
 MAX_NORM_MATCH_SCALE = 64.0
@@ -546,18 +530,23 @@ MAX_NORM_MATCH_SCALE = 64.0
 stream's."""
 
 
-def _check_norm_match(where: str, entry: SteerEntry, norm: float, shape: ModelShape) -> None:
-    """A norm-matched add is usable: the engine has projection slots (it takes one), the
-    vector has a direction, and the scale is a multiple of the stream's norm within bounds."""
+def _check_slotted(where: str, entry: SteerEntry, norm: float, shape: ModelShape) -> None:
+    """An entry that takes a projection slot (ablate / clamp, or a ``norm_match`` add) is
+    usable: the engine has projection slots, the vector has a direction, a clamp's target is
+    within the steering bound and a norm-matched scale within its own."""
+    field, what = ("norm_match", "norm_match") if entry.norm_match else ("op", f"op {entry.op!r}")
     if shape.max_projections == 0:
-        raise SpecError(f"{where}.norm_match: needs the engine option dynsteer.max_projections "
-                        ">= 1 (a norm-matched entry takes a projection slot; it is 0)")
+        raise SpecError(f"{where}.{field}: {what.removeprefix('op ')} needs the engine option "
+                        "dynsteer.max_projections >= 1 (it is 0: start the engine with it)")
     if not norm > 0:
-        raise SpecError(f"{where}.vector: norm_match adds along the vector's direction, and a "
-                        "zero vector has none")
-    if abs(entry.scale) > MAX_NORM_MATCH_SCALE:
+        raise SpecError(f"{where}.vector: {what} acts along the vector's direction, "
+                        "and a zero vector has none")
+    if entry.norm_match and abs(entry.scale) > MAX_NORM_MATCH_SCALE:
         raise SpecError(f"{where}.scale: {entry.scale} times the stream's norm; at most "
                         f"{MAX_NORM_MATCH_SCALE:g} with norm_match")
+    if entry.value is not None:
+        check_steer_magnitude(f"{where}.value", abs(entry.value), entry.scale,
+                              shape.max_steer_norm, shape.dtype_max)
 
 
 def check_projection_slots(steer: Sequence[SteerEntry], gated: Sequence[SteerEntry],

@@ -106,8 +106,9 @@ def test_bad_norm_match_entries_are_refused_naming_the_field():
                                "norm_match": True}]})
     for entry, message, slots in [
             ({"scale": 65.0}, r"steer\[0\]\.scale: 65.0 times the stream's norm; at most 64", 1),
-            ({}, r"steer\[0\]\.norm_match: needs the engine option dynsteer.max_projections", 0),
-            ({"vector": [0.0] * HIDDEN}, r"steer\[0\]\.vector: norm_match adds along", 1)]:
+            ({}, r"steer\[0\]\.norm_match: norm_match needs the engine option "
+                 r"dynsteer.max_projections", 0),
+            ({"vector": [0.0] * HIDDEN}, r"steer\[0\]\.vector: norm_match acts along", 1)]:
         spec = parse_spec({"steer": [{"vector": vec(1), "layers": [1], "norm_match": True,
                                       **entry}]})
         with pytest.raises(SpecError, match=message):
