@@ -75,6 +75,8 @@ class SlotTable:
         self.by_position = np.zeros(max_slots, dtype=bool)
         """Whether the slot's request steers by position (its tokens' rows are its
         stretches', not its phases')."""
+        self.num_by_position = 0
+        """Live requests that steer by position (while 0, steps never look at stretches)."""
         self.version = 0
         """Counts the changes of the per-slot rows and prompt lengths that the device fill's
         slot table must follow: a steered request's admission and release. An unsteered one
@@ -136,6 +138,7 @@ class SlotTable:
         gateless = key.endswith("-nogate")
         if req.stretches is not None:
             self.by_position[req.slot] = True
+            self.num_by_position += 1
             for i, stretch in enumerate(req.stretches):
                 res = stretch.resolved
                 self.stretch_start[req.slot, i] = stretch.start
@@ -189,5 +192,6 @@ class SlotTable:
             self.stretch_row[req.slot] = 0
             self.stretch_start[req.slot] = END
             self.by_position[req.slot] = False
+            self.num_by_position -= 1
         self.probe_table.release(int(self.probe_row[req.slot]))
         self.probe_row[req.slot] = 0

@@ -107,8 +107,8 @@ class StepIndex:
         capture = self.capture.slot_starts(slots)
         control_rows = table.control_row[slots]
         controlled = np.count_nonzero(control_rows) > 0
-        by_position = table.by_position[slots]
-        stretched = np.count_nonzero(by_position) > 0
+        by_position = table.by_position[slots] if table.num_by_position else None
+        stretched = by_position is not None and np.count_nonzero(by_position) > 0
         tokens = int(counts.sum())
         if (device_slots is not None and self.device_fill is not None
                 and capture is None and not controlled and not self.telemetry.wants_tokens
