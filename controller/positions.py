@@ -92,6 +92,9 @@ def steered(positions: Positions | None, phase: str, prompt_len: int, end: int
             if max(a, low) < min(b, high)]
 
 
+END = 2**31 - 1
+"""Past every position a request can reach (the open end of a steering entry's positions)."""
+
 MAX_CUTS = 64
 """Most points, over a request's steering entries, where the set of entries that steer a
 position may change (each item of ``positions`` gives at most two): every stretch between two

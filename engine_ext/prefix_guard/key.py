@@ -6,13 +6,10 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from dynsteer.controller.positions import steered
+from dynsteer.controller.positions import END, steered
 from dynsteer.controller.wire import RawEntry, fingerprint, read_entries
 
 from .guard import CacheGuard
-
-END = 2**31 - 1
-"""Past every position a request can reach."""
 
 
 def guard_for(wire: dict[str, Any] | None, global_wire: Sequence[RawEntry],

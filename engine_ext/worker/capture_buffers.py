@@ -235,8 +235,9 @@ class CaptureBuffers:
         blobs = [blob for _, blob in taken if blob is not None]
         file, placed = self._sender.send(blobs, inbox)
         where = iter(placed)
-        items = [None if reply is None else {**reply, **(next(where) if blob is not None else {})}
-                 for reply, blob in taken]
+        items = [None if answer is None
+                 else {**answer, **(next(where) if blob is not None else {})}
+                 for answer, blob in taken]
         return {"file": file, "items": items}
 
     def _take(self, request_id: str, computed: int | None, reply: bool,

@@ -20,13 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dynsteer.controller.positions import MAX_CUTS, steered
+from dynsteer.controller.positions import END, MAX_CUTS, steered
 from dynsteer.controller.wire import WireEntry, read_entries
 
 from .resolve import Resolved
 
-END = 2**31 - 1
-"""Past every position a request can reach."""
 MAX_STRETCHES = MAX_CUTS + 2
 """Most stretches of one request: from the start, the end of the prompt and every cut the
 spec allows (checked by the frontend)."""

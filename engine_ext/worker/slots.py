@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from dynsteer.controller.positions import END
+
 from .global_steering import NO_GLOBAL, GlobalSteering
-from .position_rows import END, MAX_STRETCHES, Stretch
+from .position_rows import MAX_STRETCHES, Stretch
 from .resolve import (
     PHASES,
     UNSTEERED,
