@@ -24,11 +24,10 @@ from dynsteer.controller.extra_args import GLOBAL_KEY
 from dynsteer.controller.spec import parse_entries
 from dynsteer.controller.wire import entry_to_wire
 from dynsteer.engine_ext.compat.model import (
-    SUPPORTED_ARCHITECTURES,
+    SteeredInput,
     SteeredLayer,
     SteeredNorm,
-    SteeredStreamLayer,
-    SteeredStreamNorm,
+    layer_contracts,
     wrap_sites,
 )
 from dynsteer.engine_ext.compat.worker import norm_passes
@@ -38,16 +37,14 @@ from dynsteer.engine_ext.worker.state import SteeringState
 H = 4
 LAYERS = 4
 TOKENS = 5
-SUPPORTED = [name for name, spec in SUPPORTED_ARCHITECTURES.items()
-             if spec.mid_norm == "post_attention_layernorm"]
-"""The supported classes the fakes stand for (Gemma's mid-stream norm has another name)."""
 
 
-class FakeNorm(nn.Module):
+class FakeNorm(RMSNorm):
     """A fused add+norm: ``(x, residual) -> (norm(x + residual), x + residual)``."""
 
     def __init__(self, name: str, log: list) -> None:
-        super().__init__()
+        with set_current_vllm_config(VllmConfig()):
+            super().__init__(H)
         self.name, self.log = name, log
 
     def forward(self, x, residual):
@@ -56,24 +53,47 @@ class FakeNorm(nn.Module):
         return s / (1 + s.abs().mean(-1, keepdim=True)), s
 
 
+class FakeAttention(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, positions, x):
+        return torch.tanh((self.index + 2) * x) + positions[:, None]
+
+
+class FakeMLP(nn.Module):
+    def forward(self, x):
+        return torch.sin(3 * x)
+
+
 class FakeDecoderLayer(nn.Module):
     """A decoder layer with vLLM's contract; logs its inputs, what it hands the norm and its
-    outputs as ``layer@i``, ``attn@i`` and ``out@i``."""
+    outputs as ``layer@i``, ``attn@i`` and ``out@i``. With an ``input_layernorm`` (vLLM's
+    RMSNorm) it adds the incoming pair there, as Llama's layers do."""
 
     def __init__(self, index: int, log: list) -> None:
         super().__init__()
         self.index, self.log = index, log
+        self.input_layernorm = None
+        self.self_attn = FakeAttention(index)
         self.post_attention_layernorm = FakeNorm(f"norm@{index}", log)
+        self.mlp = FakeMLP()
 
     def forward(self, positions, hidden_states, residual):
         i = self.index
         self.log.append((f"layer@{i}", hidden_states.clone(),
                          None if residual is None else residual.clone()))
-        residual = hidden_states if residual is None else hidden_states + residual
-        attn = torch.tanh((i + 2) * residual) + positions[:, None]
+        if residual is None:
+            residual = hidden_states
+        elif self.input_layernorm is not None:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        else:
+            residual = hidden_states + residual
+        attn = self.self_attn(positions, residual)
         self.log.append((f"attn@{i}", attn.clone(), residual.clone()))
         hidden_states, residual = self.post_attention_layernorm(attn, residual)
-        hidden_states = torch.sin(3 * hidden_states)
+        hidden_states = self.mlp(hidden_states)
         self.log.append((f"out@{i}", hidden_states.clone(), residual.clone()))
         return hidden_states, residual
 
@@ -122,11 +142,10 @@ def recording_ops(log: list) -> dict[tuple[str, int], RecordingOp]:
             for hook, layer in SITES}
 
 
-@pytest.mark.parametrize("name", SUPPORTED)
-def test_each_hook_wraps_its_module(name):
+def test_each_hook_wraps_its_module():
     """pre_attn and post_block wrap the layer, post_attn its post-attention norm; modules of
     layers without that hook are left as they were."""
-    model = fake_model(name)
+    model = fake_model()
     layers = list(model.model.layers)
     norms = [layer.post_attention_layernorm for layer in layers]
     ops = recording_ops([])
@@ -155,6 +174,7 @@ def test_ops_run_in_order_on_the_residual_stream():
     model = fake_model(log=log)
     ops = recording_ops(log)
     wrap_sites(model, ops)
+    log.clear()  # start-up asked each norm what it does with a residual
     x = torch.randn(TOKENS, H, generator=torch.Generator().manual_seed(1))
     hidden_out, residual_out = model(torch.arange(TOKENS, dtype=torch.float32), x)
 
@@ -217,19 +237,88 @@ def test_layers_of_another_pipeline_stage_are_skipped():
         assert isinstance(layers[i].post_attention_layernorm, SteeredNorm)
 
 
-def test_unsupported_architecture_names_the_model_class():
-    """An architecture whose layer contract is not verified fails at startup, by name, and
-    nothing is wrapped."""
-    model = fake_model("FalconForCausalLM")
+class IgnoredResidualLayer(FakeDecoderLayer):
+    """Takes a ``residual`` and ignores it, and adds no branch to its input: a class that a
+    reading by signature would steer as a two-stream layer."""
+
+    def forward(self, positions, hidden_states, residual):
+        hidden_states = self.mlp(self.self_attn(positions, hidden_states))
+        return hidden_states, residual
+
+
+def test_a_layer_whose_stream_is_not_recognized_is_refused():
+    """Whatever its class is called and whatever its signature says, a layer whose code does
+    not add its branches to its input fails at startup naming the model class, the layer class
+    and the reason, and nothing is wrapped."""
+    model = type("LlamaForCausalLM", (FakeCausalLM,), {})([])
+    model.model.layers = nn.ModuleList(IgnoredResidualLayer(i, []) for i in range(LAYERS))
     layers = list(model.model.layers)
-    with pytest.raises(RuntimeError, match="does not support the model class FalconForCausalLM"):
+    with pytest.raises(RuntimeError, match=r"does not support the model class LlamaForCausalLM: "
+                       r"layer 0 \(IgnoredResidualLayer\).*does not return its input plus"):
         wrap_sites(model, recording_ops([]))
     assert list(model.model.layers) == layers
 
 
+class PassingNorm(nn.Module):
+    """Cohere's norm: takes ``(x, residual)`` and returns ``residual`` untouched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(H))
+
+    def forward(self, x, residual=None):
+        return x / (1 + x.abs().mean(-1, keepdim=True)), residual
+
+
+class ParallelLayer(FakeDecoderLayer):
+    """Cohere's layout: a ``residual`` argument overwritten, attention and MLP side by side."""
+
+    def __init__(self, index: int, log: list) -> None:
+        super().__init__(index, log)
+        self.input_layernorm = PassingNorm()
+
+    def forward(self, positions, hidden_states, residual):
+        residual = hidden_states
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        attn = self.self_attn(positions, hidden_states)
+        mlp = self.mlp(hidden_states)
+        hidden_states = residual + attn + mlp
+        return hidden_states, residual
+
+
+def test_a_parallel_layer_has_no_post_attn():
+    """A layer whose norm passes the residual through and whose attention and MLP read the same
+    input has no stream between them: ``pre_attn`` / ``post_block`` steer its input / output,
+    ``post_attn`` stops the engine naming the layer."""
+    def model():
+        m = type("CohereForCausalLM", (FakeCausalLM,), {})([])
+        m.model.layers = nn.ModuleList(ParallelLayer(i, []) for i in range(LAYERS))
+        return m
+
+    with pytest.raises(RuntimeError, match=r"layer 1 \(ParallelLayer: parallel attention \+ "
+                       r"MLP\) has no post_attn"):
+        wrap_sites(model(), {("post_attn", 1): RecordingOp("", [], torch.zeros(H))})
+    gen = torch.Generator().manual_seed(7)
+    deltas = {("pre_attn", 1): torch.randn(H, generator=gen),
+              ("post_block", 2): torch.randn(H, generator=gen)}
+    steered = model()
+    wrap_sites(steered, {site: RecordingOp("", [], d) for site, d in deltas.items()})
+    plain = model()
+    positions = torch.arange(TOKENS, dtype=torch.float32)
+    x = torch.randn(TOKENS, H, generator=gen)
+    h = x
+    with torch.no_grad():
+        got = steered(positions, x)[0]
+        for i, layer in enumerate(plain.model.layers):
+            h = h + deltas.get(("pre_attn", i), 0)
+            h, _ = layer(positions, h, None)
+            h = h + deltas.get(("post_block", i), 0)
+    torch.testing.assert_close(got, h)
+
+
 def test_a_model_without_decoder_layers_is_refused():
     model = type("LlamaForCausalLM", (nn.Module,), {})()
-    with pytest.raises(RuntimeError, match=r"LlamaForCausalLM has no model\.layers"):
+    with pytest.raises(RuntimeError, match=r"LlamaForCausalLM keeps its decoder layers in none"):
         wrap_sites(model, recording_ops([]))
 
 
@@ -280,11 +369,6 @@ class FakeEntryNormLayer(FakeDecoderLayer):
         super().__init__(index, log)
         self.input_layernorm = RMSNorm(H, eps=1e-5)
 
-    def forward(self, positions, hidden_states, residual):
-        if residual is not None:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        return super().forward(positions, hidden_states, residual)
-
 
 class FakeNormedCausalLM(FakeCausalLM):
     """Llama's outer loop: the final norm adds the last layer's two halves."""
@@ -325,11 +409,12 @@ def test_post_block_runs_inside_the_norm_that_adds_its_stream():
     assert isinstance(model.model.norm, SteeredNorm)
     assert layers[3] is inner[3]
 
+    contracts = layer_contracts(reference)
     reference.model.layers = nn.ModuleList(
         SteeredLayer(layer, RecordingOp("", [], deltas[("pre_attn", i)])
                      if ("pre_attn", i) in deltas else None,
                      RecordingOp("", [], deltas[("post_block", i)])
-                     if ("post_block", i) in deltas else None)
+                     if ("post_block", i) in deltas else None, contracts[i])
         for i, layer in enumerate(reference.model.layers))
     positions = torch.arange(TOKENS, dtype=torch.float32)
     x = torch.randn(TOKENS, H, generator=torch.Generator().manual_seed(6))
@@ -386,16 +471,17 @@ class FakeStreamLayer(nn.Module):
 
     def __init__(self, index: int) -> None:
         super().__init__()
-        self.index = index
         self.input_layernorm = FakeStreamNorm()
+        self.self_attn = FakeAttention(index)
         self.post_attention_layernorm = FakeStreamNorm()
+        self.mlp = FakeMLP()
 
     def forward(self, positions, hidden_states):
         residual = hidden_states
-        attn = torch.tanh((self.index + 2) * self.input_layernorm(hidden_states))
-        hidden_states = residual + attn * 0.5 + positions[:, None]
+        attn = self.self_attn(positions, self.input_layernorm(hidden_states))
+        hidden_states = residual + attn * 0.5
         residual = hidden_states
-        mlp = torch.sin(3 * self.post_attention_layernorm(hidden_states))
+        mlp = self.mlp(self.post_attention_layernorm(hidden_states))
         return residual + mlp * 0.5
 
 
@@ -418,7 +504,8 @@ def test_single_stream_layers_steer_the_stream_everywhere():
         for i in range(2):
             x = x + deltas.get(("pre_attn", i), 0)
             layer = FakeStreamLayer(i)
-            mid = x + torch.tanh((i + 2) * layer.input_layernorm(x)) * 0.5 + positions[:, None]
+            attn = torch.tanh((i + 2) * layer.input_layernorm(x)) + positions[:, None]
+            mid = x + attn * 0.5
             mid = mid + deltas.get(("post_attn", i), 0)
             x = mid + torch.sin(3 * layer.post_attention_layernorm(mid)) * 0.5
             x = x + deltas.get(("post_block", i), 0)
@@ -426,8 +513,8 @@ def test_single_stream_layers_steer_the_stream_everywhere():
 
     ops = {site: RecordingOp(f"{site}", [], d) for site, d in deltas.items()}
     assert sorted(wrap_sites(model, ops)) == sorted(deltas)
-    assert isinstance(model.model.layers[0], SteeredStreamLayer)
-    assert isinstance(model.model.layers[1].layer.post_attention_layernorm, SteeredStreamNorm)
+    assert isinstance(model.model.layers[0], SteeredLayer)
+    assert isinstance(model.model.layers[1].layer.post_attention_layernorm, SteeredInput)
     steered = x
     for layer in model.model.layers:
         steered = layer(positions, steered)
@@ -435,15 +522,14 @@ def test_single_stream_layers_steer_the_stream_everywhere():
 
 
 class FakeStreamFirstLayer(FakeDecoderLayer):
-    """GPT-OSS's argument order, ``(hidden_states, positions, residual)``, and an attribute
-    the model reads through its layers (``mlp``)."""
-
-    def __init__(self, index: int, log: list) -> None:
-        super().__init__(index, log)
-        self.mlp = nn.Linear(H, H)
+    """GPT-OSS's argument order, ``(hidden_states, positions, residual)``; the model reads an
+    attribute (``mlp``) through its layers."""
 
     def forward(self, hidden_states, positions, residual):
-        return super().forward(positions, hidden_states, residual)
+        residual = hidden_states if residual is None else hidden_states + residual
+        attn = self.self_attn(positions, residual)
+        hidden_states, residual = self.post_attention_layernorm(attn, residual)
+        return self.mlp(hidden_states), residual
 
 
 def test_layers_taking_the_stream_first_are_steered_the_same():

@@ -1,133 +1,109 @@
-"""vLLM's decoder-layer contracts: where the residual stream is and how a site is wrapped in.
-
-Two contracts cover the supported architectures; which one a layer follows is read from its
-``forward`` signature when the sites are installed:
-
-* *split stream* (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, Qwen3-MoE, Mixtral, GPT-OSS):
-  layers take ``(positions, hidden_states, residual)`` (GPT-OSS: ``(hidden_states, positions,
-  residual)``) and return ``(hidden_states, residual)``; the stream after a layer is
-  ``hidden_states + residual`` and layer 0 receives ``residual=None``. vLLM fuses the
-  residual adds into the norms, so the stream after attention first exists inside
-  the norm that receives ``(attn_out, residual)``: Llama's ``post_attention_layernorm``,
-  Gemma's ``pre_feedforward_layernorm`` (Gemma's ``post_attention_layernorm`` normalizes the
-  attention output *before* the add, so it is not a stream site);
-* *single stream* (Granite): layers take ``(positions, hidden_states)`` and return the stream;
-  the attention output is added as ``residual + attn_out * residual_multiplier`` in the layer
-  body, and that sum is both the input of ``post_attention_layernorm`` and the residual the
-  MLP output is added to.
+"""Sites in vLLM's models: each decoder layer's contract is read from its code
+(:mod:`.layer_contract`) and the sites are wrapped in where that contract puts the stream.
 
 A site's module ``op(x, h=None)`` returns ``x`` steered, reading the stream ``x + h``:
 
-* ``pre_attn``  (TransformerLens ``resid_pre``): wrapper around the layer, before it; it steers
-  ``residual`` (``hidden_states`` at layer 0's entry and in single-stream layers);
-* ``post_attn`` (``resid_mid``): wrapper around the architecture's mid-stream norm; split
-  stream: its residual input is steered; single stream: its input is steered *in place*, so
-  the layer's ``residual`` variable (the same tensor) carries the steering into the MLP's add
-  too (torch.compile's functionalization keeps the aliasing);
-* ``post_block`` (``resid_post``): split stream: inside the next layer's input norm (the
-  model's final norm after the last layer), which adds the layer's two halves, where that is
-  vLLM's RMSNorm and the next layer is this stage's and has no ``pre_attn`` site (see
-  :func:`wrap_sites`); otherwise, and in single-stream layers, a wrapper around the layer,
-  after it.
+* ``pre_attn``  (TransformerLens ``resid_pre``): a wrapper around the layer, before it. In a
+  two-stream layer (vLLM's ``(hidden_states, residual)`` pair, the stream their sum) it steers
+  ``residual`` (``hidden_states`` where the residual is None: layer 0); elsewhere the stream
+  argument itself;
+* ``post_attn`` (``resid_mid``): where the contract found the stream after attention's add:
+  in a fused add + norm (Llama's ``post_attention_layernorm``, Gemma's
+  ``pre_feedforward_layernorm``), whose residual input is steered; or as the input of the
+  module that first reads it (a norm in Granite, the MLP in post-norm layers), steered *in
+  place* so that the layer's later residual add (the same tensor) carries the steering too
+  (torch.compile's functionalization keeps the aliasing). Layers without that point (parallel
+  attention + MLP, token-mixer-only layers) have no ``post_attn`` and refuse it at start-up;
+* ``post_block`` (``resid_post``): a wrapper around the layer, after it: on the pair's
+  residual, on the returned stream, or on the first item of a returned tuple. Where the layer
+  returns a pair and the next layer's entry norm is vLLM's fused add + RMSNorm (the model's
+  final norm after the last layer), the site runs inside that norm instead (see
+  :func:`wrap_sites`).
 
 Layers and norms are wrapped (not hooked), so torch.compile traces the ops into the graph.
-What each hook means per architecture, in terms of HF transformers' residual stream, is the
-README's architecture table; ``tests/hf_reference.py`` checks it.
+What each hook means per architecture, in terms of HF transformers' residual stream, is
+docs/architectures.md; ``tests/hf_reference.py`` checks it.
 """
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
+from .census import VERIFIED
+from .layer_contract import LayerContract, Refused, layer_contract
 
-@dataclass(frozen=True)
-class ArchSpec:
-    """How to reach the sites of one model class (verified against HF transformers)."""
+logger = logging.getLogger("dynsteer")
 
-    mid_norm: str = "post_attention_layernorm"
-    """The norm that reads the residual stream right after attention's residual add."""
-
-
-_GEMMA = ArchSpec(mid_norm="pre_feedforward_layernorm")
-
-SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec(),
-    "Qwen2ForCausalLM": ArchSpec(),
-    "Qwen3ForCausalLM": ArchSpec(),
-    "MistralForCausalLM": ArchSpec(),
-    "Phi3ForCausalLM": ArchSpec(),
-    "GraniteForCausalLM": ArchSpec(),
-    "Gemma2ForCausalLM": _GEMMA,
-    "Gemma3ForCausalLM": _GEMMA,
-    "Qwen3MoeForCausalLM": ArchSpec(),
-    "MixtralForCausalLM": ArchSpec(),
-    "GptOssForCausalLM": ArchSpec(),
-}
-"""Architectures whose layer contract is checked by tests against HF transformers
-(``tests/test_architectures.py``); only these are accepted."""
+LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "transformer.layers",
+               "backbone.layers", "gpt_neox.layers", "model.transformer.h")
+"""Where models keep their decoder layers (``nn.ModuleList``), tried in order."""
 
 
-def splits_stream(layer: nn.Module) -> bool:
-    """Whether ``layer`` follows the split-stream contract (it takes a ``residual``)."""
-    return "residual" in inspect.signature(layer.forward).parameters
-
-
-class _LayerWrapper(nn.Module):
-    """A decoder layer with optional ``pre_attn`` / ``post_block`` sites around it.
-
-    Attributes the wrapper does not have are read from the layer, so model code that reaches
-    into its layers (GPT-OSS reads ``layers[i].mlp.experts``) sees the layer it wrapped.
-    """
-
-    def __init__(self, layer: nn.Module, pre: nn.Module | None, post: nn.Module | None) -> None:
-        super().__init__()
-        self.layer = layer
-        self.pre = pre
-        self.post = post
+class _Wrapper(nn.Module):
+    """A module with a site; attributes it does not have are read from the module it wraps,
+    so model code that reaches into it (GPT-OSS reads ``layers[i].mlp.experts``) still can."""
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(super().__getattr__("layer"), name)
+            return getattr(super().__getattr__("inner"), name)
 
 
-class SteeredLayer(_LayerWrapper):
-    """A split-stream layer. Most take ``(positions, hidden_states, residual)``; GPT-OSS takes
-    ``(hidden_states, positions, residual)``: the order is read from the layer's signature."""
+class SteeredLayer(_Wrapper):
+    """A decoder layer with ``pre_attn`` / ``post_block`` sites around it, placed by its
+    contract: which argument is the stream, whether a residual is its other part, and what
+    the layer returns."""
 
-    def __init__(self, layer: nn.Module, pre: nn.Module | None, post: nn.Module | None) -> None:
-        super().__init__(layer, pre, post)
-        names = list(inspect.signature(layer.forward).parameters)
-        self.stream_first = names.index("hidden_states") < names.index("positions")
+    def __init__(self, layer: nn.Module, pre: nn.Module | None, post: nn.Module | None,
+                 contract: LayerContract) -> None:
+        super().__init__()
+        self.inner = layer
+        self.pre = pre
+        self.post = post
+        self.stream_at = contract.params.index(contract.stream_arg)
+        self.stream_name = contract.stream_arg
+        self.residual_at = (contract.params.index("residual") if contract.split_input
+                            else None)
+        self.output = contract.output
 
-    def forward(self, first, second, residual, **kwargs):
-        positions, hidden_states = (second, first) if self.stream_first else (first, second)
+    @property
+    def layer(self) -> nn.Module:
+        return self.inner
+
+    def _arg(self, args: list, kwargs: dict, at: int, name: str):
+        return args[at] if at < len(args) else kwargs.get(name)
+
+    def _set(self, args: list, kwargs: dict, at: int, name: str, value) -> None:
+        if at < len(args):
+            args[at] = value
+        else:
+            kwargs[name] = value
+
+    def forward(self, *args, **kwargs):
+        args = list(args)
         if self.pre is not None:
+            hidden = self._arg(args, kwargs, self.stream_at, self.stream_name)
+            residual = (None if self.residual_at is None
+                        else self._arg(args, kwargs, self.residual_at, "residual"))
             if residual is None:
-                hidden_states = self.pre(hidden_states)
+                self._set(args, kwargs, self.stream_at, self.stream_name, self.pre(hidden))
             else:
-                residual = self.pre(residual, hidden_states)
-        args = (hidden_states, positions) if self.stream_first else (positions, hidden_states)
-        hidden_states, residual = self.layer(*args, residual, **kwargs)
-        if self.post is not None:
-            residual = self.post(residual, hidden_states)
-        return hidden_states, residual
-
-
-class SteeredStreamLayer(_LayerWrapper):
-    """A single-stream layer: ``(positions, hidden_states)`` in, the stream out."""
-
-    def forward(self, positions, hidden_states, **kwargs):
-        if self.pre is not None:
-            hidden_states = self.pre(hidden_states)
-        hidden_states = self.layer(positions, hidden_states, **kwargs)
-        return hidden_states if self.post is None else self.post(hidden_states)
+                self._set(args, kwargs, self.residual_at, "residual",
+                          self.pre(residual, hidden))
+        out = self.inner(*args, **kwargs)
+        if self.post is None:
+            return out
+        if self.output == "split":
+            hidden, residual = out
+            return hidden, self.post(residual, hidden)
+        if self.output == "first":
+            return (self.post(out[0]), *out[1:])
+        return self.post(out)
 
 
 def fusable_norm(norm: nn.Module) -> bool:
@@ -140,9 +116,10 @@ def fusable_norm(norm: nn.Module) -> bool:
             and norm.variance_size_override is None)
 
 
-class SteeredNorm(nn.Module):
-    """A fused add+norm whose residual input is steered first: split stream's ``post_attn``,
-    and ``post_block`` moved into the next layer's input norm (see :func:`wrap_sites`).
+class SteeredNorm(_Wrapper):
+    """A fused add+norm whose residual input is steered first: ``post_attn`` of layers that
+    add attention's output in their norm, and ``post_block`` moved into the next layer's entry
+    norm (see :func:`wrap_sites`).
 
     Where the site can (:meth:`.SiteOp.fuses_norm`: on CUDA) and the norm is vLLM's plain
     RMSNorm, the site and the norm run as one op (``dynsteer::steer_norm``, one kernel),
@@ -150,54 +127,51 @@ class SteeredNorm(nn.Module):
 
     def __init__(self, norm: nn.Module, site: nn.Module) -> None:
         super().__init__()
-        self.norm = norm
+        self.inner = norm
         self.site = site
         self.fusable = fusable_norm(norm) and hasattr(site, "fuses_norm")
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.inner
 
     def forward(self, x, residual=None):
         if residual is None:
             raise RuntimeError("dynsteer: a steered norm expects to receive a residual")
         if self.fusable and self.site.fuses_norm(residual):
-            return self.site.steer_norm(residual, x, self.norm.weight,
-                                        self.norm.variance_epsilon)
-        return self.norm(x, self.site(residual, x))
+            return self.site.steer_norm(residual, x, self.inner.weight,
+                                        self.inner.variance_epsilon)
+        return self.inner(x, self.site(residual, x))
 
 
-class SteeredStreamNorm(nn.Module):
-    """A norm whose input, the whole stream, is steered in place first (single stream's
-    ``post_attn``): the layer keeps the same tensor as the residual of its MLP add."""
+class SteeredInput(_Wrapper):
+    """A module whose input, the whole stream, is steered in place first (``post_attn`` where
+    the layer computes the stream after attention itself): the layer keeps the same tensor as
+    the residual of its MLP add."""
 
-    def __init__(self, norm: nn.Module, site: nn.Module) -> None:
+    def __init__(self, module: nn.Module, site: nn.Module) -> None:
         super().__init__()
-        self.norm = norm
+        self.inner = module
         self.site = site
 
-    def forward(self, x):
+    def forward(self, *args, **kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
         x.copy_(self.site(x))
-        return self.norm(x)
-
-
-def arch_spec_for(model: nn.Module) -> ArchSpec:
-    """The site map of a model, or a startup error naming the unsupported class."""
-    name = type(model).__name__
-    spec = SUPPORTED_ARCHITECTURES.get(name)
-    if spec is None:
-        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-        raise RuntimeError(
-            f"dynsteer does not support the model class {name} (supported: {supported}); "
-            "start the engine without additional_config['dynsteer'] to serve it unsteered"
-        )
-    return spec
+        return self.inner(*args, **kwargs)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The ``nn.ModuleList`` of decoder layers of a supported model."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise RuntimeError(
-            f"dynsteer: {type(model).__name__} has no model.layers; its layer contract is unknown"
-        )
-    return layers
+    """The ``nn.ModuleList`` of decoder layers (see :data:`LAYER_PATHS`)."""
+    for path in LAYER_PATHS:
+        found: Any = model
+        for part in path.split("."):
+            found = getattr(found, part, None)
+        if isinstance(found, nn.ModuleList):
+            return found
+    raise RuntimeError(
+        f"dynsteer: {type(model).__name__} keeps its decoder layers in none of "
+        f"{', '.join(LAYER_PATHS)}; its layer contract is unknown"
+    )
 
 
 def _owned(layer: nn.Module) -> bool:
@@ -207,40 +181,65 @@ def _owned(layer: nn.Module) -> bool:
     return not isinstance(layer, PPMissingLayer)
 
 
-ENTRY_NORM = "input_layernorm"
-"""The norm a split-stream layer (other than layer 0) first calls, as ``norm(hidden_states,
-residual)``: the stream after the layer before exists first inside it."""
+def _dtype(layer: nn.Module) -> torch.dtype | None:
+    param = next((p for p in layer.parameters() if p.is_floating_point()), None)
+    return None if param is None else param.dtype
+
+
+def layer_contracts(model: nn.Module) -> dict[int, LayerContract]:
+    """The contract of each layer this stage owns, or a start-up error naming the model class,
+    the layer class and why its stream cannot be placed."""
+    name = type(model).__name__
+    contracts: dict[int, LayerContract] = {}
+    for index, layer in enumerate(decoder_layers(model)):
+        if not _owned(layer):
+            continue
+        try:
+            contracts[index] = layer_contract(type(layer), layer, _dtype(layer))
+        except Refused as exc:
+            raise RuntimeError(
+                f"dynsteer does not support the model class {name}: layer {index} "
+                f"({type(layer).__name__}) {exc}; start the engine without "
+                "additional_config['dynsteer'] to serve it unsteered") from None
+    if name not in VERIFIED:
+        logger.warning("dynsteer: %s's layers follow a known contract but the class is not "
+                       "verified against HF transformers (docs/architectures.md)", name)
+    return contracts
 
 
 def _norm_after(model: nn.Module, layers: list[nn.Module], index: int,
-                ops: dict[tuple[str, int], nn.Module]) -> tuple[nn.Module, str] | None:
+                ops: dict[tuple[str, int], nn.Module],
+                contracts: dict[int, LayerContract]) -> tuple[nn.Module, str] | None:
     """Where a ``post_block`` site of layer ``index`` can run inside the norm that adds its
-    stream: ``(module, attribute)`` of the next layer's input norm (the model's final norm
-    after the last layer), or None. None where the next layer belongs to another pipeline
-    stage, has a ``pre_attn`` site (that site steers the same stream after this one), or
-    either layer is not split-stream or the norm is not vLLM's plain RMSNorm."""
-    if not splits_stream(layers[index]):
+    stream: ``(module, attribute)`` of the next layer's entry norm (the model's final norm
+    after the last layer), or None. None where the layer does not return a pair, the next
+    layer belongs to another pipeline stage, has a ``pre_attn`` site (that site steers the
+    same stream after this one) or does not take the pair into a fused entry norm, or the norm
+    is not vLLM's plain RMSNorm."""
+    if contracts[index].output != "split":
         return None
     if index + 1 < len(layers):
-        nxt = layers[index + 1]
-        if (not _owned(nxt) or ("pre_attn", index + 1) in ops or not splits_stream(nxt)
-                or not fusable_norm(getattr(nxt, ENTRY_NORM, None))):
+        nxt = contracts.get(index + 1)
+        if nxt is None or ("pre_attn", index + 1) in ops or nxt.entry_norm is None:
             return None
-        return nxt, ENTRY_NORM
+        if not fusable_norm(getattr(layers[index + 1], nxt.entry_norm, None)):
+            return None
+        return layers[index + 1], nxt.entry_norm
     inner = getattr(model, "model", None)
     return (inner, "norm") if fusable_norm(getattr(inner, "norm", None)) else None
 
 
 def wrap_sites(model: nn.Module, ops: dict[tuple[str, int], nn.Module]) -> list[tuple[str, int]]:
     """Put each ``(hook, layer)`` op into the model; returns the sites installed here (sites
-    on layers another pipeline stage owns are skipped).
+    on layers another pipeline stage owns are skipped). A hook a layer does not have
+    (``post_attn`` in a parallel attention + MLP layer) stops the engine naming the layer.
 
     A ``post_block`` site runs inside the norm that adds its stream (a :class:`SteeredNorm`
-    in place of the next layer's input norm, or of the final norm), so that on CUDA the site
+    in place of the next layer's entry norm, or of the final norm), so that on CUDA the site
     and that norm are one kernel; it steers the same tensor with the same inputs as around the
     layer, which is where it stays when :func:`_norm_after` finds no such norm. (vLLM's EAGLE-3
     auxiliary hidden states, read between layers, then see the stream before the site.)"""
-    spec = arch_spec_for(model)
+    contracts = layer_contracts(model)
     layers = decoder_layers(model)
     raw = list(layers)
     by_layer: dict[int, dict[str, nn.Module]] = {}
@@ -248,23 +247,25 @@ def wrap_sites(model: nn.Module, ops: dict[tuple[str, int], nn.Module]) -> list[
         by_layer.setdefault(index, {})[hook] = op
     installed: list[tuple[str, int]] = []
     for index, at in by_layer.items():
-        layer = raw[index]
-        if not _owned(layer):
+        if index not in contracts:
             continue
-        split = splits_stream(layer)
+        layer, contract = raw[index], contracts[index]
         if "post_attn" in at:
-            norm = getattr(layer, spec.mid_norm)
-            steered = SteeredNorm if split else SteeredStreamNorm
-            setattr(layer, spec.mid_norm, steered(norm, at["post_attn"]))
+            if contract.mid is None:
+                raise RuntimeError(
+                    f"dynsteer: layer {index} ({type(layer).__name__}: {contract.kind}) has "
+                    f"no post_attn; remove post_attn@{index} from the engine option sites")
+            module = getattr(layer, contract.mid)
+            steered = SteeredNorm if contract.mid_fused else SteeredInput
+            setattr(layer, contract.mid, steered(module, at["post_attn"]))
         post = at.get("post_block")
-        into = None if post is None else _norm_after(model, raw, index, ops)
+        into = None if post is None else _norm_after(model, raw, index, ops, contracts)
         if into is not None:
             module, name = into
             setattr(module, name, SteeredNorm(getattr(module, name), post))
             post = None
         if "pre_attn" in at or post is not None:
-            wrapper = SteeredLayer if split else SteeredStreamLayer
-            layers[index] = wrapper(layer, at.get("pre_attn"), post)
+            layers[index] = SteeredLayer(layer, at.get("pre_attn"), post, contract)
         installed.extend((hook, index) for hook in at)
     return installed
 
