@@ -39,7 +39,9 @@ from dynsteer.engine_ext import Steering
 
 pytestmark = pytest.mark.engine
 
-ARCHS = ["mistral", "phi3", "granite", "gemma2", "gemma3", "qwen3_moe", "mixtral", "gpt_oss"]
+ARCHS = ["mistral", "phi3", "granite", "gemma2", "gemma3", "qwen3_moe", "mixtral", "gpt_oss",
+         "gemma", "olmoe", "nemotron", "ernie4_5", "ernie4_5_moe", "glm4_moe", "granitemoe",
+         "granitemoeshared", "stablelm"]
 PROMPTS = [[1, 17, 42, 99, 7, 250, 3, 64], [1, 300, 5, 77, 8]]
 GATED = list(base_cases())
 
@@ -100,13 +102,13 @@ def test_capture_matches_hf(arch_run):
     assert_capture_matches_hf(capture, [record_streams(hf, p) for p in PROMPTS], "all")
 
 
-def test_unsupported_architecture_fails_at_startup_naming_its_class(tmp_path, capfd):
-    """A model class without a verified layer contract (GPT-2 here) stops the engine's startup
-    with a message naming the class and the supported list."""
-    path = make_tiny_model("gpt2", tmp_path / "gpt2")
+def test_a_hook_a_layer_does_not_have_stops_startup_naming_the_layer(tmp_path, capfd):
+    """Cohere's layers run attention and MLP side by side (its norm passes the residual it is
+    handed through): there is no stream between them, so ``post_attn`` stops the engine's
+    startup with a message naming the layer and its layout."""
+    path = make_tiny_model("cohere", tmp_path / "cohere")
     with pytest.raises(RuntimeError):
-        start_llm(path, dynsteer={})
+        start_llm(path, dynsteer={"sites": "post_attn@1"})
     captured = capfd.readouterr()
     log = captured.out + captured.err  # the engine process's traceback and vLLM's log
-    assert "dynsteer does not support the model class GPT2LMHeadModel" in log
-    assert "GraniteForCausalLM" in log and "start the engine without" in log
+    assert "layer 1 (CohereDecoderLayer: parallel attention + MLP) has no post_attn" in log

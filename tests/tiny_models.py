@@ -71,11 +71,41 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
         "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
         "sliding_window": 128, "pad_token_id": 0}),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {
+        "head_dim": 64, "tie_word_embeddings": True, "pad_token_id": 0}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+        "norm_topk_prob": False}),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {
+        "head_dim": 64, "norm_eps": 1e-5, "partial_rotary_factor": 0.5, "pad_token_id": 0}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 64, "pad_token_id": 0}),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", {
+        "head_dim": 64, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 64,
+        "moe_num_shared_experts": 0, "moe_layer_start_index": 1, "moe_layer_interval": 1,
+        "pad_token_id": 0}),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {
+        "head_dim": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+        "partial_rotary_factor": 0.5, "use_qk_norm": False}),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+        "embedding_multiplier": 3.0, "residual_multiplier": 0.6, "attention_multiplier": 0.2,
+        "logits_scaling": 2.0, "pad_token_id": 0}),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+        "shared_intermediate_size": 64, "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.6, "attention_multiplier": 0.2, "logits_scaling": 2.0,
+        "pad_token_id": 0}),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {
+        "partial_rotary_factor": 0.5, "layer_norm_eps": 1e-5}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {
+        "pad_token_id": 0, "logit_scale": 0.5, "layer_norm_eps": 1e-5}),
 }
 """Each test architecture: HF config class, HF model class, what differs from the common
-shape (GPT-2 is the unsupported one). Multipliers and soft-caps are set away from 1 / off so
-the reference tests exercise what makes each architecture's layer differ from Llama's."""
+shape (Cohere, parallel attention + MLP, is the one without ``post_attn``). Multipliers and
+soft-caps are set away from 1 / off so the reference tests exercise what makes each
+architecture's layer differ from Llama's."""
 
 
 def make_tiny_model(arch: str, path: Path, seed: int = 0, vocab: int = VOCAB) -> Path:

@@ -39,6 +39,15 @@ VERIFIED: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    "GemmaForCausalLM": "gemma",
+    "OlmoeForCausalLM": "olmoe",
+    "NemotronForCausalLM": "nemotron",
+    "Ernie4_5ForCausalLM": "ernie4_5",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "GraniteMoeForCausalLM": "granitemoe",
+    "GraniteMoeSharedForCausalLM": "granitemoeshared",
+    "StableLmForCausalLM": "stablelm",
 }
 """Registry class -> the tiny test model (``tests/tiny_models.ARCHITECTURES``) that checks it
 against HF transformers in ``tests/test_architectures.py``."""

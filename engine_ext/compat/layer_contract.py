@@ -54,8 +54,6 @@ ATTN_NAMES = ("attn", "attention", "mixer", "mamba", "conv")
 """Substrings of a module attribute that make its output the token-mixing branch."""
 MLP_NAMES = ("mlp", "ffn", "feed_forward", "moe", "experts", "fc1", "dense_h_to_4h")
 """Substrings of a module attribute that make its output the MLP branch."""
-NORM_NAMES = ("norm", "ln_", "ln")
-"""Substrings (or the name) of a norm attribute; the module's class is checked where known."""
 SHAPE_METHODS = frozenset({"view", "reshape", "contiguous", "clone", "to", "float", "type_as",
                            "squeeze", "unsqueeze"})
 """Tensor methods that keep a value's meaning (a branch stays a branch)."""
@@ -122,7 +120,6 @@ class _Event:
     attr: str
     terms: frozenset[str]
     how: str  # "fused" | "input"
-    uid: int = 0
     earlier_reads: int = 0
     """How often the value was read before this call (an in-place site must be the first)."""
 
@@ -155,7 +152,7 @@ def _category(attr: str, module: nn.Module | None) -> str:
     """``norm``, ``attn``, ``mlp`` or ``other`` for a module attribute of the layer."""
     low = attr.lower()
     cls = type(module).__name__.lower() if module is not None else ""
-    if "norm" in cls or any(n in low for n in ("norm",)) or low.startswith("ln"):
+    if "norm" in cls or "norm" in low or low.startswith("ln"):
         return "norm"
     if any(n in low for n in MLP_NAMES):
         return "mlp"
@@ -219,7 +216,7 @@ class _Interpreter:
             state.dead = True
         elif isinstance(node, ast.With):
             self.block(node.body, state)
-        elif isinstance(node, (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom)):
+        elif isinstance(node, (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Delete)):
             return
         else:
             raise self.refuse(node, f"a {type(node).__name__} statement is not followed")
@@ -474,7 +471,7 @@ class _Interpreter:
                         raise self.refuse(node, f"{attr} adds a value that is not a part of "
                                           "the stream")
                     total = self.binop(ast.Add(), x, res, node)
-                    state.events.append(_Event(attr, total.terms, "fused", total.uid))
+                    state.events.append(_Event(attr, total.terms, "fused"))
                     return _Val("tuple", items=(_Val("derived"), total))
                 if how == "passes":
                     return _Val("tuple", items=(self.norm_one(attr, x, state), res))
@@ -511,7 +508,7 @@ class _Interpreter:
 
 
 def _input_event(attr: str, v: _Val, state: _State) -> _Event:
-    return _Event(attr, v.terms, "input", v.uid, max(state.reads.count(v.uid) - 1, 0))
+    return _Event(attr, v.terms, "input", max(state.reads.count(v.uid) - 1, 0))
 
 
 class _Choose(Exception):

@@ -1,5 +1,6 @@
-"""Other architectures on the GPU (issue 15): a tiny random model of each of
-``$DYNSTEER_GPU_ARCHS`` (default Gemma 3 and Qwen3-MoE; names of ``tiny_models.ARCHITECTURES``)
+"""Other architectures on the GPU: a tiny random model of each of ``$DYNSTEER_GPU_ARCHS``
+(default Gemma 3, Qwen3-MoE, Nemotron (dense) and OLMoE (mixture of experts), the last two
+placed by their layers' contract; names of ``tiny_models.ARCHITECTURES``)
 under CUDA graphs: static steering at every hook and phase and the gating cases (the Triton
 kernel at the monitor sites) against HF, global steering set then cleared, FULL graphs replayed
 and none captured after startup (where vLLM picks its V2 runner for the model)."""
@@ -25,7 +26,7 @@ from replays import replays
 
 pytestmark = pytest.mark.engine
 
-ARCHS = os.environ.get("DYNSTEER_GPU_ARCHS", "gemma3,qwen3_moe").split(",")
+ARCHS = os.environ.get("DYNSTEER_GPU_ARCHS", "gemma3,qwen3_moe,nemotron,olmoe").split(",")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
