@@ -190,14 +190,38 @@ class Steerer:
         return x if delta is None else x + delta.to(x.dtype)
 
 
+ATTENTION_OUTPUT_NORM = {"gemma2": "post_attention_layernorm",
+                         "gemma3_text": "post_attention_layernorm",
+                         "afmoe": "post_attention_layernorm",
+                         "exaone4": "post_attention_layernorm",
+                         "glm4": "post_self_attn_layernorm"}
+"""HF model types whose layers normalize the attention output before adding it to the stream
+(sandwich and post-norm layers): the norm's name."""
+
+
 def attention_branch(model, layer) -> tuple[torch.nn.Module, float]:
     """The module whose output HF adds to the residual stream after attention, and the factor
-    it is added with: the attention itself in Llama-like layers, its output norm in Gemma's
-    (``post_attention_layernorm`` normalizes the attention output before the add), the
-    attention scaled by ``residual_multiplier`` in Granite's."""
-    if model.config.model_type in ("gemma2", "gemma3_text"):
-        return layer.post_attention_layernorm, 1.0
-    return layer.self_attn, float(getattr(model.config, "residual_multiplier", 1.0))
+    it is added with: the attention itself in Llama-like layers (GPT-2's ``attn``), its
+    output norm in sandwich and post-norm layers (:data:`ATTENTION_OUTPUT_NORM`), the
+    attention or Mamba mixer scaled by ``residual_multiplier`` in Granite's."""
+    norm = ATTENTION_OUTPUT_NORM.get(model.config.model_type)
+    if norm is not None:
+        return getattr(layer, norm), 1.0
+    mixer = next(m for m in (getattr(layer, "mamba", None), getattr(layer, "self_attn", None),
+                             getattr(layer, "attn", None)) if m is not None)
+    return mixer, float(getattr(model.config, "residual_multiplier", 1.0))
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """An HF causal LM's decoder layers (GPT-2 keeps them in ``transformer.h``, OPT in
+    ``model.decoder.layers``)."""
+    for path in ("model.layers", "transformer.h", "model.decoder.layers"):
+        found = model
+        for part in path.split("."):
+            found = getattr(found, part, None)
+        if found is not None:
+            return found
+    raise AttributeError(f"no decoder layers found in {type(model).__name__}")
 
 
 @contextmanager
@@ -207,7 +231,7 @@ def steering_hooks(model, steerer: Steerer):
     :func:`attention_branch`); its delta goes into the branch's output, divided by the factor."""
     handles = []
     inputs: dict[int, torch.Tensor] = {}
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(decoder_layers(model)):
         branch, factor = attention_branch(model, layer)
         def pre_hook(mod, args, kwargs, i=i):
             hs = args[0] if args else kwargs["hidden_states"]

@@ -41,9 +41,14 @@ pytestmark = pytest.mark.engine
 
 ARCHS = ["mistral", "phi3", "granite", "gemma2", "gemma3", "qwen3_moe", "mixtral", "gpt_oss",
          "gemma", "olmoe", "nemotron", "ernie4_5", "ernie4_5_moe", "glm4_moe", "granitemoe",
-         "granitemoeshared", "stablelm"]
+         "granitemoeshared", "stablelm", "deepseek_v2", "glm4", "exaone4",
+         "qwen2_moe", "llama4", "apertus", "ministral3", "afmoe", "granitemoehybrid", "gpt2",
+         "opt"]
 PROMPTS = [[1, 17, 42, 99, 7, 250, 3, 64], [1, 300, 5, 77, 8]]
 GATED = list(base_cases())
+DAMPED = {"glm4", "exaone4", "afmoe"}
+"""HF model types whose norms after attention and MLP shrink what a decode-phase delta at a
+later layer changes: their gated cases need only move a logprob by 4 tolerances (not 20)."""
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -88,7 +93,8 @@ def test_static_steering_matches_hf(arch_run, case):
 def test_gated_steering_matches_hf(arch_run, case):
     """Gated steering equals HF's, and the traced gates are HF's gates."""
     hf, gated, outs, telemetry, _ = arch_run
-    tokens, gates = assert_gated_matches_hf(hf, gated[case], outs[case])
+    strength = 4 if hf.config.model_type in DAMPED else 20
+    tokens, gates = assert_gated_matches_hf(hf, gated[case], outs[case], strength)
     traced = telemetry[case]["gates"]
     if traced:
         np.testing.assert_allclose(np.array(traced[: len(tokens) - 1], dtype=np.float64),

@@ -71,6 +71,47 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
         "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
         "sliding_window": 128, "pad_token_id": 0}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+    "opt": ("OPTConfig", "OPTForCausalLM", {
+        "ffn_dim": 256, "word_embed_proj_dim": 128, "pad_token_id": 0, "enable_bias": True,
+        "do_layer_norm_before": True}),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 64, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "topk_method": "greedy",
+        "norm_topk_prob": False, "routed_scaling_factor": 1.0, "num_key_value_heads": 2}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "topk_method": "noaux_tc", "kv_lora_rank": 512, "q_lora_rank": None,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 1.0, "num_key_value_heads": 2}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {
+        "head_dim": 64, "partial_rotary_factor": 0.5, "pad_token_id": 0}),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {
+        "head_dim": 64, "sliding_window": 256, "sliding_window_pattern": 4, "pad_token_id": 0}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64, "norm_topk_prob": False}),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {
+        "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 1,
+        "intermediate_size": 64, "intermediate_size_mlp": 256, "pad_token_id": 0,
+        "layer_types": ["full_attention"] * LAYERS, "interleave_moe_layer_step": 1}),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {"head_dim": 64, "pad_token_id": 0}),
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", {
+        "head_dim": 64, "sliding_window": None, "pad_token_id": 0}),
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", {
+        "head_dim": 64, "num_dense_layers": 1, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "num_shared_experts": 1, "sliding_window": 256,
+        "global_attn_every_n_layers": 2, "pad_token_id": 0, "score_func": "sigmoid",
+        "route_norm": True, "n_group": 1, "topk_group": 1}),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
+        "layer_types": ["mamba", "attention", "mamba", "attention"], "num_local_experts": 4,
+        "num_experts_per_tok": 2, "intermediate_size": 64, "shared_intermediate_size": 64,
+        "mamba_n_heads": 4, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 16,
+        "embedding_multiplier": 3.0, "residual_multiplier": 0.6, "attention_multiplier": 0.2,
+        "logits_scaling": 2.0, "pad_token_id": 0}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {
         "head_dim": 64, "tie_word_embeddings": True, "pad_token_id": 0}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {

@@ -3,7 +3,9 @@
 Each class is in exactly one group:
 
 * ``verified``: its layers' contract is recognized (:mod:`.layer_contract`) and a test checks
-  steering, gating and capture on it against HF transformers (:data:`VERIFIED`);
+  steering, gating and capture on it against HF transformers (:data:`VERIFIED`); configuration
+  paths the reading does not recognize (DeepSeek's sequence-parallel MoE) are listed and
+  refused at start-up;
 * ``contract``: its layers' contract is recognized on every configuration path, not yet
   verified against HF; the engine starts with a warning;
 * ``depends``: recognized on some configuration paths only; the engine decides at start-up
@@ -48,6 +50,17 @@ VERIFIED: dict[str, str] = {
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
     "StableLmForCausalLM": "stablelm",
+    "GPT2LMHeadModel": "gpt2",
+    "OPTForCausalLM": "opt",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "Glm4ForCausalLM": "glm4",
+    "Exaone4ForCausalLM": "exaone4",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Llama4ForCausalLM": "llama4",
+    "ApertusForCausalLM": "apertus",
+    "Ministral3ForCausalLM": "ministral3",
+    "AfmoeForCausalLM": "afmoe",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 """Registry class -> the tiny test model (``tests/tiny_models.ARCHITECTURES``) that checks it
 against HF transformers in ``tests/test_architectures.py``."""
@@ -231,12 +244,13 @@ def classify(architecture: str, module: str, registry_class: str | None = None) 
                   if contracts and all(h in c.hooks for c in contracts))
     if not contracts:
         return CensusRow(architecture, module, "refused", names, (), (), refusals[0])
+    why = ""
     if refusals:
         why = ("refused where " + ", ".join(f"`{c}`" for c in sorted(conditions))
                if conditions else refusals[0])
-        return CensusRow(architecture, module, "depends", names, kinds, hooks, why)
-    group = "verified" if architecture in VERIFIED else "contract"
-    return CensusRow(architecture, module, group, names, kinds, hooks)
+    group = ("verified" if architecture in VERIFIED else "depends" if refusals
+             else "contract")
+    return CensusRow(architecture, module, group, names, kinds, hooks, why)
 
 
 def census() -> list[CensusRow]:

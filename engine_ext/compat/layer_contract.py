@@ -35,6 +35,7 @@ census), both branches are run and must agree.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import itertools
 import textwrap
@@ -316,9 +317,6 @@ class _Interpreter:
                 return isinstance(obj, cls)
             except TypeError:
                 return _UNKNOWN
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                and node.func.id in ("len", "getattr", "hasattr"):
-            return _UNKNOWN
         v = self.expr(node, state, read=False)
         return v.python if v.known else _UNKNOWN
 
@@ -344,8 +342,6 @@ class _Interpreter:
                     return _Val(python=getattr(base.python, node.attr), known=True)
                 except AttributeError:
                     return OPAQUE
-            if base.kind == "sum" and node.attr in ("shape", "dtype", "device", "ndim"):
-                return OPAQUE
             return OPAQUE
         if isinstance(node, (ast.Tuple, ast.List)):
             return _Val("tuple", items=tuple(self.expr(e, state) for e in node.elts))
@@ -609,7 +605,7 @@ def analyze(cls: type, layer: nn.Module | None = None, dtype: torch.dtype | None
         def norm_of(attr: str) -> str:
             module = getattr(layer, attr, None) if layer is not None else None
             return norm_residual(module) if isinstance(module, nn.Module) else "unknown"
-    interp = _Interpreter(fn, start, globals_, layer, dtype, norm_of)
+    interp = _Interpreter(fn, start, globals_, layer, dtype, functools.cache(norm_of))
     base = {p: OPAQUE for p in params}
     base["self"] = _Val(python=layer, known=layer is not None)
     h = _Val("sum", frozenset({H}), uid=1)
