@@ -29,14 +29,19 @@ pirate-demo: install
 serve-demo: install
 	$(PY) experiments/serve_demo.py
 
+# One pytest worker per core of the 2-core machine (tests/conftest.py keeps a module's engines in
+# one worker and gives each worker's engines a core of their own); TEST_WORKERS=0 runs them in one.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra --durations=15 tests
+	$(PY) -m pytest -q -ra --durations=15 $(XDIST) tests
 
 # The fast lane: ruff and every test that starts no engine (a few minutes).
 test-fast: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra --durations=10 -m "not engine" tests
+	$(PY) -m pytest -q -ra --durations=10 $(XDIST) -m "not engine" tests
 
 lint: install
 	$(VENV)/bin/ruff check .

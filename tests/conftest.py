@@ -3,6 +3,7 @@ model of the tiny Llama, and the tiny chat model a `dynsteer serve` test serves.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,11 +15,36 @@ from tiny_models import ARCHITECTURES, make_tiny_model, stable_model_dir
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under ``-m "not engine"`` (the fast lane) a test that starts an engine fails, naming
-    the mark it lacks (``engine_utils.refuse_in_fast_lane``)."""
-    if config.option.markexpr.replace(" ", "") == "notengine":
-        import os
+    the mark it lacks (``engine_utils.refuse_in_fast_lane``).
 
+    Under pytest-xdist (``make test`` runs one worker per core) each worker's engines run on
+    a core of their own: vLLM's CPU build binds every engine to core 0 by default, so two
+    workers' engines would share one core and leave the other idle. A test that sets the
+    binding itself (tensor parallelism: one core per rank) still does."""
+    if config.option.markexpr.replace(" ", "") == "notengine":
         os.environ["DYNSTEER_FAST_LANE"] = "1"
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        core = int(worker[2:]) % (os.cpu_count() or 1)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for ``pytest -n N --dist loadgroup``: the tests of one module run in one worker
+    (they share its module-scoped engines), split further by the parameter of a module-scoped
+    parametrized fixture (``test_architectures``: one group per architecture, so its engines
+    spread over the workers). Runs before xdist reads the groups."""
+    for item in items:
+        group = item.nodeid.split("::", 1)[0]
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None:
+            defs = item._fixtureinfo.name2fixturedefs
+            shared = [name for name in callspec.params
+                      if name in defs and defs[name][-1].scope == "module"]
+            if shared:
+                group += "[" + "-".join(str(callspec.params[name]) for name in shared) + "]"
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
