@@ -194,7 +194,9 @@ ATTENTION_OUTPUT_NORM = {"gemma2": "post_attention_layernorm",
                          "gemma3_text": "post_attention_layernorm",
                          "afmoe": "post_attention_layernorm",
                          "exaone4": "post_attention_layernorm",
-                         "glm4": "post_self_attn_layernorm"}
+                         "glm4": "post_self_attn_layernorm",
+                         "olmo2": "post_attention_layernorm",
+                         "olmo3": "post_attention_layernorm"}
 """HF model types whose layers normalize the attention output before adding it to the stream
 (sandwich and post-norm layers): the norm's name."""
 
@@ -208,14 +210,15 @@ def attention_branch(model, layer) -> tuple[torch.nn.Module, float]:
     if norm is not None:
         return getattr(layer, norm), 1.0
     mixer = next(m for m in (getattr(layer, "mamba", None), getattr(layer, "self_attn", None),
-                             getattr(layer, "attn", None)) if m is not None)
+                             getattr(layer, "attn", None), getattr(layer, "attention", None))
+                 if m is not None)
     return mixer, float(getattr(model.config, "residual_multiplier", 1.0))
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
     """An HF causal LM's decoder layers (GPT-2 keeps them in ``transformer.h``, OPT in
-    ``model.decoder.layers``)."""
-    for path in ("model.layers", "transformer.h", "model.decoder.layers"):
+    ``model.decoder.layers``, GPT-NeoX in ``gpt_neox.layers``)."""
+    for path in ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers"):
         found = model
         for part in path.split("."):
             found = getattr(found, part, None)

@@ -1,7 +1,10 @@
 """Every supported architecture beyond Llama / Qwen2 / Qwen3 matches HF transformers: Mistral,
 Phi-3 (fused projections), Granite (multipliers, single-stream layers), Gemma 2 (soft-capping)
 and Gemma 3 text (extra norms, scaled embeddings), and the mixture-of-experts Qwen3-MoE,
-Mixtral and GPT-OSS (attention sinks, alternating sliding windows, its own argument order).
+Mixtral and GPT-OSS (attention sinks, alternating sliding windows, its own argument order),
+and the rest of ``census.VERIFIED``: OLMo 3, GPT-NeoX and Phi-2 run through vLLM's
+Transformers backend (HF's own layers, with a batch dimension); GPT-NeoX and Phi are parallel
+(no ``post_attn``: :func:`without_post_attn`).
 
 One engine per architecture (compile on, fp32, CPU build), every hook at every layer, in one
 batch: the baseline, static steering at every hook and phase (``tiny_models.STATIC_CASES``),
@@ -43,12 +46,27 @@ ARCHS = ["mistral", "phi3", "granite", "gemma2", "gemma3", "qwen3_moe", "mixtral
          "gemma", "olmoe", "nemotron", "ernie4_5", "ernie4_5_moe", "glm4_moe", "granitemoe",
          "granitemoeshared", "stablelm", "deepseek_v2", "glm4", "exaone4",
          "qwen2_moe", "llama4", "apertus", "ministral3", "afmoe", "granitemoehybrid", "gpt2",
-         "opt"]
+         "opt", "olmo3", "gpt_neox", "phi"]
 PROMPTS = [[1, 17, 42, 99, 7, 250, 3, 64], [1, 300, 5, 77, 8]]
 GATED = list(base_cases())
 DAMPED = {"glm4", "exaone4", "afmoe"}
 """HF model types whose norms after attention and MLP shrink what a decode-phase delta at a
 later layer changes: their gated cases need only move a logprob by 4 tolerances (not 20)."""
+PARALLEL = {"gpt_neox", "phi"}
+"""Architectures whose layers run attention and MLP side by side: no ``post_attn``, so every
+case's ``post_attn`` entry, site and probe is moved to ``pre_attn`` of the same layer."""
+
+
+def without_post_attn(value):
+    """``value`` (a spec, a case table, a site list) with ``post_attn`` replaced by
+    ``pre_attn``: the same cases for a layout without ``post_attn``."""
+    if isinstance(value, dict):
+        return {k: without_post_attn(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_post_attn(v) for v in value]
+    if isinstance(value, str):
+        return value.replace("post_attn", "pre_attn")
+    return value
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -57,34 +75,37 @@ def arch_run(request, tiny_model_dir):
     architecture's engine, stopped before the tests read them."""
     path = tiny_model_dir(request.param)
     hf = load_hf(path)
-    gated = {name: calibrate(hf, spec) for name, spec in base_cases().items()}
-    specs = {"baseline": None, **{n: {"steer": e} for n, e in STATIC_CASES.items()}, **gated}
-    prompts = [PROMPTS[i % 2] for i in range(1 + len(STATIC_CASES))] + [PROMPT] * len(gated)
-    llm = start_llm(path, dynsteer={"sites": ALL_SITES, "monitor_sites": MONITOR_SITES})
+    layout = without_post_attn if request.param in PARALLEL else (lambda value: value)
+    gated = {name: calibrate(hf, spec) for name, spec in layout(base_cases()).items()}
+    static = layout(STATIC_CASES)
+    monitors = layout(MONITOR_SITES)
+    specs = {"baseline": None, **{n: {"steer": e} for n, e in static.items()}, **gated}
+    prompts = [PROMPTS[i % 2] for i in range(1 + len(static))] + [PROMPT] * len(gated)
+    llm = start_llm(path, dynsteer={"sites": layout(ALL_SITES), "monitor_sites": monitors})
     try:
         steering = Steering(llm)
         register_probes(steering)
         outs = dict(zip(specs, run(llm, prompts, [params(MAX_TOKENS, spec=s)
                                                   for s in specs.values()]), strict=True))
         telemetry = {n: steering.telemetry(outs[n]) for n in gated}
-        capture = steering.capture(PROMPTS, MONITOR_SITES, reduce="all")
+        capture = steering.capture(PROMPTS, monitors, reduce="all")
     finally:
         stop_llm(llm)
-    return hf, gated, outs, telemetry, capture
+    return hf, gated, static, monitors, outs, telemetry, capture
 
 
 def test_baseline_matches_hf(arch_run):
     """With the plugin on and no steering, logprobs equal HF's."""
-    hf, _, outs, _, _ = arch_run
+    hf, _, _, _, outs, _, _ = arch_run
     assert_logprobs_match_hf(hf, outs["baseline"])
 
 
 @pytest.mark.parametrize("case", list(STATIC_CASES))
 def test_static_steering_matches_hf(arch_run, case):
     """Every hook and phase: prompt and generated logprobs equal the HF hook reference."""
-    hf, _, outs, _, _ = arch_run
+    hf, _, static, _, outs, _, _ = arch_run
     out = outs[case]
-    tokens, want, _ = assert_logprobs_match_hf(hf, out, STATIC_CASES[case])
+    tokens, want, _ = assert_logprobs_match_hf(hf, out, static[case])
     unsteered = reference_logprobs(hf, tokens, len(out.prompt_token_ids))
     assert np.abs(want - unsteered).max() > 20 * LOGPROB_ATOL, "steering too weak to be checked"
 
@@ -92,7 +113,7 @@ def test_static_steering_matches_hf(arch_run, case):
 @pytest.mark.parametrize("case", GATED)
 def test_gated_steering_matches_hf(arch_run, case):
     """Gated steering equals HF's, and the traced gates are HF's gates."""
-    hf, gated, outs, telemetry, _ = arch_run
+    hf, gated, _, _, outs, telemetry, _ = arch_run
     strength = 4 if hf.config.model_type in DAMPED else 20
     tokens, gates = assert_gated_matches_hf(hf, gated[case], outs[case], strength)
     traced = telemetry[case]["gates"]
@@ -103,8 +124,8 @@ def test_gated_steering_matches_hf(arch_run, case):
 
 def test_capture_matches_hf(arch_run):
     """The stream captured at each monitor site (one per hook) equals HF's."""
-    hf, _, _, _, capture = arch_run
-    assert set(capture) == set(MONITOR_SITES.split(","))
+    hf, _, _, monitors, _, _, capture = arch_run
+    assert set(capture) == set(monitors.split(","))
     assert_capture_matches_hf(capture, [record_streams(hf, p) for p in PROMPTS], "all")
 
 

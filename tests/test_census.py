@@ -93,3 +93,16 @@ def test_a_stream_rescaled_in_float16_is_refused_in_float16_only():
         assert outcomes and all(isinstance(c, Refused) == refused for c in outcomes)
         if refused:
             assert "the stream is scaled" in str(outcomes[0])
+
+
+def test_transformers_backend_classes_are_read_from_hf_layers(rows):
+    """Classes vLLM serves through its Transformers backend run HF's own decoder layers: the
+    census reads those (the model's first ``_no_split_modules`` class)."""
+    by_name = {r.architecture: r for r in rows}
+    olmo3 = by_name["Olmo3ForCausalLM"]
+    assert olmo3.layers == ("Olmo3DecoderLayer",) and olmo3.kinds == ("one stream",)
+    neox = by_name["GPTNeoXForCausalLM"]
+    assert neox.layers == ("GPTNeoXLayer",)
+    assert set(neox.kinds) == {"one stream", "parallel attention + MLP"}  # by configuration
+    assert neox.hooks == ("pre_attn", "post_block")
+    assert by_name["PhiForCausalLM"].hooks == ("pre_attn", "post_block")

@@ -56,8 +56,17 @@ def register_probes(steering) -> None:
                                 sharpness=p["sharpness"])
 
 
+def spread(scores: np.ndarray) -> float:
+    """The smaller of the scores' standard deviation and their median absolute deviation
+    scaled to it (1.4826: equal for normal scores)."""
+    mad = 1.4826 * float(np.median(np.abs(scores - np.median(scores))))
+    return min(float(scores.std()), mad) if mad > 0 else float(scores.std())
+
+
 def calibrate(hf, spec: dict) -> dict:
-    """Threshold midway between the two middle prompt scores, sharpness 4 / score spread.
+    """Threshold midway between the two middle prompt scores, sharpness 4 / score spread (the
+    standard deviation, or the scaled median absolute deviation where a few outlying scores
+    inflate it: GPT-NeoX's first token).
 
     Scores come from HF with the spec's static steering, so the gate splits the prompt."""
     trial = {**spec["gate"], "threshold": 0.0, "sharpness": 1.0}
@@ -66,7 +75,7 @@ def calibrate(hf, spec: dict) -> dict:
     scores = steerer.scores.numpy()
     middle = np.sort(scores)[len(scores) // 2 - 1: len(scores) // 2 + 1]
     gate = {**spec["gate"], "threshold": float(middle.mean()),  # between two scores
-            "sharpness": float(4.0 / (scores.std() + 1e-6))}
+            "sharpness": float(4.0 / (spread(scores) + 1e-6))}
     return {**spec, "gate": gate}
 
 

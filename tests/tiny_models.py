@@ -142,6 +142,12 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
         "partial_rotary_factor": 0.5, "layer_norm_eps": 1e-5}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {
         "pad_token_id": 0, "logit_scale": 0.5, "layer_norm_eps": 1e-5}),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {"pad_token_id": 0, "sliding_window": 256}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {
+        "rotary_pct": 0.25, "use_parallel_residual": True, "layer_norm_eps": 1e-5,
+        "num_key_value_heads": 2}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {
+        "partial_rotary_factor": 0.5, "layer_norm_eps": 1e-5, "pad_token_id": 0}),
 }
 """Each test architecture: HF config class, HF model class, what differs from the common
 shape (Cohere, parallel attention + MLP, is the one without ``post_attn``). Multipliers and

@@ -13,7 +13,9 @@ Each class is in exactly one group:
 * ``refused``: not recognized (the reason is given); the engine refuses it at start-up.
 
 The census reads source code only (no model is built), so a new vLLM release that adds a
-class puts it in one of these groups without anyone marking it supported.
+class puts it in one of these groups without anyone marking it supported. Classes vLLM serves
+through its Transformers backend (OLMo 2 / 3, GPT-NeoX, Phi, Starcoder2, ...) run HF
+transformers' own decoder layers, so those are the layers read.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ VERIFIED: dict[str, str] = {
     "Ministral3ForCausalLM": "ministral3",
     "AfmoeForCausalLM": "afmoe",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "Olmo3ForCausalLM": "olmo3",
+    "GPTNeoXForCausalLM": "gpt_neox",
+    "PhiForCausalLM": "phi",
 }
 """Registry class -> the tiny test model (``tests/tiny_models.ARCHITECTURES``) that checks it
 against HF transformers in ``tests/test_architectures.py``."""
@@ -82,11 +87,42 @@ class CensusRow:
     """For ``depends`` and ``refused``: the conditions or the reason."""
 
 
-def registry() -> dict[str, tuple[str, str]]:
-    """vLLM's text-generation registry: class -> (module, class name)."""
-    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
+TRANSFORMERS_BACKEND = ("TransformersForCausalLM", "TransformersMoEForCausalLM")
+"""vLLM's classes that run an HF transformers model's own layers (its Transformers backend)."""
 
-    return dict(_TEXT_GENERATION_MODELS)
+
+def registry() -> dict[str, tuple[str, str]]:
+    """vLLM's text-generation registry, with the text-generation classes it serves through
+    its Transformers backend: class -> (module, class name)."""
+    from vllm.model_executor.models.registry import (
+        _TEXT_GENERATION_MODELS,
+        _TRANSFORMERS_SUPPORTED_MODELS,
+    )
+
+    backend = {arch: entry for arch, entry in _TRANSFORMERS_SUPPORTED_MODELS.items()
+               if entry[1] in TRANSFORMERS_BACKEND}
+    return {**backend, **_TEXT_GENERATION_MODELS}
+
+
+def architecture_of(model: nn.Module) -> str:
+    """The registry class a loaded vLLM model serves: its class name, or for the Transformers
+    backend the HF architecture of its configuration."""
+    name = type(model).__name__
+    if name in TRANSFORMERS_BACKEND:
+        config = getattr(model, "config", None)
+        return next(iter(getattr(config, "architectures", None) or []), name)
+    return name
+
+
+def hf_layer_classes(architecture: str) -> list[type]:
+    """The decoder-layer class of an HF transformers model (the first of its
+    ``_no_split_modules``), for classes vLLM serves through its Transformers backend."""
+    import transformers
+
+    hf_cls = getattr(transformers, architecture, None)
+    names = getattr(hf_cls, "_no_split_modules", None) or []
+    module = inspect.getmodule(hf_cls)
+    return [c for c in (getattr(module, n, None) for n in names[:1]) if isinstance(c, type)]
 
 
 def _module_name(module: str) -> str:
@@ -210,6 +246,14 @@ def _ask(cls: object) -> str:
 
 def classify(architecture: str, module: str, registry_class: str | None = None) -> CensusRow:
     """One registry class's group (see the module docstring)."""
+    if registry_class in TRANSFORMERS_BACKEND:
+        import transformers
+
+        if not hasattr(transformers, architecture):
+            return CensusRow(architecture, module, "refused", (), (), (),
+                             "the installed HF transformers has no such class")
+        return _classify(architecture, module, hf_layer_classes(architecture),
+                         lambda cls: lambda attr: "unknown")  # HF norms take no residual
     try:
         mod = importlib.import_module(_module_name(module))
         model_cls = getattr(mod, registry_class or architecture, None)
@@ -223,6 +267,11 @@ def classify(architecture: str, module: str, registry_class: str | None = None) 
         base_mod = inspect.getmodule(base)
         if base_mod is not None and base_mod.__name__.startswith("vllm."):
             classes = layer_classes(base_mod)
+    return _classify(architecture, module, classes, class_norms)
+
+
+def _classify(architecture: str, module: str, classes: list[type],
+              norms: Callable[[type], Callable[[str], str]]) -> CensusRow:
     if not classes:
         return CensusRow(architecture, module, "refused", (), (), (),
                          "no decoder-layer class found")
@@ -230,7 +279,7 @@ def classify(architecture: str, module: str, registry_class: str | None = None) 
     refusals: list[str] = []
     conditions: set[str] = set()
     for cls in classes:
-        outcomes = analyze(cls, dtype=torch.bfloat16, norm_of=class_norms(cls))
+        outcomes = analyze(cls, dtype=torch.bfloat16, norm_of=norms(cls))
         for assumed, result in outcomes:
             if isinstance(result, Refused):
                 if "raises on this path" not in str(result):

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .census import VERIFIED
+from .census import VERIFIED, architecture_of
 from .layer_contract import LayerContract, Refused, layer_contract
 
 logger = logging.getLogger("dynsteer")
@@ -201,9 +201,10 @@ def layer_contracts(model: nn.Module) -> dict[int, LayerContract]:
                 f"dynsteer does not support the model class {name}: layer {index} "
                 f"({type(layer).__name__}) {exc}; start the engine without "
                 "additional_config['dynsteer'] to serve it unsteered") from None
-    if name not in VERIFIED:
+    if architecture_of(model) not in VERIFIED:
         logger.warning("dynsteer: %s's layers follow a known contract but the class is not "
-                       "verified against HF transformers (docs/architectures.md)", name)
+                       "verified against HF transformers (docs/architectures.md)",
+                       architecture_of(model))
     return contracts
 
 

@@ -62,7 +62,13 @@ class SiteOp(nn.Module):
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         """Steer ``x``; the stream the monitor reads is ``x + h`` (``x`` alone when h is None).
-        The per-token buffers go in whole: the op reads their first ``x.shape[0]`` columns."""
+        The per-token buffers go in whole: the op reads their first ``x.shape[0]`` columns.
+        Models that keep a batch dimension (vLLM's Transformers backend runs HF layers on
+        ``[1, tokens, hidden]``) are steered as ``[tokens, hidden]``."""
+        if x.dim() != 2:
+            flat = self(x.reshape(-1, x.shape[-1]),
+                        None if h is None else h.reshape(-1, h.shape[-1]))
+            return flat.view(x.shape)
         if not self.monitor and x.is_cuda:
             return steer_add(x, h, self.index, self.gate_score, self.table, self.dyn,
                              self.proj_dir, self.proj_par, self.proj_gram, self.site_bit)
