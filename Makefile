@@ -32,7 +32,7 @@ serve-demo: install
 # One pytest worker per core of the 2-core machine (tests/conftest.py keeps a module's engines in
 # one worker and gives each worker's engines a core of their own); TEST_WORKERS=0 runs them in one.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 
 test: install
 	$(VENV)/bin/ruff check .

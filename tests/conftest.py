@@ -29,22 +29,29 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core))
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for ``pytest -n N --dist loadgroup``: the tests of one module run in one worker
-    (they share its module-scoped engines), split further by the parameter of a module-scoped
-    parametrized fixture (``test_architectures``: one group per architecture, so its engines
-    spread over the workers). Runs before xdist reads the groups."""
-    for item in items:
-        group = item.nodeid.split("::", 1)[0]
-        callspec = getattr(item, "callspec", None)
-        if callspec is not None:
-            defs = item._fixtureinfo.name2fixturedefs
-            shared = [name for name in callspec.params
-                      if name in defs and defs[name][-1].scope == "module"]
-            if shared:
-                group += "[" + "-".join(str(callspec.params[name]) for name in shared) + "]"
-        item.add_marker(pytest.mark.xdist_group(group))
+SPLIT_BY_ARCHITECTURE = ("test_architectures.py", "test_steering_reference.py",
+                         "test_gating_reference.py", "test_projection_reference.py")
+"""Modules whose engines are a module-scoped fixture parametrized by architecture (the first
+part of a test's parameter id): their architectures are spread over the workers."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``pytest -n N --dist loadscope`` (``make test``): the tests of one module run in one
+    worker, as they share its module-scoped engines, except in :data:`SPLIT_BY_ARCHITECTURE`,
+    where each architecture's tests are a unit of their own."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByEngine(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module, _, test = nodeid.partition("::")
+            if module.rsplit("/", 1)[-1] in SPLIT_BY_ARCHITECTURE and "[" in test:
+                return f"{module}[{test.split('[', 1)[1].split('-', 1)[0].rstrip(']')}]"
+            return module
+
+    return ByEngine(config, log)
 
 
 @pytest.fixture(scope="session")
