@@ -52,6 +52,9 @@ GATED = list(base_cases())
 DAMPED = {"glm4", "exaone4", "afmoe"}
 """HF model types whose norms after attention and MLP shrink what a decode-phase delta at a
 later layer changes: their gated cases need only move a logprob by 4 tolerances (not 20)."""
+ENGINE_ARGS = {"deepseek_v2": {"attention_backend": "CPU_MLA"}}
+"""Engine arguments by architecture: DeepSeek's MLA on the reference CPU kernel (on a host
+with AMX, vLLM picks its AMX kernel, which takes 16-bit weights only, for this fp32 model)."""
 PARALLEL = {"gpt_neox", "phi"}
 """Architectures whose layers run attention and MLP side by side: no ``post_attn``, so every
 case's ``post_attn`` entry, site and probe is moved to ``pre_attn`` of the same layer."""
@@ -81,7 +84,8 @@ def arch_run(request, tiny_model_dir):
     monitors = layout(MONITOR_SITES)
     specs = {"baseline": None, **{n: {"steer": e} for n, e in static.items()}, **gated}
     prompts = [PROMPTS[i % 2] for i in range(1 + len(static))] + [PROMPT] * len(gated)
-    llm = start_llm(path, dynsteer={"sites": layout(ALL_SITES), "monitor_sites": monitors})
+    llm = start_llm(path, dynsteer={"sites": layout(ALL_SITES), "monitor_sites": monitors},
+                    **ENGINE_ARGS.get(request.param, {}))
     try:
         steering = Steering(llm)
         register_probes(steering)
