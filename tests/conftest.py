@@ -17,16 +17,14 @@ def pytest_configure(config: pytest.Config) -> None:
     """Under ``-m "not engine"`` (the fast lane) a test that starts an engine fails, naming
     the mark it lacks (``engine_utils.refuse_in_fast_lane``).
 
-    Under pytest-xdist (``make test`` runs one worker per core) each worker's engines run on
-    a core of their own: vLLM's CPU build binds every engine to core 0 by default, so two
-    workers' engines would share one core and leave the other idle. A test that sets the
-    binding itself (tensor parallelism: one core per rank) still does."""
+    Under pytest-xdist (``make test`` runs one worker per core) engines are not bound to a
+    core: vLLM's CPU build binds every engine to core 0 by default, so two workers' engines
+    would share one core and leave the other idle. A test that sets the binding itself
+    (tensor parallelism: one core per rank) still does."""
     if config.option.markexpr.replace(" ", "") == "notengine":
         os.environ["DYNSTEER_FAST_LANE"] = "1"
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if worker.startswith("gw"):
-        core = int(worker[2:]) % (os.cpu_count() or 1)
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 SPLIT_BY_ARCHITECTURE = ("test_architectures.py", "test_steering_reference.py",

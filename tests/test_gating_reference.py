@@ -57,10 +57,11 @@ def register_probes(steering) -> None:
 
 
 def spread(scores: np.ndarray) -> float:
-    """The smaller of the scores' standard deviation and their median absolute deviation
-    scaled to it (1.4826: equal for normal scores)."""
+    """The scores' standard deviation, or their median absolute deviation (scaled to it:
+    1.4826) where a few outliers make that less than half the standard deviation."""
+    std = float(scores.std())
     mad = 1.4826 * float(np.median(np.abs(scores - np.median(scores))))
-    return min(float(scores.std()), mad) if mad > 0 else float(scores.std())
+    return mad if 0 < mad < std / 2 else std
 
 
 def calibrate(hf, spec: dict) -> dict:
