@@ -29,10 +29,9 @@ pirate-demo: install
 serve-demo: install
 	$(PY) experiments/serve_demo.py
 
-# Three pytest workers on the 2-core machine (engines spend part of their start waiting on their
-# processes, so a third keeps both cores busy). tests/conftest.py keeps a module's engines in one
-# worker and leaves them unbound to a core; TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= 3
+# One pytest worker per core of the 2-core machine. tests/conftest.py keeps a module's engines in
+# one worker and leaves them unbound to a core; TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 
 test: install

@@ -52,7 +52,7 @@ class Server(ServerProcess):
 
 
 def http(method: str, url: str, body: Any = None, *, raw: bytes | None = None,
-         api_key: str | None = None) -> tuple[int, Any]:
+         api_key: str | None = None, timeout: float = 120) -> tuple[int, Any]:
     """(status, decoded JSON or text) of one request; never raises on HTTP errors."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     request = urllib.request.Request(url, data=data, method=method)
@@ -60,7 +60,7 @@ def http(method: str, url: str, body: Any = None, *, raw: bytes | None = None,
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(request, timeout=120) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             status, payload = response.status, response.read()
     except urllib.error.HTTPError as e:
         status, payload = e.code, e.read()

@@ -173,15 +173,16 @@ def test_a_queued_request_keeps_the_vector_it_was_admitted_with(served, load_run
     plain = logprobs(http("POST", url, body()))
     inline = {"steer": [{"vector": vector.tolist(), "layers": [1, 2]}]}
     steered = logprobs(http("POST", url, body(inline)))
-    # 16 long requests ahead of it (the KV cache holds two at a time): it waits in the queue.
+    # 16 long requests ahead of it (the KV cache holds two at a time): it waits in the queue,
+    # minutes where other tests' engines share the cores.
     blockers = [threading.Thread(target=http, args=("POST", url, body(
-        tokens=220, prompt=[5 + i] * 20))) for i in range(16)]
+        tokens=220, prompt=[5 + i] * 20)), kwargs={"timeout": 900}) for i in range(16)]
     for thread in blockers:
         thread.start()
     time.sleep(0.5)
     answer: dict[str, Any] = {}
     queued = threading.Thread(target=lambda: answer.update(r=http("POST", url, body(
-        {"steer": [{"vector": "queued-v", "layers": [1, 2]}]}))))
+        {"steer": [{"vector": "queued-v", "layers": [1, 2]}]}), timeout=900)))
     queued.start()
     time.sleep(1.0)
     client.delete_vector("queued-v")
