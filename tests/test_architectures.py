@@ -17,6 +17,8 @@ a verified layer contract fails at engine startup with a message naming its clas
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 import pytest
 from engine_utils import ALL_SITES, LOGPROB_ATOL, params, run, start_llm, stop_llm
@@ -72,8 +74,18 @@ def without_post_attn(value):
     return value
 
 
+class ArchRun(NamedTuple):
+    hf: Any
+    gated: dict
+    static: dict
+    monitors: str
+    outs: dict
+    telemetry: dict
+    capture: dict
+
+
 @pytest.fixture(scope="module", params=ARCHS)
-def arch_run(request, tiny_model_dir):
+def arch_run(request, tiny_model_dir) -> ArchRun:
     """(HF model, the gated specs, outputs by case name, telemetry, capture, streams) of one
     architecture's engine, stopped before the tests read them."""
     path = tiny_model_dir(request.param)
@@ -95,21 +107,19 @@ def arch_run(request, tiny_model_dir):
         capture = steering.capture(PROMPTS, monitors, reduce="all")
     finally:
         stop_llm(llm)
-    return hf, gated, static, monitors, outs, telemetry, capture
+    return ArchRun(hf, gated, static, monitors, outs, telemetry, capture)
 
 
 def test_baseline_matches_hf(arch_run):
     """With the plugin on and no steering, logprobs equal HF's."""
-    hf, _, _, _, outs, _, _ = arch_run
-    assert_logprobs_match_hf(hf, outs["baseline"])
+    assert_logprobs_match_hf(arch_run.hf, arch_run.outs["baseline"])
 
 
 @pytest.mark.parametrize("case", list(STATIC_CASES))
 def test_static_steering_matches_hf(arch_run, case):
     """Every hook and phase: prompt and generated logprobs equal the HF hook reference."""
-    hf, _, static, _, outs, _, _ = arch_run
-    out = outs[case]
-    tokens, want, _ = assert_logprobs_match_hf(hf, out, static[case])
+    hf, out = arch_run.hf, arch_run.outs[case]
+    tokens, want, _ = assert_logprobs_match_hf(hf, out, arch_run.static[case])
     unsteered = reference_logprobs(hf, tokens, len(out.prompt_token_ids))
     assert np.abs(want - unsteered).max() > 20 * LOGPROB_ATOL, "steering too weak to be checked"
 
@@ -117,10 +127,11 @@ def test_static_steering_matches_hf(arch_run, case):
 @pytest.mark.parametrize("case", GATED)
 def test_gated_steering_matches_hf(arch_run, case):
     """Gated steering equals HF's, and the traced gates are HF's gates."""
-    hf, gated, _, _, outs, telemetry, _ = arch_run
+    hf = arch_run.hf
     strength = 4 if hf.config.model_type in DAMPED else 20
-    tokens, gates = assert_gated_matches_hf(hf, gated[case], outs[case], strength)
-    traced = telemetry[case]["gates"]
+    tokens, gates = assert_gated_matches_hf(hf, arch_run.gated[case], arch_run.outs[case],
+                                            strength)
+    traced = arch_run.telemetry[case]["gates"]
     if traced:
         np.testing.assert_allclose(np.array(traced[: len(tokens) - 1], dtype=np.float64),
                                    gates[: len(tokens) - 1], atol=5e-3)
@@ -128,9 +139,9 @@ def test_gated_steering_matches_hf(arch_run, case):
 
 def test_capture_matches_hf(arch_run):
     """The stream captured at each monitor site (one per hook) equals HF's."""
-    hf, _, _, monitors, _, _, capture = arch_run
-    assert set(capture) == set(monitors.split(","))
-    assert_capture_matches_hf(capture, [record_streams(hf, p) for p in PROMPTS], "all")
+    capture = arch_run.capture
+    assert set(capture) == set(arch_run.monitors.split(","))
+    assert_capture_matches_hf(capture, [record_streams(arch_run.hf, p) for p in PROMPTS], "all")
 
 
 def test_a_hook_a_layer_does_not_have_stops_startup_naming_the_layer(tmp_path, capfd):

@@ -6,8 +6,8 @@ The adapter is a rank-8 LoRA on every projection of the tiny Llama with random `
 (peft initializes them to zero, an adapter that changes nothing). Every request of a batch
 carries the adapter: vLLM 0.32's CPU LoRA path applies a batch's adapter to the batch's
 requests without one (seen with the plugin off too), and its LoRA logits layer fails on prompt
-logprobs, so the engine's generated-token logprobs are compared; mixed batches are checked on
-the GPU build.
+logprobs, so the engine's generated-token logprobs are compared. Mixed batches need the GPU
+build and are not checked here.
 """
 
 from __future__ import annotations

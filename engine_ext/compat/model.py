@@ -201,10 +201,10 @@ def layer_contracts(model: nn.Module) -> dict[int, LayerContract]:
                 f"dynsteer does not support the model class {name}: layer {index} "
                 f"({type(layer).__name__}) {exc}; start the engine without "
                 "additional_config['dynsteer'] to serve it unsteered") from None
-    if architecture_of(model) not in VERIFIED:
+    architecture = architecture_of(model)
+    if architecture not in VERIFIED:
         logger.warning("dynsteer: %s's layers follow a known contract but the class is not "
-                       "verified against HF transformers (docs/architectures.md)",
-                       architecture_of(model))
+                       "verified against HF transformers (docs/architectures.md)", architecture)
     return contracts
 
 
