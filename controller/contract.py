@@ -12,8 +12,9 @@ cheap (no pydantic model, no vLLM, no torch) and every rule exists once:
 * **keys** in vLLM's ``SamplingParams.extra_args`` (:data:`.extra_args.SPEC_KEY`);
 * **float32 on the wire**: little-endian float32 bytes (:func:`f32_bytes`), in JSON as their
   base64 (:func:`encode_f32`, :func:`decode_f32`);
-* the messages for a site the engine was not configured with (:func:`unconfigured_site`) or
-  does not monitor (:func:`unmonitored_site`).
+* the messages for a site the engine was not configured with (:func:`unconfigured_site`), that
+  the model's layers do not have (:func:`missing_site`) or that the engine does not monitor
+  (:func:`unmonitored_site`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ def unconfigured_site(site: tuple[str, int]) -> str:
     """Why ``site`` cannot be used, and the fix (callers prefix the field at fault)."""
     name = site_name(site)
     return f"{name} is not a configured site; add '{name}' to the engine option dynsteer.sites"
+
+
+def missing_site(site: tuple[str, int], why: str) -> str:
+    """Why ``site`` cannot exist in the served model (``why``: the layer class, its layout and
+    the hook it lacks), and the fix."""
+    return (f"{site_name(site)} does not exist: layer {site[1]} {why}; steer pre_attn or "
+            f"post_block of that layer instead")
 
 
 def unmonitored_site(site: tuple[str, int]) -> str:

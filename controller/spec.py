@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -34,6 +34,7 @@ from .contract import (
     Hook,
     Site,
     decode_f32,
+    missing_site,
     resolve_sites,
     site_order,
     unconfigured_site,
@@ -315,6 +316,9 @@ class ModelShape:
     ``max_projections``)."""
     dtype_max: float = FLOAT32_MAX
     """Largest finite value of the model's dtype."""
+    missing_hook: Callable[[str], str | None] | None = None
+    """Why the model's layers have no such hook, naming the layer class and its layout (None:
+    they have it); asked only for a site that is not configured."""
 
 
 def _field_path(loc: Iterable[Any], prefix: str) -> str:
@@ -502,6 +506,9 @@ def _check_site(where: str, hook: Hook, layer: int, shape: ModelShape, what: str
             f"(the model has layers 0..{shape.num_layers - 1})"
         )
     if (hook, layer) not in shape.sites:
+        why = shape.missing_hook(hook) if shape.missing_hook else None
+        if why:
+            raise SpecError(f"{where}: {what}{missing_site((hook, layer), why)}")
         raise SpecError(f"{where}: {what}{unconfigured_site((hook, layer))}")
 
 

@@ -20,17 +20,49 @@ def pytest_configure(config: pytest.Config) -> None:
     Under pytest-xdist (``make test`` runs one worker per core) engines are not bound to a
     core: vLLM's CPU build binds every engine to core 0 by default, so two workers' engines
     would share one core and leave the other idle. A test that sets the binding itself
-    (tensor parallelism: one core per rank) still does."""
+    (tensor parallelism: one core per rank) still does. Each worker, and every engine and
+    server it starts, runs one OpenMP thread: unbound, each would start one per core, and two
+    workers' parallel regions on two cores wait on each other's descheduled threads (a third
+    slower in wall time than one thread each)."""
     if config.option.markexpr.replace(" ", "") == "notengine":
         os.environ["DYNSTEER_FAST_LANE"] = "1"
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 SPLIT_BY_ARCHITECTURE = ("test_architectures.py", "test_steering_reference.py",
                          "test_gating_reference.py", "test_projection_reference.py")
 """Modules whose engines are a module-scoped fixture parametrized by architecture (the first
 part of a test's parameter id): their architectures are spread over the workers."""
+
+
+SLOWEST_FIRST = ("test_safety_steering.py", "test_controllers_experiment.py", "test_load.py",
+                 "test_inspect_refusal.py", "test_capture.py", "test_probe_layers.py",
+                 "test_traffic_probe.py", "test_tensor_parallel.py", "test_safety_demo.py",
+                 "test_server.py", "test_engine_behaviour.py", "test_probe_registry.py",
+                 "test_request_capture.py", "test_data_parallel.py")
+"""The modules that take longest (one to seven minutes each, ``--durations``), slowest first."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist the workers take modules in collection order: the slowest go first
+    (:data:`SLOWEST_FIRST`), then the other modules that start engines, then those that start
+    none, so that both workers end within a short module of each other instead of one
+    finishing a seven-minute module alone. The order within a module is kept."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+
+    def rank(item: pytest.Item) -> int:
+        name = Path(str(item.path)).name
+        if name in SLOWEST_FIRST:
+            return SLOWEST_FIRST.index(name)
+        return len(SLOWEST_FIRST) + (0 if item.get_closest_marker("engine") else 1)
+
+    items.sort(key=rank)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -41,6 +73,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # keep the order of pytest_collection_modifyitems
 
     class ByEngine(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

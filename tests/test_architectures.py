@@ -17,6 +17,7 @@ a verified layer contract fails at engine startup with a message naming its clas
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -82,6 +83,8 @@ class ArchRun(NamedTuple):
     outs: dict
     telemetry: dict
     capture: dict
+    refusal: str | None
+    """A layout without ``post_attn``: the error of a request that asks for it."""
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -101,13 +104,18 @@ def arch_run(request, tiny_model_dir) -> ArchRun:
     try:
         steering = Steering(llm)
         register_probes(steering)
+        refusal = None
+        if request.param in PARALLEL:
+            with pytest.raises(ValueError) as refused:
+                run(llm, [PROMPT], [params(1, spec={"steer": STATIC_CASES["post_attn-all"]})])
+            refusal = str(refused.value)
         outs = dict(zip(specs, run(llm, prompts, [params(MAX_TOKENS, spec=s)
                                                   for s in specs.values()]), strict=True))
         telemetry = {n: steering.telemetry(outs[n]) for n in gated}
         capture = steering.capture(PROMPTS, monitors, reduce="all")
     finally:
         stop_llm(llm)
-    return ArchRun(hf, gated, static, monitors, outs, telemetry, capture)
+    return ArchRun(hf, gated, static, monitors, outs, telemetry, capture, refusal)
 
 
 def test_baseline_matches_hf(arch_run):
@@ -142,6 +150,18 @@ def test_capture_matches_hf(arch_run):
     capture = arch_run.capture
     assert set(capture) == set(arch_run.monitors.split(","))
     assert_capture_matches_hf(capture, [record_streams(arch_run.hf, p) for p in PROMPTS], "all")
+
+
+def test_a_request_for_a_hook_the_layers_lack_is_refused_naming_the_layer(arch_run):
+    """In a layout without ``post_attn`` a request asking for it is refused at admission
+    naming the layer, its class and layout, and the hooks it has (the engine keeps serving:
+    the fixture's later requests ran after it)."""
+    parallel = arch_run.hf.config.model_type in PARALLEL
+    assert (arch_run.refusal is not None) == parallel
+    if parallel:
+        assert re.search(r"steer\[0\]\.layers: post_attn@1 does not exist: layer 1 \(\w+: "
+                         r"[^)]*parallel attention \+ MLP\) has no post_attn; steer pre_attn or "
+                         r"post_block of that layer instead", arch_run.refusal), arch_run.refusal
 
 
 def test_a_hook_a_layer_does_not_have_stops_startup_naming_the_layer(tmp_path, capfd):

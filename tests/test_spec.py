@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -65,6 +66,22 @@ def test_model_errors_name_the_field(entry, message):
     """Specs that do not fit the served model are rejected with the fix in the message."""
     with pytest.raises(SpecError, match=message):
         check_against_model(parse_spec({"steer": [entry]}), SHAPE)
+
+
+def test_a_hook_the_layers_lack_is_refused_naming_the_layer():
+    """A site the model's layers cannot have (``post_attn`` of a parallel attention + MLP
+    layer) is refused with the layer, its layout and the hooks it has, not with advice to
+    configure it; a site the layers have but the engine lacks keeps that advice."""
+    why = "(NeoXLayer: parallel attention + MLP) has no post_attn"
+    shape = dataclasses.replace(SHAPE, missing_hook=lambda h: why if h == "post_attn" else None)
+    with pytest.raises(SpecError, match=r"steer\[0\]\.layers: post_attn@1 does not exist: layer 1 "
+                                         r"\(NeoXLayer: parallel attention \+ MLP\) has no "
+                                         r"post_attn; steer pre_attn or post_block of that layer"):
+        check_against_model(parse_spec({"steer": [{"vector": "calm", "layers": [1],
+                                                   "hook": "post_attn"}]}), shape)
+    with pytest.raises(SpecError, match="'pre_attn@1' to the engine option"):
+        check_against_model(parse_spec({"steer": [{"vector": "calm", "layers": [1],
+                                                   "hook": "pre_attn"}]}), shape)
 
 
 def test_valid_spec_passes_model_check():

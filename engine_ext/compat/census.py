@@ -21,6 +21,7 @@ transformers' own decoder layers, so those are the layers read.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -300,6 +301,22 @@ def _classify(architecture: str, module: str, classes: list[type],
     group = ("verified" if architecture in VERIFIED else "depends" if refusals
              else "contract")
     return CensusRow(architecture, module, group, names, kinds, hooks, why)
+
+
+@functools.cache
+def missing_hook(architecture: str, hook: str) -> str | None:
+    """Why the layers of the served ``architecture`` (``config.architectures[0]``) have no
+    ``hook``, naming the layer class and its layout, for a spec that asks for it; None where
+    they have it or the class is not one the census reads. Read from source on first use, which
+    imports the model's module (seconds), so only the first spec refused for it pays; the
+    server admits requests off its event loop."""
+    entry = registry().get(architecture)
+    if entry is None:
+        return None
+    row = classify(architecture, *entry)
+    if not row.kinds or hook in row.hooks:
+        return None
+    return f"({', '.join(row.layers)}: {', '.join(row.kinds)}) has no {hook}"
 
 
 def census() -> list[CensusRow]:

@@ -36,6 +36,9 @@ class EngineFacts:
     """The served model class (``config.architectures[0]``)."""
     dtype_max: float
     """Largest finite value of the model's dtype."""
+    missing_hook: Callable[[str], str | None] = lambda hook: None
+    """Why the model's layers have no such hook (``post_attn`` of a parallel attention + MLP
+    layer), naming the layer class; None where they have it."""
 
 
 @dataclass(frozen=True)
@@ -181,17 +184,25 @@ def _engine_state(hooks: FrontendHooks, input_processor: Any) -> Any:
     if state is None:
         config = input_processor.vllm_config
         model = config.model_config
+        architecture = next(iter(model.architectures or []), "")
         import torch
 
         state = hooks.engine_state(EngineFacts(
             additional_config=dict(config.additional_config or {}),
             hidden_size=model.get_hidden_size(),
             num_layers=model.get_total_num_hidden_layers(),
-            architecture=next(iter(model.architectures or []), ""),
+            architecture=architecture,
             dtype_max=float(torch.finfo(model.dtype).max),
+            missing_hook=functools.partial(_missing_hook, architecture),
         ))
         setattr(input_processor, _STATE_ATTR, False if state is None else state)
     return state or None
+
+
+def _missing_hook(architecture: str, hook: str) -> str | None:
+    from .census import missing_hook
+
+    return missing_hook(architecture, hook)
 
 
 def engine_state(engine: Any) -> Any:

@@ -12,6 +12,7 @@ The adapter (:mod:`dynsteer.engine_ext.compat.frontend`) calls the functions at 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,8 @@ class FrontendState:
     """The served model class (``config.architectures[0]``), for probe fingerprints."""
     dtype_max: float = FLOAT32_MAX
     """Largest finite value of the model's dtype (steering must not overflow it)."""
+    missing_hook: Callable[[str], str | None] | None = None
+    """Why the model's layers have no such hook (:attr:`EngineFacts.missing_hook`)."""
     vectors: dict[str, np.ndarray] = field(default_factory=dict)
     """Registered vectors, checked read-only float32 (mirrors the workers)."""
     vector_norms: dict[str, float] = field(default_factory=dict)
@@ -189,6 +192,7 @@ class FrontendState:
             max_steer_norm=self.options.max_steer_norm,
             max_projections=self.options.max_projections,
             dtype_max=self.dtype_max,
+            missing_hook=self.missing_hook,
         )
 
     @property
@@ -278,6 +282,7 @@ def engine_state(facts: EngineFacts) -> FrontendState | None:
         monitor_sites=sites.monitor,
         architecture=facts.architecture,
         dtype_max=facts.dtype_max,
+        missing_hook=facts.missing_hook,
     )
 
 

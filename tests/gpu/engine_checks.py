@@ -64,6 +64,7 @@ def gating_check(llm: Any, hf: Any, steering: Any) -> dict[str, dict[str, Any]]:
         tokens, got = logprobs_of(out)
         want, steerer = run_reference(hf, tokens, len(PROMPT), spec.get("steer", []),
                                       gate=spec["gate"], probes=REGISTERED)
+        ungated = run_reference(hf, tokens, len(PROMPT), spec.get("steer", []))[0]
         tele = steering.telemetry(out)
         processed = len(tokens) - 1
         want_gates = steerer.gates.numpy()[:processed]
@@ -73,6 +74,7 @@ def gating_check(llm: Any, hf: Any, steering: Any) -> dict[str, dict[str, Any]]:
         report[name] = {
             "max_abs_err_vs_hf": float(np.abs(got - want).max()),
             "max_gate_err_vs_hf": float(np.abs(gates - want_gates).max()),
+            "gate_effect": float(np.abs(want - ungated).max()),
             "gated_counts_equal_hf": tele["gated_prefill"] + tele["gated_decode"]
             == int((want_gates > 0.5).sum()),
         }
@@ -115,9 +117,14 @@ def assert_static(static: dict[str, dict[str, float]]) -> None:
 
 
 def assert_gating(gating: dict[str, dict[str, Any]], bound: float) -> None:
+    """Each gating case within ``bound`` of HF, widened by what its gate error can move: a
+    gate off by ``d`` scales the gated steering's effect (``gate_effect``, the logprob change
+    the gate makes in HF) by ``d``, so a steep gate's last-digit difference from HF near the
+    threshold shows in the logprobs as ``d * gate_effect``; the gate error itself stays within
+    5e-3 and the gated token counts equal HF's."""
     failed = {n: e for n, e in gating.items()
-              if not (e["max_abs_err_vs_hf"] <= bound and e["max_gate_err_vs_hf"] <= 5e-3
-                      and e["gated_counts_equal_hf"])}
+              if not (e["max_abs_err_vs_hf"] <= bound + e["max_gate_err_vs_hf"] * e["gate_effect"]
+                      and e["max_gate_err_vs_hf"] <= 5e-3 and e["gated_counts_equal_hf"])}
     assert not failed, (bound, failed)
 
 
