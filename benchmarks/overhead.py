@@ -497,8 +497,10 @@ def instance_plan(plan: list[tuple[str, dict[str, Any] | None]],
 
 def engine_runs(engines: list[str], scenarios: list[str]) -> list[tuple[str, str]]:
     """The (engine, scenario) runs of one repetition: stock instances run idle; plugin and
-    variant instances every scenario but those with an engine of their own, which run there."""
+    variant instances every scenario but those with an engine of their own, which run there
+    (on the projection-slot engine, with the plugin's too where no plugin engine runs)."""
     runs = []
+    plugin = any(kind(e) == "plugin" for e in engines)
     for engine in engines:
         base = kind(engine)
         if base == "stock":
@@ -506,7 +508,8 @@ def engine_runs(engines: list[str], scenarios: list[str]) -> list[tuple[str, str
         elif base in ("plugin", "variant"):
             runs += [(engine, s) for s in scenarios if s not in OWN_ENGINE]
         else:
-            runs += [(engine, s) for s in scenarios if OWN_ENGINE.get(s) == base]
+            runs += [(engine, s) for s in scenarios if OWN_ENGINE.get(s) == base
+                     or (base == "projecting" and not plugin and s not in OWN_ENGINE)]
     return runs
 
 
@@ -580,7 +583,12 @@ def main() -> None:
                          "by up to 0.5%% at batch 1)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel size of every engine (each spans that many GPUs)")
+    ap.add_argument("--one-plugin-engine", action="store_true",
+                    help="run the plugin scenarios on the projection-slot engine of ablate / "
+                         "norm-match instead of an engine of their own (two engines: an 8B "
+                         "model's stock and plugin engines fit one 80 GB GPU, three do not)")
     args = ap.parse_args()
+    args.scenarios = list(dict.fromkeys(args.scenarios))
     import numpy as np
     import torch
     import vllm
@@ -593,11 +601,12 @@ def main() -> None:
         bench_controllers.install()
     path = make_model()
     plan: list[tuple[str, dict[str, Any] | None]] = [("stock", None)]
-    if set(args.scenarios) - set(OWN_ENGINE):
+    projecting = "ablate" in args.scenarios or "norm-match" in args.scenarios
+    if set(args.scenarios) - set(OWN_ENGINE) and not (projecting and args.one_plugin_engine):
         plan.append(("plugin", {}))
     if args.variant is not None:
         plan.append(("variant", args.variant))
-    if "ablate" in args.scenarios or "norm-match" in args.scenarios:
+    if projecting:
         plan.append(("projecting", {"max_projections": 1}))
     if args.control:
         plan.append(("control", None))

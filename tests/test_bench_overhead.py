@@ -24,6 +24,14 @@ def test_instances_start_abba_and_run_every_instance():
                     ("projecting", "ablate"), ("control", "idle")]
 
 
+def test_without_a_plugin_engine_the_projection_slot_engine_runs_the_plugin_scenarios():
+    """``--one-plugin-engine``: registered and positions run beside norm-match on the one
+    engine with a projection slot, so they are compared in the same run on two engines."""
+    runs = engine_runs(["stock", "projecting"], ["registered", "positions", "norm-match"])
+    assert runs == [("stock", "idle"), ("projecting", "registered"),
+                    ("projecting", "positions"), ("projecting", "norm-match")]
+
+
 def test_pooled_rows_average_the_instances_of_each_side():
     """Per repetition, mean stock step / mean plugin step; a variant with other options is also
     pooled against the plugin; with ``--variant '{}'`` it is a plugin instance, and the control
