@@ -49,7 +49,7 @@ ARCHS = ["mistral", "phi3", "granite", "gemma2", "gemma3", "qwen3_moe", "mixtral
          "gemma", "olmoe", "nemotron", "ernie4_5", "ernie4_5_moe", "glm4_moe", "granitemoe",
          "granitemoeshared", "stablelm", "deepseek_v2", "glm4", "exaone4",
          "qwen2_moe", "llama4", "apertus", "ministral3", "afmoe", "granitemoehybrid", "gpt2",
-         "opt", "olmo3", "gpt_neox", "phi"]
+         "opt", "olmo3", "gpt_neox", "phi", "cohere"]
 PROMPTS = [[1, 17, 42, 99, 7, 250, 3, 64], [1, 300, 5, 77, 8]]
 GATED = list(base_cases())
 DAMPED = {"glm4", "exaone4", "afmoe"}
@@ -58,7 +58,7 @@ later layer changes: their gated cases need only move a logprob by 4 tolerances 
 ENGINE_ARGS = {"deepseek_v2": {"attention_backend": "CPU_MLA"}}
 """Engine arguments by architecture: DeepSeek's MLA on the reference CPU kernel (on a host
 with AMX, vLLM picks its AMX kernel, which takes 16-bit weights only, for this fp32 model)."""
-PARALLEL = {"gpt_neox", "phi"}
+PARALLEL = {"gpt_neox", "phi", "cohere"}
 """Architectures whose layers run attention and MLP side by side: no ``post_attn``, so every
 case's ``post_attn`` entry, site and probe is moved to ``pre_attn`` of the same layer."""
 

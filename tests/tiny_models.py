@@ -141,7 +141,8 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {
         "partial_rotary_factor": 0.5, "layer_norm_eps": 1e-5}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {
-        "pad_token_id": 0, "logit_scale": 0.5, "layer_norm_eps": 1e-5}),
+        "pad_token_id": 0, "logit_scale": 0.5, "layer_norm_eps": 1e-5, "rms_norm_eps": None,
+        "tie_word_embeddings": True}),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {"pad_token_id": 0, "sliding_window": 256}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {
         "rotary_pct": 0.25, "use_parallel_residual": True, "layer_norm_eps": 1e-5,

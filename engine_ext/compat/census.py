@@ -67,6 +67,7 @@ VERIFIED: dict[str, str] = {
     "Olmo3ForCausalLM": "olmo3",
     "GPTNeoXForCausalLM": "gpt_neox",
     "PhiForCausalLM": "phi",
+    "CohereForCausalLM": "cohere",
 }
 """Registry class -> the tiny test model (``tests/tiny_models.ARCHITECTURES``) that checks it
 against HF transformers in ``tests/test_architectures.py``."""
