@@ -46,9 +46,10 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-# The offline vLLM kit for the GPU host (../shared/gpukit/README.md), built here into .gpukit/.
+# The offline vLLM kit for the GPU host (../shared/gpukit/README.md), built here into .gpukit/,
+# with peft for tests/gpu/test_gpu_lora.py (the host's image has transformers, not peft).
 gpukit:
-	bash ../shared/gpukit/build.sh
+	bash ../shared/gpukit/build.sh peft==0.21.2 accelerate==1.16.0
 
 # On the GPU host, once the kit is staged and installed there (benchmarks/README.md): the GPU
 # tests and the CUDA cases of the op tests, with the work tree installed beside the kit.
