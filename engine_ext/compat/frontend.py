@@ -36,9 +36,9 @@ class EngineFacts:
     """The served model class (``config.architectures[0]``)."""
     dtype_max: float
     """Largest finite value of the model's dtype."""
-    missing_hook: Callable[[str], str | None] = lambda hook: None
+    missing_hook: Callable[[str], str | None] | None = None
     """Why the model's layers have no such hook (``post_attn`` of a parallel attention + MLP
-    layer), naming the layer class; None where they have it."""
+    layer), naming the layer class, or None where they have it (None: not known)."""
 
 
 @dataclass(frozen=True)
