@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,25 @@ def start_llm(path: Any, dynsteer: dict[str, Any] | None = None, **kwargs: Any) 
     if dynsteer is not None:
         args["additional_config"] = {"dynsteer": dynsteer}
     return LLM(str(path), **args)
+
+
+@contextmanager
+def without_inductor() -> Iterator[None]:
+    """Engines started inside run their compiled graph without Inductor: vLLM's own CPU CI
+    mode (``VLLM_CPU_CI_ENV``), in which Dynamo still traces the model with the plugin's ops in
+    it and splits it at attention, but runs the graph's ops as they are instead of generating
+    C++ for them, and skips the warm-up pass. It halves an engine's start on the CPU build.
+    The frontend reads the variable when it builds the config, the engine process inherits it
+    at spawn; the caller's environment is restored on exit."""
+    old = os.environ.get("VLLM_CPU_CI_ENV")
+    os.environ["VLLM_CPU_CI_ENV"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_CPU_CI_ENV")
+        else:
+            os.environ["VLLM_CPU_CI_ENV"] = old
 
 
 def stop_llm(llm: Any) -> None:

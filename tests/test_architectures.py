@@ -18,11 +18,20 @@ a verified layer contract fails at engine startup with a message naming its clas
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
-from engine_utils import ALL_SITES, LOGPROB_ATOL, params, run, start_llm, stop_llm
+from engine_utils import (
+    ALL_SITES,
+    LOGPROB_ATOL,
+    params,
+    run,
+    start_llm,
+    stop_llm,
+    without_inductor,
+)
 from hf_reference import (
     assert_capture_matches_hf,
     assert_logprobs_match_hf,
@@ -58,6 +67,13 @@ later layer changes: their gated cases need only move a logprob by 4 tolerances 
 ENGINE_ARGS = {"deepseek_v2": {"attention_backend": "CPU_MLA"}}
 """Engine arguments by architecture: DeepSeek's MLA on the reference CPU kernel (on a host
 with AMX, vLLM picks its AMX kernel, which takes 16-bit weights only, for this fp32 model)."""
+INDUCTOR = {"granite", "exaone4", "gpt_neox"}
+"""Architectures whose engine runs Inductor-compiled: one per way a site enters a layer beyond
+Llama's fused add + norm (which ``test_steering_reference`` and its siblings run compiled): a
+module's input steered in place and steering around a single-stream layer (Granite), the same
+in a post-norm layer, whose steered module is the MLP (Exaone 4), and a model of vLLM's
+Transformers backend (GPT-NeoX). The others check where each class's hooks sit, which Dynamo's
+trace run without Inductor shows at half the start-up (``engine_utils.without_inductor``)."""
 PARALLEL = {"gpt_neox", "phi", "cohere"}
 """Architectures whose layers run attention and MLP side by side: no ``post_attn``, so every
 case's ``post_attn`` entry, site and probe is moved to ``pre_attn`` of the same layer."""
@@ -99,8 +115,9 @@ def arch_run(request, tiny_model_dir) -> ArchRun:
     monitors = layout(MONITOR_SITES)
     specs = {"baseline": None, **{n: {"steer": e} for n, e in static.items()}, **gated}
     prompts = [PROMPTS[i % 2] for i in range(1 + len(static))] + [PROMPT] * len(gated)
-    llm = start_llm(path, dynsteer={"sites": layout(ALL_SITES), "monitor_sites": monitors},
-                    **ENGINE_ARGS.get(request.param, {}))
+    with nullcontext() if request.param in INDUCTOR else without_inductor():
+        llm = start_llm(path, dynsteer={"sites": layout(ALL_SITES), "monitor_sites": monitors},
+                        **ENGINE_ARGS.get(request.param, {}))
     try:
         steering = Steering(llm)
         register_probes(steering)

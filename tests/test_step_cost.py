@@ -1,26 +1,36 @@
 """Per-step host work does not grow with the number of requests (no engine, CPU).
 
 A decode step of the worker's steering state (index fill, telemetry fold, prefix-guard report)
-is traced line by line: the number of Python lines it executes must be the same with 8 and with
-200 gated and statically steered requests in the batch, whatever numpy does in C. This is the
+is traced line by line: the number of lines of dynsteer's Python it executes must be the same
+with 8 and with 200 gated and statically steered requests in the batch, whatever numpy does. This is the
 CI guard of the serving-scale issue: a Python loop over requests on the step path fails it,
 deterministically (a timing check would be flaky on shared CI machines).
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import dynsteer
+import dynsteer.engine_ext
+import dynsteer.probes
 from dynsteer.controller.extra_args import ACTIVATIONS_KEY, WIRE_KEY
 from dynsteer.controller.spec import parse_spec
 from dynsteer.controller.wire import spec_to_wire
 from dynsteer.engine_ext.worker.state import SteeringState
 
+PACKAGE = tuple(str(Path(module.__file__).parent) for module in
+                (dynsteer, dynsteer.engine_ext, dynsteer.controller, dynsteer.probes))
+"""Lines are counted in dynsteer's own code: a loop over requests is a loop there; library
+code it calls and code the interpreter runs in between (a signal handler, a finalizer) is not
+the step's to count."""
 HIDDEN = 64
 SITES = tuple(("post_block", layer) for layer in range(4))
 PROMPT = 5
@@ -79,6 +89,8 @@ def decode_lines(state: SteeringState, slots: np.ndarray, steps: int, gate: floa
 
     def tracer(frame, event, arg):
         nonlocal counted
+        if not frame.f_code.co_filename.startswith(PACKAGE):
+            return None  # numpy's, torch's or anything the interpreter runs in between
         if event == "line":
             counted += 1
         return tracer
@@ -86,6 +98,10 @@ def decode_lines(state: SteeringState, slots: np.ndarray, steps: int, gate: floa
     for k in range(steps):
         state.gate[:requests] = gate
         if k == steps - 1:
+            # A garbage collection inside the traced step would run the finalizers of objects
+            # that earlier tests in this process left behind.
+            gc.collect()
+            gc.disable()
             sys.settrace(tracer)
         try:
             state.fill(slots, np.full(requests, PROMPT + k), np.ones(requests, np.int64),
@@ -93,6 +109,7 @@ def decode_lines(state: SteeringState, slots: np.ndarray, steps: int, gate: floa
             assert state.cache_report() == {}
         finally:
             sys.settrace(None)
+            gc.enable()
     return counted
 
 
