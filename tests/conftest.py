@@ -99,6 +99,17 @@ def tiny_model_dir():
 
 
 @pytest.fixture(scope="module")
+def engines_without_inductor():
+    """The module's engines run their compiled graph without Inductor
+    (``engine_utils.WITHOUT_INDUCTOR``); request it with
+    ``pytest.mark.usefixtures("engines_without_inductor")``."""
+    from engine_utils import without_inductor
+
+    with without_inductor():
+        yield
+
+
+@pytest.fixture(scope="module")
 def hf_llama(tiny_model_dir):
     """The tiny Llama in HF transformers (the reference of ``hf_reference``)."""
     from hf_reference import load_hf  # on use: unit-test runs need neither helper module

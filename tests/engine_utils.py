@@ -43,23 +43,33 @@ def start_llm(path: Any, dynsteer: dict[str, Any] | None = None, **kwargs: Any) 
     return LLM(str(path), **args)
 
 
+WITHOUT_INDUCTOR = {"VLLM_CPU_CI_ENV": "1"}
+"""The environment of an engine that runs its compiled graph without Inductor: vLLM's own CPU CI
+mode, in which Dynamo still traces the model with the plugin's ops in it and splits it at
+attention, but the graph's ops run as they are instead of as generated C++, and the warm-up
+pass is skipped. An engine starts in half the time (a third for the embedded model). Tests
+whose subject is not the compiled code use it: most of the architecture sweep, the experiments
+except the safety demo, capture, and servers other than ``test_server``'s. The rest (the Llama
+/ Qwen references, steering, gating, prefix caching, controllers, LoRA, engine behaviour) run
+Inductor as deployed, and so does pipeline parallelism, whose later stages allocate their
+inputs in the warm-up this mode skips."""
+
+
 @contextmanager
 def without_inductor() -> Iterator[None]:
-    """Engines started inside run their compiled graph without Inductor: vLLM's own CPU CI
-    mode (``VLLM_CPU_CI_ENV``), in which Dynamo still traces the model with the plugin's ops in
-    it and splits it at attention, but runs the graph's ops as they are instead of generating
-    C++ for them, and skips the warm-up pass. It halves an engine's start on the CPU build.
-    The frontend reads the variable when it builds the config, the engine process inherits it
-    at spawn; the caller's environment is restored on exit."""
-    old = os.environ.get("VLLM_CPU_CI_ENV")
-    os.environ["VLLM_CPU_CI_ENV"] = "1"
+    """Engines (and servers) started inside run without Inductor (:data:`WITHOUT_INDUCTOR`):
+    the frontend reads the variable when it builds the config, the engine process inherits it
+    at spawn. The caller's environment is restored on exit."""
+    old = {name: os.environ.get(name) for name in WITHOUT_INDUCTOR}
+    os.environ.update(WITHOUT_INDUCTOR)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("VLLM_CPU_CI_ENV")
-        else:
-            os.environ["VLLM_CPU_CI_ENV"] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def stop_llm(llm: Any) -> None:

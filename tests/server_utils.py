@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_utils import refuse_in_fast_lane
+from engine_utils import WITHOUT_INDUCTOR, refuse_in_fast_lane
 from tiny_models import make_tiny_model
 
 from dynsteer.controller.launch import ServerProcess
@@ -37,15 +37,17 @@ STARTUP_TIMEOUT_S = 420
 
 
 class Server(ServerProcess):
-    """`dynsteer serve MODEL` for tests: the tiny model's settings, fp32, seed 0."""
+    """`dynsteer serve MODEL` for tests: the tiny model's settings, fp32, seed 0; its engine
+    compiled without Inductor unless ``inductor`` (``engine_utils.WITHOUT_INDUCTOR``)."""
 
-    def __init__(self, model: Path, log: Path, *extra: str) -> None:
+    def __init__(self, model: Path, log: Path, *extra: str, inductor: bool = False) -> None:
         refuse_in_fast_lane()
         args = [str(model), "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs",
                 "8", "--seed", "0", *extra]
         if os.environ.get("DYNSTEER_TEST_GPU_MEMORY"):
             args += ["--gpu-memory-utilization", os.environ["DYNSTEER_TEST_GPU_MEMORY"]]
-        super().__init__(args, log, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", **({} if inductor else WITHOUT_INDUCTOR)}
+        super().__init__(args, log, env=env)
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S, api_key: str | None = None) -> None:
         super().wait_ready(timeout, api_key=api_key)
@@ -77,11 +79,16 @@ the first of them to run trains them and the others load them."""
 
 
 @contextmanager
-def safety_experiment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+def safety_experiment(tmp_path_factory: pytest.TempPathFactory,
+                      inductor: bool = False) -> Iterator[list[str]]:
     """Settings for running a safety experiment's ``main`` in a test: the server's KV cache as
-    every test server's, and the arguments the three tests share (the session's artifact cache,
-    float32, which is several times faster than bfloat16 on CPUs without bfloat16 instructions)."""
+    every test server's, its engine compiled without Inductor unless ``inductor``
+    (``engine_utils.WITHOUT_INDUCTOR``), and the arguments the three tests share (the session's
+    artifact cache, float32, which is several times faster than bfloat16 on CPUs without
+    bfloat16 instructions)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        for name, value in ({} if inductor else WITHOUT_INDUCTOR).items():
+            env.setenv(name, value)
         yield ["--cache", str(tmp_path_factory.getbasetemp() / SAFETY_ARTIFACTS),
                "--dtype", "float32"]

@@ -6,11 +6,12 @@ and the rest of ``census.VERIFIED``: OLMo 3, GPT-NeoX and Phi-2 run through vLLM
 Transformers backend (HF's own layers, with a batch dimension); GPT-NeoX and Phi are parallel
 (no ``post_attn``: :func:`without_post_attn`).
 
-One engine per architecture (compile on, fp32, CPU build), every hook at every layer, in one
-batch: the baseline, static steering at every hook and phase (``tiny_models.STATIC_CASES``),
-gated steering (the cases of ``test_gating_reference``: monitors at all three hooks through the
-op, gated sites after them through the fused add, registered and inline probes), then
-activation capture at the monitor sites. What each hook means per architecture is in the
+One engine per architecture (compiled: Dynamo, and Inductor for :data:`INDUCTOR`; fp32, CPU
+build), every hook at every layer, in one batch: the baseline, static steering at every hook
+and phase (``tiny_models.STATIC_CASES``), gated steering (the cases of
+``test_gating_reference``: monitors at all three hooks through the op, gated sites after them
+through the fused add, registered and inline probes), then activation capture at the monitor
+sites. What each hook means per architecture is in the
 table of docs/architectures.md and ``hf_reference.attention_branch``. An architecture without
 a verified layer contract fails at engine startup with a message naming its class.
 """

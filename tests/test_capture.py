@@ -43,6 +43,8 @@ from dynsteer.engine_ext.options import EngineOptions
 from dynsteer.engine_ext.worker.sites import SiteOp
 from dynsteer.engine_ext.worker.state import SteeringState
 
+pytestmark = pytest.mark.usefixtures("engines_without_inductor")
+
 LENGTHS = [5, 11, 8, 17, 3, 9, 24]
 PROMPTS = [[1, *np.random.RandomState(n).randint(3, 500, n - 1).tolist()] for n in LENGTHS]
 

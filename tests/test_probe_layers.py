@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from engine_utils import without_inductor
 
 pytestmark = pytest.mark.engine
 
@@ -20,9 +21,10 @@ def sweep(tmp_path_factory):
     import probe_layers
 
     out = tmp_path_factory.mktemp("probe-layers")
-    returned = probe_layers.main(["--prompts", str(PLANTED), "--train-per-label", "16",
-                                  "--test-per-label", "7", "--layers", "10+15",
-                                  "--hooks", "post_attn,post_block", "--out", str(out)])
+    with without_inductor():
+        returned = probe_layers.main(["--prompts", str(PLANTED), "--train-per-label", "16",
+                                      "--test-per-label", "7", "--layers", "10+15",
+                                      "--hooks", "post_attn,post_block", "--out", str(out)])
     return out, json.loads((out / "probe_layers.json").read_text()), returned
 
 

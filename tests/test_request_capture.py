@@ -34,6 +34,8 @@ from dynsteer.engine_ext import Steering
 from dynsteer.engine_ext.frontend import rows_inbox
 from dynsteer.engine_ext.worker.state import SteeringState
 
+pytestmark = pytest.mark.usefixtures("engines_without_inductor")
+
 SITES = "pre_attn@*,post_attn@1,post_block@*"
 CAPTURED = ["pre_attn@0", "post_attn@1", "post_block@3"]
 

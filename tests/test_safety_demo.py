@@ -23,7 +23,7 @@ def demo(tmp_path_factory):
     import safety_demo
 
     out = tmp_path_factory.mktemp("demo")
-    with safety_experiment(tmp_path_factory) as common:
+    with safety_experiment(tmp_path_factory, inductor=True) as common:
         safety_demo.main(["--prompts", str(PLANTED), "--eval-prompts", str(PLANTED),
                           "--train-per-label", "16",
                           "--test-per-label", "6", "--max-tokens", "8", "--out", str(out),

@@ -43,7 +43,7 @@ def sink_dir(tmp_path_factory):
 def server(chat_model, tmp_path_factory, sink_dir):
     srv = Server(chat_model, tmp_path_factory.mktemp("server") / "serve.log",
                  "--dynsteer-api-key", KEY, "--dynsteer-max-body-bytes", "65536",
-                 "--dynsteer-capture-sinks", f"audit={sink_dir}?seal_after_s=0.5")
+                 "--dynsteer-capture-sinks", f"audit={sink_dir}?seal_after_s=0.5", inductor=True)
     try:
         yield srv
     finally:

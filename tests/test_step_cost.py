@@ -2,9 +2,9 @@
 
 A decode step of the worker's steering state (index fill, telemetry fold, prefix-guard report)
 is traced line by line: the number of lines of dynsteer's Python it executes must be the same
-with 8 and with 200 gated and statically steered requests in the batch, whatever numpy does. This is the
-CI guard of the serving-scale issue: a Python loop over requests on the step path fails it,
-deterministically (a timing check would be flaky on shared CI machines).
+with 8 and with 200 gated and statically steered requests in the batch, whatever numpy does.
+This is the CI guard of the serving-scale issue: a Python loop over requests on the step path
+fails it, deterministically (a timing check would be flaky on shared CI machines).
 """
 
 from __future__ import annotations
