@@ -48,6 +48,10 @@ API_KEY = "DYNSTEER_API_KEY"
 DEFAULT_MODEL = "default"
 """The model name that serves the embedded default model (``dynsteer serve`` without MODEL)."""
 _STOPS = {"stop": "stop", "length": "max_tokens", "content_filter": "content_filter"}
+KEEPALIVE_S = 2.0
+"""How long an idle pooled connection is kept: less than the server's keep-alive (vLLM's
+``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s), so a connection is never reused just as the server
+closes it (the request would fail with a read error)."""
 
 
 @modelapi(name="dynsteer")
@@ -74,7 +78,8 @@ class DynsteerAPI(ModelAPI):
         self.base_url = self.base_url.rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers,
-                                       timeout=float(model_args.get("timeout", 600)))
+                                       timeout=float(model_args.get("timeout", 600)),
+                                       limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
         self._served_name: str | None = None
 
     async def generate(self, input: list[ChatMessage], tools: list[ToolInfo],
@@ -107,6 +112,11 @@ class DynsteerAPI(ModelAPI):
 
     def max_tokens(self) -> int | None:
         return 256
+
+    def should_retry(self, ex: Exception) -> bool:
+        """A call whose connection failed (refused, reset, closed before the reply) is tried
+        again with Inspect's backoff; an HTTP error reply is not."""
+        return isinstance(ex, httpx.TransportError) and not isinstance(ex, httpx.TimeoutException)
 
     def max_connections(self) -> int:
         return 16

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from engine_utils import WITHOUT_INDUCTOR
 from server_utils import safety_experiment
 
 pytestmark = pytest.mark.engine
@@ -42,6 +43,60 @@ def test_the_provider_is_registered_and_says_what_it_needs(monkeypatch):
         get_model("dynsteer/default", base_url="http://127.0.0.1:1", bogus=1)
 
 
+def test_a_call_whose_connection_drops_is_tried_again():
+    """A connection closed before the reply (a server restarting, or closing an idle
+    keep-alive connection as it is reused) fails that attempt only: Inspect tries the call
+    again, and idle connections are dropped before the server's 5 s keep-alive ends."""
+    import asyncio
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+    from inspect_ai.model import GenerateConfig, get_model
+
+    from dynsteer.inspect_provider import KEEPALIVE_S
+
+    posts: list[int] = []
+
+    class Flaky(BaseHTTPRequestHandler):
+        def _send(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._send({"data": [{"id": "tiny"}]})
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            posts.append(1)
+            if len(posts) == 1:
+                self.close_connection = True  # no reply at all
+                return
+            self._send({"id": "c1", "model": "tiny", "usage": {},
+                        "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]})
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        model = get_model("dynsteer/tiny", base_url=f"http://127.0.0.1:{server.server_port}",
+                          config=GenerateConfig(max_tokens=2))
+        output = asyncio.run(model.generate("Hello"))
+    finally:
+        server.shutdown()
+    assert output.completion == "hi" and len(posts) == 2
+    assert model.api.should_retry(httpx.ReadError("")) is True
+    assert model.api.should_retry(httpx.ReadTimeout("")) is False
+    assert KEEPALIVE_S < 5
+
+
 def test_the_provider_starts_a_server_steers_per_call_and_stops_it(chat_model, monkeypatch):
     """``-M serve=true``: the provider starts `dynsteer serve` itself; a call's spec changes the
     reply and comes back in the output's metadata; closing the model stops the server."""
@@ -50,6 +105,8 @@ def test_the_provider_starts_a_server_steers_per_call_and_stops_it(chat_model, m
     from inspect_ai.model import GenerateConfig, get_model
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    for name, value in WITHOUT_INDUCTOR.items():
+        monkeypatch.setenv(name, value)
     spec = {"steer": [{"vector": [30.0] * 128, "layers": [1]}]}
     greedy = GenerateConfig(max_tokens=6, temperature=0.0)
 
