@@ -40,12 +40,12 @@ SPLIT_BY_ARCHITECTURE = ("test_architectures.py", "test_steering_reference.py",
 part of a test's parameter id): their architectures are spread over the workers."""
 
 
-SLOWEST_FIRST = ("test_safety_steering.py", "test_controllers_experiment.py", "test_load.py",
-                 "test_inspect_refusal.py", "test_capture.py", "test_probe_layers.py",
-                 "test_traffic_probe.py", "test_tensor_parallel.py", "test_safety_demo.py",
-                 "test_server.py", "test_engine_behaviour.py", "test_probe_registry.py",
-                 "test_request_capture.py", "test_data_parallel.py")
-"""The modules that take longest (one to seven minutes each, ``--durations``), slowest first."""
+SLOWEST_FIRST = ("test_safety_steering.py", "test_inspect_refusal.py",
+                 "test_controllers_experiment.py", "test_tensor_parallel.py", "test_load.py",
+                 "test_safety_demo.py", "test_engine_behaviour.py", "test_server.py",
+                 "test_capture.py", "test_probe_layers.py", "test_traffic_probe.py",
+                 "test_data_parallel.py", "test_probe_registry.py", "test_request_capture.py")
+"""The modules that take longest (one to three minutes each, ``--durations``), slowest first."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

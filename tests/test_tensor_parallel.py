@@ -19,6 +19,7 @@ from engine_utils import (
     run,
     start_llm,
     stop_llm,
+    without_inductor,
 )
 from parallel_guard import GUARD_BLOCK, MONITOR_SITES, guard_checks, guard_run
 from tiny_models import STATIC_CASES, vec
@@ -71,13 +72,16 @@ def _outputs(path, **parallel: int):
 
 @pytest.fixture(scope="module")
 def tp_outputs(tiny_model_dir, controller_plugins):
-    """The same requests at TP=1, TP=2 and PP=2."""
+    """The same requests at TP=1, TP=2 and PP=2 (TP=1 and TP=2 without Inductor, PP=2 with it:
+    ``engine_utils.WITHOUT_INDUCTOR``)."""
     path = tiny_model_dir("llama")
-    single = _outputs(path)
+    with without_inductor():
+        single = _outputs(path)
     old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank on a 2-core machine
     try:
-        double = _outputs(path, tensor_parallel_size=2)
+        with without_inductor():
+            double = _outputs(path, tensor_parallel_size=2)
         staged = _outputs(path, pipeline_parallel_size=2)
     finally:
         if old is None:
