@@ -49,10 +49,10 @@ mode, in which Dynamo still traces the model with the plugin's ops in it and spl
 attention, but the graph's ops run as they are instead of as generated C++, and the warm-up
 pass is skipped. An engine starts in half the time (a third for the embedded model). Tests
 whose subject is not the compiled code use it: most of the architecture sweep, the experiments
-except the safety demo, capture, and servers other than ``test_server``'s. The rest (the Llama
-/ Qwen references, steering, gating, prefix caching, controllers, LoRA, engine behaviour) run
-Inductor as deployed, and so does pipeline parallelism, whose later stages allocate their
-inputs in the warm-up this mode skips."""
+except the safety demo, capture, tensor parallelism, and servers other than ``test_server``'s.
+The rest (the Llama / Qwen references, steering, gating, prefix caching, controllers, LoRA,
+engine behaviour) run Inductor as deployed, and so does pipeline parallelism, whose later
+stages allocate their inputs in the warm-up this mode skips."""
 
 
 @contextmanager
