@@ -8,12 +8,12 @@ import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_utils import WITHOUT_INDUCTOR, refuse_in_fast_lane
+from engine_utils import WITHOUT_INDUCTOR, refuse_in_fast_lane, without_inductor
 from tiny_models import make_tiny_model
 
 from dynsteer.controller.launch import ServerProcess
@@ -86,9 +86,7 @@ def safety_experiment(tmp_path_factory: pytest.TempPathFactory,
     (``engine_utils.WITHOUT_INDUCTOR``), and the arguments the three tests share (the session's
     artifact cache, float32, which is several times faster than bfloat16 on CPUs without
     bfloat16 instructions)."""
-    with pytest.MonkeyPatch.context() as env:
+    with pytest.MonkeyPatch.context() as env, nullcontext() if inductor else without_inductor():
         env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        for name, value in ({} if inductor else WITHOUT_INDUCTOR).items():
-            env.setenv(name, value)
         yield ["--cache", str(tmp_path_factory.getbasetemp() / SAFETY_ARTIFACTS),
                "--dtype", "float32"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_utils import WITHOUT_INDUCTOR
+from engine_utils import without_inductor
 from server_utils import safety_experiment
 
 pytestmark = pytest.mark.engine
@@ -105,8 +105,6 @@ def test_the_provider_starts_a_server_steers_per_call_and_stops_it(chat_model, m
     from inspect_ai.model import GenerateConfig, get_model
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    for name, value in WITHOUT_INDUCTOR.items():
-        monkeypatch.setenv(name, value)
     spec = {"steer": [{"vector": [30.0] * 128, "layers": [1]}]}
     greedy = GenerateConfig(max_tokens=6, temperature=0.0)
 
@@ -122,7 +120,8 @@ def test_the_provider_starts_a_server_steers_per_call_and_stops_it(chat_model, m
             await model.api.aclose()
         return plain, steered, server
 
-    plain, steered, server = asyncio.run(run())
+    with without_inductor():
+        plain, steered, server = asyncio.run(run())
     assert plain.metadata["dynsteer"] == {"spec": None, "telemetry": None, "activations": None}
     assert steered.metadata["dynsteer"]["spec"] == spec
     assert steered.completion != plain.completion
