@@ -32,12 +32,9 @@ against the workers' row budget before it admits the request."""
 GUARD_KEY = "dynsteer_cache"
 """The request's prefix-cache guard (:mod:`dynsteer.engine_ext.prefix_guard`), read by the
 scheduler."""
-CAPTURE_KEY = "dynsteer_capture"
-"""A capture request's ``"<ticket>:<item>"`` (set by the capture frontend only)."""
 ACTIVATIONS_KEY = "dynsteer_activations"
 """A request's own capture, ``{"sites", "rows", "positions", "dtype"}``, from its spec's
 ``capture`` (see :mod:`dynsteer.engine_ext.frontend.request_capture`)."""
 
-FRONTEND_KEYS = (WIRE_KEY, GLOBAL_KEY, REGISTRY_KEY, CLAIMS_KEY, GUARD_KEY, CAPTURE_KEY,
-                 ACTIVATIONS_KEY)
+FRONTEND_KEYS = (WIRE_KEY, GLOBAL_KEY, REGISTRY_KEY, CLAIMS_KEY, GUARD_KEY, ACTIVATIONS_KEY)
 """The keys the frontend writes (all under :data:`RESERVED_PREFIX`)."""

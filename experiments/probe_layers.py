@@ -50,7 +50,7 @@ import numpy as np
 
 HOOKS = "pre_attn,post_attn,post_block"
 LANES = 32
-"""Sites one capture pass records (the engine's ``capture_lanes``): its buffer costs
+"""Sites one capture request records (the engine's ``capture_lanes``): its buffer costs
 ``LANES x 1025 x hidden x 4`` bytes (76 MB at SmolLM2's hidden 576), and fewer passes mean
 fewer prefills of the same prompts."""
 C = 0.05

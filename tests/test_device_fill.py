@@ -333,7 +333,7 @@ def test_steps_that_need_the_host_are_filled_there(case):
     interpreter) and the index is the host's."""
     import torch
 
-    from dynsteer.controller.extra_args import CAPTURE_KEY
+    from dynsteer.controller.extra_args import ACTIVATIONS_KEY
     from dynsteer.engine_ext.worker.state import SteeringState
 
     states = [SteeringState(SITES, 4, max_rows=8, max_tokens=WIDTH, max_slots=4,
@@ -347,12 +347,11 @@ def test_steps_that_need_the_host_are_filled_there(case):
     elif case == "trace":
         extra = _gated_spec(trace=True)
     elif case == "capture":
-        extra = {CAPTURE_KEY: "t.0:0"}
+        extra = {ACTIVATIONS_KEY: {"sites": ["post_block@1"], "rows": 3, "positions": "prompt",
+                                   "dtype": "float32"}}
     else:  # a static request (the V1 adapter's slots stay below the table; tests may not)
         slot, extra = 6, _kinds()["static"]
     for state in states:
-        if case == "capture":
-            state.capture.begin("t.0", ["post_block@1"])
         state.add_request("r", slot, extra, prompt_len=3)
         state.fill(np.array([slot]), np.zeros(1, np.int64), np.array([3]),
                    *([torch.tensor([slot], dtype=torch.int32)] if state is states[1] else []))

@@ -28,7 +28,7 @@ from dynsteer.controller.activations import (
     rows_to_bytes,
     to_json,
 )
-from dynsteer.controller.extra_args import ACTIVATIONS_KEY, CAPTURE_KEY
+from dynsteer.controller.extra_args import ACTIVATIONS_KEY
 from dynsteer.controller.positions import first_prompt_position, select
 from dynsteer.engine_ext import Steering
 from dynsteer.engine_ext.frontend import rows_inbox
@@ -121,8 +121,6 @@ def test_lanes_are_shared_by_site_and_freed_when_collected():
     state.add_request("b", 2, wanted(["post_block@1", "pre_attn@0"], 6), prompt_len=3)
     assert capture.site_lane.tolist() == [1, -1, 0]
     state.add_request("c", 3, wanted(["post_block@0"], 6), prompt_len=3)  # no free lane
-    with pytest.raises(ValueError, match="capture lanes are not free"):
-        capture.begin("t.0", ["post_block@0"])
     state.remove_request("a")
     assert collected(capture, "a", reply=True)["status"] == "ok"
     assert collected(capture, "c", reply=True)["detail"].startswith(
@@ -131,9 +129,24 @@ def test_lanes_are_shared_by_site_and_freed_when_collected():
     state.remove_request("b")
     collected(capture, "b", reply=False)
     assert capture.site_lane.tolist() == [-1, -1, -1] and capture.rows_in_use == 0
-    capture.begin("t.0", ["post_block@0"])
-    state.add_request("p", 4, {CAPTURE_KEY: "t.0:0"}, prompt_len=3)
-    assert capture.rows_in_use == 3
+
+
+def test_lanes_of_finished_uncollected_requests_are_reused_oldest_first():
+    """A request that needs a lane no live request holds takes the lanes (and rows) of the
+    uncollected request that left the batch longest ago; a live request's lane is never
+    taken."""
+    state = SteeringState(WORKER_SITES, 4, max_rows=4, max_tokens=32, max_slots=8,
+                          device=torch.device("cpu"), capture_lanes=2, capture_tokens=40)
+    capture = state.capture
+    state.add_request("a", 1, wanted(["post_block@1"], 4), prompt_len=2)
+    state.add_request("b", 2, wanted(["pre_attn@0"], 4), prompt_len=2)
+    state.remove_request("a")
+    state.add_request("c", 3, wanted(["post_block@0"], 4), prompt_len=2)  # takes a's lane
+    assert capture.site_lane.tolist() == [1, 0, -1]
+    assert collected(capture, "a")["status"] == "dropped"
+    state.add_request("d", 4, wanted(["post_block@1"], 4), prompt_len=2)  # b and c are live
+    assert collected(capture, "d")["detail"].startswith("no free capture lanes")
+    assert collected(capture, "b")["status"] == "ok"
 
 
 def test_rows_of_finished_requests_are_reused_oldest_first():

@@ -1,33 +1,28 @@
-"""Activation capture through the served engine, for training probes (frontend; no network code).
+"""Activation capture for training probes (frontend; no network code): prompts in, the
+residual stream at some sites out, reduced per prompt.
 
-For a list of prompts, researchers get the residual stream at some sites (``hook@layer``, the
-engine's configured sites), reduced per prompt: ``last`` (last prompt token), ``mean`` (over
-the prompt tokens) or ``all`` (every prompt token), as float32 numpy arrays. The engine's own
-compiled forward computes them (torch.compile and CUDA graphs stay on): the in-graph op stores
-the stream of marked prompt tokens into a capture buffer (:mod:`.ops`, :mod:`.capture_buffers`),
-so normal traffic keeps running alongside and pays one int load per token.
+For a list of prompts, researchers get the stream at some monitor sites (``hook@layer``),
+reduced per prompt: ``last`` (last prompt token), ``mean`` (over the prompt tokens) or ``all``
+(every prompt token), as float32 numpy arrays.
 
-One capture (one at a time per engine; a lock serializes them, normal traffic is not blocked):
+It is a client of per-request capture (:mod:`.request_capture`), the path every request's
+``capture`` takes: each prompt runs as a request with ``max_tokens=1`` whose spec captures its
+prompt positions (``last_prompt`` for ``last``), and its rows are collected as any request's
+are. So captures run concurrently with each other and with traffic, share the engine's
+scheduler with it, and the prefix cache is handled as for any capturing request: a prompt
+computes every position it captures. What is captured is the stream as the engine serves it:
+global steering, when set, applies to capture prompts too.
 
-1. :func:`plan_capture` validates the arguments and splits the work into *passes* of at most
-   ``dynsteer.capture_lanes`` sites and *rounds* of prompts whose lengths sum to at most
-   ``dynsteer.capture_tokens`` (the capture rows).
-2. Per pass: ``dynsteer_capture_begin`` gives the sites lanes; per round, the prompts run as
-   requests with ``max_tokens=1`` (prefill only), a unique ``cache_salt`` (a prefix-cache hit
-   would skip computing, hence capturing, the cached positions) and
-   ``extra_args["dynsteer_capture"] = "<ticket>:<item>"``; then ``dynsteer_capture_collect``
-   returns the rows reduced on the device (TP rank 0 only) and frees them;
-   ``dynsteer_capture_end`` closes the pass, whatever happened.
-3. :class:`_Assembler` checks and decodes the replies into ``{site: array}``.
+The work is split into *passes* of at most ``dynsteer.capture_lanes`` sites (a request
+captures at most that many) and *rounds* of prompts whose lengths sum to at most
+``dynsteer.capture_tokens`` (the rows the engine holds), each round collected before the next
+runs. A prompt whose rows another request took meanwhile (status ``dropped``: concurrent
+captures filled the rows or held the lanes) runs again in a later round, after a wait that
+grows while no prompt gets through (:data:`STALLS`, :data:`BACKOFF_S`).
 
 The sequence of engine calls is written once, as a generator (:func:`_protocol`) that yields
-each call to make; :func:`capture_sync` (offline ``vllm.LLM``, used by ``Steering.capture``)
+each round to run; :func:`capture_sync` (offline ``vllm.LLM``, used by ``Steering.capture``)
 and :func:`capture_async` (``AsyncLLM``, the API server's engine client) only execute them.
-Prompts are matched to their rows by the ``extra_args`` key, not by request id, so vLLM's
-internal request-id suffix does not matter.
-
-What is captured is the stream as the engine serves it: global steering, when set, applies to
-capture prompts too (they carry no spec of their own).
 """
 
 from __future__ import annotations
@@ -35,31 +30,33 @@ from __future__ import annotations
 import asyncio
 import inspect
 import secrets
-import threading
-import weakref
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dynsteer.controller.contract import (
-    F32,
-    encode_f32,
-    resolve_sites,
-    site_name,
-    unmonitored_site,
-)
-from dynsteer.controller.extra_args import CAPTURE_KEY
+from dynsteer.controller.activations import Activations
+from dynsteer.controller.contract import encode_f32, resolve_sites, site_name, unmonitored_site
+from dynsteer.controller.extra_args import SPEC_KEY
 
 from ..compat import frontend as vllm_frontend
-from ..worker.capture_buffers import REDUCES, Reduce, capture_key
-from .caller import TRUSTED, acting_as
+from . import request_capture
+
+Reduce = Literal["last", "mean", "all"]
 
 CaptureResult = dict[str, np.ndarray | list[np.ndarray]]
 """Per site (``hook@layer``): ``[N, H]`` for ``last``/``mean``, a list of N ``[len_i, H]``
 arrays for ``all`` (float32, prompts in the order given)."""
+
+STALLS = 8
+"""Attempts in a row in which no prompt got its rows (each ``dropped``: other capturing requests
+held the rows or lanes) before a capture fails."""
+BACKOFF_S = 0.05
+"""Wait before running dropped prompts again, doubled for each attempt in a row that made no
+progress (0.05 s after one that did; 25 s in all before a capture fails)."""
 
 
 class CaptureArgs(BaseModel):
@@ -75,26 +72,6 @@ class CaptureArgs(BaseModel):
     each must be a monitor site of the engine (``dynsteer.monitor_sites``)."""
     reduce: Reduce = "last"
     """Per prompt: the ``last`` prompt token, the ``mean`` over its tokens, or ``all`` of them."""
-
-
-class _CapturedItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tokens: int = Field(ge=1)
-    data: bytes
-    """Little-endian float32 (RPC replies carry bytes as they are: no base64 on the way)."""
-
-
-class _CaptureReply(BaseModel):
-    """What one worker's ``dynsteer_capture_collect`` returns (see :mod:`.capture_buffers`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    sites: list[str]
-    hidden: int = Field(ge=1)
-    reduce: Reduce
-    items: dict[str, _CapturedItem]
-    missing: dict[str, str]
 
 
 def parse_args(prompts: Any, sites: Any, reduce: Any) -> CaptureArgs:
@@ -114,51 +91,56 @@ def parse_args(prompts: Any, sites: Any, reduce: Any) -> CaptureArgs:
 
 @dataclass(frozen=True)
 class CaptureItem:
-    """One request of a round: prompt ``index`` under capture ``key``."""
+    """One request of a round: prompt ``index`` captured at one pass's sites."""
 
     index: int
-    key: str
     request_id: str
     prompt: dict[str, Any]
-    """A ``TokensPrompt`` dict with a unique ``cache_salt``."""
+    """A ``TokensPrompt`` dict."""
     params: Any
-    """``SamplingParams(max_tokens=1, extra_args={"dynsteer_capture": key})``."""
+    """``SamplingParams(max_tokens=1)`` whose spec captures the prompt positions."""
 
 
 @dataclass(frozen=True)
 class CapturePlan:
-    """A validated capture split into passes (sites) and rounds (prompts)."""
+    """A validated capture split into passes (sites); rounds are formed as prompts run."""
 
     ticket: str
+    """Unique to this capture (its requests' ids)."""
     prompts: list[list[int]]
     reduce: Reduce
-    hidden_size: int
+    capacity: int
+    """Prompt tokens per round (``dynsteer.capture_tokens``)."""
     passes: list[list[str]]
     """Sites (``hook@layer``, forward order) of each pass; at most capture_lanes each."""
-    rounds: list[list[int]]
-    """Prompt indices of each round; their lengths sum to at most capture_tokens."""
 
     @property
     def sites(self) -> list[str]:
         return [site for sites in self.passes for site in sites]
 
-    def pass_ticket(self, pass_index: int) -> str:
-        return f"{self.ticket}.{pass_index}"
+    def rounds(self, indices: list[int]) -> list[list[int]]:
+        """``indices`` (prompts) in rounds whose lengths sum to at most the capacity."""
+        rounds: list[list[int]] = [[]]
+        used = 0
+        for i in indices:
+            if rounds[-1] and used + len(self.prompts[i]) > self.capacity:
+                rounds.append([])
+                used = 0
+            rounds[-1].append(i)
+            used += len(self.prompts[i])
+        return rounds
 
-    def round_items(self, pass_index: int, round_index: int) -> list[CaptureItem]:
-        ticket = self.pass_ticket(pass_index)
-        items = []
-        for i in self.rounds[round_index]:
-            key = capture_key(ticket, i)
-            params = vllm_frontend.one_token_params({CAPTURE_KEY: key})
-            prompt = {"prompt_token_ids": self.prompts[i], "cache_salt": f"dynsteer-capture:{key}"}
-            items.append(CaptureItem(index=i, key=key, request_id=f"dynsteer-capture-{key}",
-                                     prompt=prompt, params=params))
-        return items
+    def items(self, pass_index: int, indices: list[int], attempt: int) -> list[CaptureItem]:
+        positions = "last_prompt" if self.reduce == "last" else "prompt"
+        spec = {"capture": {"sites": self.passes[pass_index], "positions": positions}}
+        return [CaptureItem(
+            index=i, request_id=f"dynsteer-capture-{self.ticket}.{pass_index}.{attempt}:{i}",
+            prompt={"prompt_token_ids": self.prompts[i]},
+            params=vllm_frontend.one_token_params({SPEC_KEY: spec})) for i in indices]
 
 
 def plan_capture(prompts: list[list[int]], args: CaptureArgs, frontend: Any) -> CapturePlan:
-    """Check token prompts and sites against the engine and split them into passes and rounds.
+    """Check token prompts and sites against the engine and split the sites into passes.
 
     ``frontend`` is the engine's ``FrontendState`` (monitor sites, layers, options).
     """
@@ -181,54 +163,32 @@ def plan_capture(prompts: list[list[int]], args: CaptureArgs, frontend: Any) -> 
                 "tokens; raise dynsteer.capture_tokens (engine option) or shorten the prompt"
             )
     names = [site_name(s) for s in sites]
-    rounds: list[list[int]] = [[]]
-    used = 0
-    for i, prompt in enumerate(prompts):
-        if used + len(prompt) > capacity:
-            rounds.append([])
-            used = 0
-        rounds[-1].append(i)
-        used += len(prompt)
-    return CapturePlan(
-        ticket=secrets.token_hex(8), prompts=prompts, reduce=args.reduce,
-        hidden_size=frontend.hidden_size,
-        passes=[names[k:k + lanes] for k in range(0, len(names), lanes)], rounds=rounds,
-    )
+    return CapturePlan(ticket=secrets.token_hex(8), prompts=prompts, reduce=args.reduce,
+                       capacity=capacity,
+                       passes=[names[k:k + lanes] for k in range(0, len(names), lanes)])
 
 
 class _Assembler:
-    """Collects the workers' replies into per-site arrays, checking every piece arrived."""
+    """Collects each prompt's rows into per-site arrays, checking every piece arrived."""
 
     def __init__(self, plan: CapturePlan) -> None:
         self._plan = plan
         self._rows: dict[str, list[np.ndarray | None]] = {
             site: [None] * len(plan.prompts) for site in plan.sites}
 
-    def add(self, items: list[CaptureItem], replies: list[Any]) -> None:
-        index = {item.key: item.index for item in items}
-        answers = [_CaptureReply.model_validate(r) for r in replies if r is not None]
-        if not answers:
-            raise RuntimeError("no worker returned captured activations (is dynsteer active "
-                               "on this engine?)")
-        hidden = self._plan.hidden_size
-        for answer in answers:
-            for key, why in answer.missing.items():
-                raise RuntimeError(f"capture of prompts[{index.get(key, key)}] failed on the "
-                                   f"engine: {why}")
-            for key, item in answer.items.items():
-                i = index[key]
-                per_site = item.tokens if answer.reduce == "all" else 1
-                if len(item.data) % F32.itemsize:
-                    raise RuntimeError(f"capture of prompts[{i}]: {len(item.data)} bytes is not "
-                                       "a whole number of float32 values")
-                values = np.frombuffer(item.data, dtype=F32).astype(np.float32)  # writable
-                expected = len(answer.sites) * per_site * hidden
-                if values.size != expected or item.tokens != len(self._plan.prompts[i]):
-                    raise RuntimeError(f"capture of prompts[{i}]: got {values.size} floats for "
-                                       f"{item.tokens} tokens, expected {expected}")
-                data = values.reshape(len(answer.sites), per_site, hidden)
-                for lane, site in enumerate(answer.sites):
-                    self._rows[site][i] = data[lane]
+    def add(self, pass_index: int, item: CaptureItem, found: Activations) -> None:
+        i = item.index
+        length = len(self._plan.prompts[i])
+        want = [length - 1] if self._plan.reduce == "last" else list(range(length))
+        if found.positions.tolist() != want:
+            raise RuntimeError(f"capture of prompts[{i}]: the engine returned positions "
+                               f"{found.positions.tolist()[:8]}, expected {want[:8]}")
+        for site in self._plan.passes[pass_index]:
+            if site not in found.sites:
+                raise RuntimeError(f"capture of prompts[{i}]: no rows for site {site}")
+            rows = found.sites[site].astype(np.float32, copy=False)
+            self._rows[site][i] = rows.mean(axis=0, keepdims=True) if (
+                self._plan.reduce == "mean") else rows
 
     def result(self) -> CaptureResult:
         out: CaptureResult = {}
@@ -243,36 +203,68 @@ class _Assembler:
 
 # ---- the protocol, and its two drivers ---------------------------------------------------
 @dataclass(frozen=True)
-class _Rpc:
-    method: str
-    args: tuple[Any, ...]
+class _Round:
+    """Run these requests to the end and collect their rows (one result per item)."""
 
-
-@dataclass(frozen=True)
-class _Generate:
     items: list[CaptureItem]
 
 
-_Step = _Rpc | _Generate
+@dataclass(frozen=True)
+class _Free:
+    """Collect and discard the rows of these requests (a round that failed or was cancelled)."""
+
+    items: list[CaptureItem]
+
+
+@dataclass(frozen=True)
+class _Wait:
+    """Sleep this long (before dropped prompts run again)."""
+
+    seconds: float
+
+
+_Step = _Round | _Free | _Wait
 
 
 def _protocol(plan: CapturePlan) -> Generator[_Step, Any, CaptureResult]:
-    """The engine calls of one capture; each ``yield`` gets the call's result back.
-
-    A driver that fails on a call throws the exception in here, so the pass is always ended.
-    """
+    """The rounds of one capture; each ``yield`` gets the round's results back. A driver that
+    fails on a round throws the exception in here, which frees the round's rows first."""
     assembler = _Assembler(plan)
-    for p, sites in enumerate(plan.passes):
-        try:
-            yield _Rpc("dynsteer_capture_begin", (plan.pass_ticket(p), sites))
-            for r in range(len(plan.rounds)):
-                items = plan.round_items(p, r)
-                yield _Generate(items)
-                replies = yield _Rpc("dynsteer_capture_collect",
-                                     ([item.key for item in items], plan.reduce))
-                assembler.add(items, replies)
-        finally:
-            yield _Rpc("dynsteer_capture_end", (plan.pass_ticket(p),))
+    for p in range(len(plan.passes)):
+        pending = list(range(len(plan.prompts)))
+        attempt = stalled = 0
+        while True:
+            dropped: list[tuple[int, str]] = []
+            for indices in plan.rounds(pending):
+                items = plan.items(p, indices, attempt)
+                try:
+                    results = yield _Round(items)
+                except GeneratorExit:
+                    raise
+                except BaseException:
+                    yield _Free(items)
+                    raise
+                for item, found in zip(items, results, strict=True):
+                    if found is not None and found.status == "dropped":
+                        dropped.append((item.index, found.detail))
+                    elif found is None or found.status != "ok":
+                        why = "no capture" if found is None else f"{found.status}: {found.detail}"
+                        raise RuntimeError(f"capture of prompts[{item.index}] failed on the "
+                                           f"engine ({why})")
+                    else:
+                        assembler.add(p, item, found)
+            if not dropped:
+                break
+            stalled = stalled + 1 if len(dropped) == len(pending) else 0
+            if stalled == STALLS:
+                i, why = dropped[0]
+                raise RuntimeError(
+                    f"capture of prompts[{i}]: other capturing requests held the engine's "
+                    f"capture rows or lanes {STALLS} times in a row ({why}); retry when it is "
+                    "less busy, or restart it with more dynsteer.capture_tokens / capture_lanes")
+            pending = [i for i, _ in dropped]
+            attempt += 1
+            yield _Wait(BACKOFF_S * 2 ** stalled)
     return assembler.result()
 
 
@@ -287,7 +279,7 @@ def _drive(protocol: Generator[_Step, Any, CaptureResult],
             return done.value
         try:
             reply, error = execute(step), None
-        except BaseException as e:  # handed to the protocol, which ends the pass and re-raises
+        except BaseException as e:  # handed to the protocol, which frees the round's rows
             reply, error = None, e
 
 
@@ -302,24 +294,11 @@ async def _drive_async(protocol: Generator[_Step, Any, CaptureResult],
             return done.value
         try:
             reply, error = await execute(step), None
-        except BaseException as e:  # cancellation included: the pass still ends
+        except BaseException as e:  # cancellation included: the round's rows are freed
             reply, error = None, e
 
 
 # ---- entry points ------------------------------------------------------------------------
-_locks_guard = threading.Lock()
-_sync_locks: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
-_async_locks: weakref.WeakKeyDictionary[Any, asyncio.Lock] = weakref.WeakKeyDictionary()
-
-
-def _lock(table: weakref.WeakKeyDictionary[Any, Any], engine: Any, make: Callable[[], Any]) -> Any:
-    with _locks_guard:
-        lock = table.get(engine)
-        if lock is None:
-            lock = table[engine] = make()
-        return lock
-
-
 def _frontend(engine: Any) -> Any:
     state = vllm_frontend.engine_state(engine)
     if state is None:
@@ -351,15 +330,21 @@ def capture_sync(llm: Any, prompts: Any, sites: Any, reduce: Any = "last") -> Ca
         token_prompts = _encode_texts(token_prompts, tokenizer)
     plan = plan_capture(token_prompts, args, frontend)  # type: ignore[arg-type]
 
-    def execute(step: _Step) -> Any:
-        if isinstance(step, _Rpc):
-            return vllm_frontend.rpc(llm, step.method, step.args)
-        llm.generate([item.prompt for item in step.items], [item.params for item in step.items],
-                     use_tqdm=False)
-        return None
+    def collect(requests: list[tuple[str, int | None]]) -> list[Activations | None]:
+        return request_capture.merge(vllm_frontend.rpc(
+            llm, "dynsteer_collect_activations", request_capture.collect_args(requests)),
+            len(requests))
 
-    with _lock(_sync_locks, llm, threading.Lock):
-        return _drive(_protocol(plan), execute)
+    def execute(step: _Step) -> Any:
+        if isinstance(step, _Wait):
+            return time.sleep(step.seconds)
+        if isinstance(step, _Free):  # the offline LLM names its requests itself
+            return None
+        outs = llm.generate([item.prompt for item in step.items],
+                            [item.params for item in step.items], use_tqdm=False)
+        return collect([(o.request_id, vllm_frontend.computed_positions(o)) for o in outs])
+
+    return _drive(_protocol(plan), execute)
 
 
 async def capture_async(engine_client: Any, prompts: Any, sites: Any,
@@ -369,7 +354,7 @@ async def capture_async(engine_client: Any, prompts: Any, sites: Any,
     Text prompts are tokenized with ``engine_client.get_tokenizer()`` in a worker thread;
     engines started without a tokenizer take token ids only. Raises ``ValueError`` for bad
     arguments (message starts with the field: a 4xx), ``RuntimeError`` when the engine could
-    not capture. Cancelling the task aborts the capture's requests and ends its pass.
+    not capture. Cancelling the task aborts the capture's requests and frees their rows.
     """
     frontend = _frontend(engine_client)
     args = parse_args(prompts, sites, reduce)
@@ -384,27 +369,35 @@ async def capture_async(engine_client: Any, prompts: Any, sites: Any,
         token_prompts = await asyncio.to_thread(_encode_texts, token_prompts, tokenizer)
     plan = plan_capture(token_prompts, args, frontend)  # type: ignore[arg-type]
 
+    async def collect(requests: list[tuple[str, int | None]]) -> list[Activations | None]:
+        return request_capture.merge(await vllm_frontend.rpc_async(
+            engine_client, "dynsteer_collect_activations",
+            request_capture.collect_args(requests)), len(requests))
+
     async def execute(step: _Step) -> Any:
-        if isinstance(step, _Rpc):
-            return await vllm_frontend.rpc_async(engine_client, step.method, step.args)
-        with acting_as(TRUSTED):  # the frontend's own requests carry its reserved key
-            tasks = [asyncio.ensure_future(_drain(engine_client.generate(
-                item.prompt, item.params, item.request_id))) for item in step.items]
+        if isinstance(step, _Wait):
+            return await asyncio.sleep(step.seconds)
+        if isinstance(step, _Free):
+            return await collect([(item.request_id, None) for item in step.items])
+        tasks = [asyncio.ensure_future(_last(engine_client.generate(
+            item.prompt, item.params, item.request_id))) for item in step.items]
         try:
-            await asyncio.gather(*tasks)
+            outs = await asyncio.gather(*tasks)
         finally:  # on failure or cancellation, abort the rest (vLLM aborts cancelled streams)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        return None
+        return await collect([(item.request_id, vllm_frontend.computed_positions(out))
+                              for item, out in zip(step.items, outs, strict=True)])
 
-    async with _lock(_async_locks, engine_client, asyncio.Lock):
-        return await _drive_async(_protocol(plan), execute)
+    return await _drive_async(_protocol(plan), execute)
 
 
-async def _drain(stream: AsyncIterator[Any]) -> None:
-    async for _ in stream:
-        pass
+async def _last(stream: AsyncIterator[Any]) -> Any:
+    last = None
+    async for out in stream:
+        last = out
+    return last
 
 
 def encode_result(result: CaptureResult) -> dict[str, Any]:
@@ -418,5 +411,5 @@ def encode_result(result: CaptureResult) -> dict[str, Any]:
             for site, value in result.items()}
 
 
-__all__ = ["REDUCES", "CaptureArgs", "CapturePlan", "CaptureResult", "capture_async",
-           "capture_sync", "encode_result", "parse_args", "plan_capture"]
+__all__ = ["BACKOFF_S", "STALLS", "CaptureArgs", "CapturePlan", "CaptureResult", "Reduce",
+           "capture_async", "capture_sync", "encode_result", "parse_args", "plan_capture"]

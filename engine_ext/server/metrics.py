@@ -74,7 +74,8 @@ class DynsteerCollector(Collector):
             ("live_requests", "Requests the workers hold (steered or not; TP rank 0)"),
             ("steered_requests_live", "Live requests with steering on the workers"),
             ("probe_rows_in_use", "Probe rows in use (capacity: max_gates)"),
-            ("capture_rows_in_use", "Capture rows held by a capture pass"),
+            ("capture_rows_in_use", "Capture rows held by capturing requests (capacity: "
+                                    "capture_tokens)"),
             ("global_steerings_held", "Global steerings the workers keep (the current one, "
                                       "those live requests were admitted under, history)"),
         ):

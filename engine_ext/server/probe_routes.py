@@ -126,8 +126,9 @@ async def _restore(server: DynsteerServer, kind: str, option: str,
 @router.post("/capture", response_model=CaptureResponse, dependencies=Guarded)
 async def capture(body: CaptureArgs, request: Request, server: DynsteerServer = Server) -> dict:
     """Residual-stream activations of prompts at sites, computed by the served engine (for
-    training probes). Runs one capture at a time; other traffic continues alongside. A client
-    that disconnects cancels its capture (its requests are aborted)."""
+    training probes). Captures run concurrently with each other and with other traffic, as
+    ordinary requests. A client that disconnects cancels its capture (its requests are
+    aborted and their rows freed)."""
     with http_errors():
         result = await unless_disconnected(
             request, capture_async(server.engine, body.prompts, body.sites, body.reduce))

@@ -1,17 +1,11 @@
 """Worker side of activation capture: the capture buffer, its lanes and the rows of requests.
 
-Two kinds of request are captured, into the same buffer ``capture[K, C + 1, H]`` (float32):
-
-* a *pass* of the probe-training path (planned and driven by the frontend, :mod:`..frontend.
-  capture`): :meth:`CaptureBuffers.begin` gives each of at most K sites a *lane*; a request
-  whose ``extra_args`` carry ``{"dynsteer_capture": "<ticket>:<item>"}`` with the pass's ticket
-  gets one row per prompt position; :meth:`~CaptureBuffers.collect` reads (and reduces) the
-  rows of finished requests and frees them; :meth:`~CaptureBuffers.end` releases the lanes.
-* a request whose spec has ``capture`` (``extra_args["dynsteer_activations"]``, see
-  :mod:`..frontend.request_capture`): at admission it takes lanes for its sites and one row per
-  position it may compute (its prompt and ``max_tokens - 1`` generated positions), prompt and
-  generated tokens alike; :meth:`~CaptureBuffers.collect_requests` returns the positions it
-  named and frees both.
+A request whose spec has ``capture`` (``extra_args["dynsteer_activations"]``, see
+:mod:`..frontend.request_capture`; the probe-training path, :mod:`..frontend.capture`, sends
+such requests too) is captured into the buffer ``capture[K, C + 1, H]`` (float32): at
+admission it takes a *lane* for each of its sites and one row per position it may compute (its
+prompt and ``max_tokens - 1`` generated positions), prompt and generated tokens alike;
+:meth:`~CaptureBuffers.collect_requests` returns the positions it named and frees both.
 
 A lane is the per-site table ``site_lane`` the in-graph op reads (:mod:`.ops`); lanes are
 shared by site and counted, so requests capturing the same site share one lane and a lane is
@@ -22,12 +16,11 @@ of them; only TP rank 0 sends data back (the residual stream is replicated after
 all-reduce).
 
 Rows outlive their request: the frontend collects after the request's output came back, which
-can be before this worker even hears that the request finished. A finished request's rows are
-kept until collected; when a new request needs the room, the rows of requests that left the
-batch longest ago are reused (collecting them then reports ``dropped``). Row 0 is never handed
-out (0 means "not captured" in the token index, so padding and a cleared index never write).
-The ticket makes stale or forged pass requests harmless: a request whose ticket is not the
-current pass's gets no rows, so it can neither write into another capture's rows nor starve it.
+can be before this worker even hears that the request finished. A finished request's rows and
+lanes are kept until collected; when a new request needs the room or a lane, those of requests
+that left the batch longest ago are reused (collecting them then reports ``dropped``). Row 0
+is never handed out (0 means "not captured" in the token index, so padding and a cleared index
+never write).
 """
 
 from __future__ import annotations
@@ -36,13 +29,13 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
-from dynsteer.controller.contract import Site, f32_bytes, parse_site_name, site_name
-from dynsteer.controller.extra_args import ACTIVATIONS_KEY, CAPTURE_KEY
+from dynsteer.controller.contract import Site, parse_site_name, site_name
+from dynsteer.controller.extra_args import ACTIVATIONS_KEY
 from dynsteer.controller.positions import select
 
 from ..compat.worker import is_internal_id_of
@@ -52,18 +45,9 @@ from .capture_transfer import RowsSender
 # Under "vllm." so vLLM's logging configuration (format, level) applies to our records.
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
 
-Reduce = Literal["last", "mean", "all"]
-REDUCES: tuple[Reduce, ...] = ("last", "mean", "all")
-"""Per prompt: the last prompt token, the mean over prompt tokens, or every prompt token."""
-
 GONE = 4096
 """Requests whose capture was dropped that the worker remembers (to say so when collected)."""
 _UNSEEN = np.iinfo(np.int64).max
-
-
-def capture_key(ticket: str, item: int) -> str:
-    """The ``extra_args`` value that marks prompt ``item`` of the pass ``ticket``."""
-    return f"{ticket}:{item}"
 
 
 @dataclass
@@ -76,19 +60,16 @@ class _Entry:
     length: int
     """Rows (positions ``0 .. length - 1``)."""
     prompt_len: int
-    lanes: tuple[int, ...] = ()
-    """The lanes of the sites it asked for (a request capture's; held until collected)."""
-    wanted: dict[str, Any] | None = None
-    """A request capture's ``sites`` / ``positions`` / ``dtype`` (None: a pass's prompt)."""
+    lanes: tuple[int, ...]
+    """The lanes of the sites it asked for (held until collected)."""
+    wanted: dict[str, Any]
+    """Its ``sites`` / ``positions`` / ``dtype`` and the rest of :data:`ACTIVATIONS_KEY`."""
     slot: int | None = None
     """The request's slot while it is live (its tokens write), else None."""
     first: int = -1
     """Lowest position seen computed (-1: none yet)."""
     end: int = 0
     """One past the highest position seen computed."""
-
-    def complete(self) -> bool:
-        return self.first == 0 and self.end == self.length
 
 
 class CaptureBuffers:
@@ -112,18 +93,12 @@ class CaptureBuffers:
         self._site_index = {site: i for i, site in enumerate(sites)}
         self._lane_site: list[Site | None] = [None] * lanes
         self._lane_refs = [0] * lanes
-        self.ticket: str | None = None
-        self._pass_lanes: tuple[int, ...] = ()
-        self._entries: dict[str, _Entry] = {}
-        """A pass's, by capture key."""
         self._requests: dict[str, _Entry] = {}
         """Request captures, by request id."""
         self._left: OrderedDict[str, None] = OrderedDict()
         """Request captures whose request left the batch, longest ago first (reused first)."""
         self._gone: OrderedDict[str, str] = OrderedDict()
         """Request captures dropped (request id -> why), most recent last (bounded)."""
-        self._key_of: dict[str, str] = {}
-        """Capture key of each live pass request that has rows."""
         self._by_slot: dict[int, _Entry] = {}
         self._slot_start = np.zeros(max_slots, dtype=np.int64)
         """Per slot: the first capture row of the request in it (0: not captured)."""
@@ -131,80 +106,6 @@ class CaptureBuffers:
         self._slot_first = np.full(max_slots, _UNSEEN, dtype=np.int64)
         self._slot_end = np.zeros(max_slots, dtype=np.int64)
         self._sender = RowsSender()
-
-    # ---- passes (RPCs of the probe-training path) ----------------------------------------
-    def begin(self, ticket: str, sites: list[str]) -> None:
-        """Start a pass: ``sites`` (``hook@layer``, at most K) get lanes, in that order.
-
-        A pass still open with another ticket is superseded (its rows are freed, so its collect
-        reports them missing): a frontend that died mid-capture cannot block the engine.
-        """
-        if self.lanes == 0:
-            raise ValueError("activation capture is off on this engine (dynsteer.capture_lanes "
-                             "is 0); restart it with capture_lanes >= 1")
-        parsed = [self._parse_site(s) for s in sites]
-        if not parsed or len(parsed) > self.lanes:
-            raise ValueError(f"sites: {len(parsed)} sites in one capture pass, expected 1 to "
-                             f"{self.lanes} (dynsteer.capture_lanes)")
-        if len(set(parsed)) != len(parsed):
-            raise ValueError(f"sites: duplicate site in {sites}")
-        if self.ticket is not None and self.ticket != ticket:
-            logger.warning("dynsteer: capture pass %s supersedes %s, which never ended", ticket,
-                           self.ticket)
-        self._end_pass()
-        lanes = self._acquire(parsed)
-        if lanes is None:
-            self._publish_lanes()
-            raise ValueError(f"sites: {len(parsed)} capture lanes are not free (requests "
-                             "capturing their own activations hold them); retry when they "
-                             "finish, or restart the engine with more dynsteer.capture_lanes")
-        self._publish_lanes()
-        self.ticket = ticket
-        self._pass_lanes = lanes
-
-    def end(self, ticket: str | None = None) -> None:
-        """Close the pass ``ticket`` (None: whichever is open): its lanes and rows are freed.
-        Ending a pass that was superseded does nothing, so it cannot end its successor."""
-        if ticket is not None and ticket != self.ticket:
-            return
-        self._end_pass()
-        self._publish_lanes()
-
-    def collect(self, keys: list[str], reduce: str, reply: bool) -> dict[str, Any] | None:
-        """Free the rows of ``keys``; with ``reply``, return them reduced (JSON/msgpack-safe).
-
-        Reply: ``sites`` (this worker's lanes, in lane order), ``hidden``, ``reduce``, ``items``
-        (key -> ``tokens`` (prompt length) and ``data``: bytes of little-endian float32
-        ``[len(sites), 1 or tokens, hidden]``) and ``missing`` (key -> why it has no rows).
-        """
-        if reduce not in REDUCES:
-            raise ValueError(f"reduce: {reduce!r} is not one of {', '.join(REDUCES)}")
-        self._synchronize(reply)
-        lanes = [(lane, self._lane_site[lane]) for lane in self._pass_lanes
-                 if self._lane_site[lane] in self.installed]
-        lane_index = self._lane_index([lane for lane, _ in lanes])
-        items: dict[str, dict[str, Any]] = {}
-        missing: dict[str, str] = {}
-        for key in keys:
-            entry = self._entries.pop(key, None)
-            if entry is None:
-                missing[key] = ("the engine gave it no capture rows (stale ticket, another "
-                                "capture started, or no free rows; see the engine log)")
-                continue
-            self._detach(entry)
-            if not entry.complete():
-                missing[key] = (f"the engine computed prompt positions {max(entry.first, 0)}.."
-                                f"{entry.end} of {entry.length} (a prefix-cache hit?)")
-                continue
-            if reply and lanes:
-                rows = self.capture[:, entry.start:entry.start + entry.length]
-                reduced = _reduce(rows.index_select(0, lane_index), reduce)
-                items[key] = {"tokens": entry.length, "data": f32_bytes(reduced.cpu().numpy())}
-        if not reply:
-            return None
-        return {"sites": [site_name(site) for _, site in lanes if site is not None],
-                "hidden": self.hidden_size, "reduce": reduce, "items": items,
-                "missing": missing}
 
     # ---- request captures ----------------------------------------------------------------
     def collect_requests(self, requests: list[tuple[str, int | None]], reply: bool,
@@ -256,7 +157,7 @@ class CaptureBuffers:
         self._left.pop(req_id, None)
         self._detach(entry)
         self._release(entry.lanes)
-        wanted = entry.wanted or {}
+        wanted = entry.wanted
         fired = first_gated(req_id) if wanted.get("when") == "gated" else None
         if wanted.get("when") == "gated" and fired is None:
             return {**self._nothing("skipped", "the request's gate never fired"),
@@ -287,34 +188,19 @@ class CaptureBuffers:
 
     # ---- request lifecycle and steps -----------------------------------------------------
     def admit(self, req_id: str, slot: int, extra_args: Any, prompt_len: int) -> None:
-        """Give a captured request (of the current pass, or with its own capture) its rows."""
-        if not isinstance(extra_args, dict):
+        """Give a request that asked for capture its lanes and rows (a re-added one keeps
+        them)."""
+        wanted = extra_args.get(ACTIVATIONS_KEY) if isinstance(extra_args, dict) else None
+        if wanted is None:
             return
-        wanted = extra_args.get(ACTIVATIONS_KEY)
-        if wanted is not None:
-            self._admit_request(req_id, slot, wanted, prompt_len)
-            return
-        raw = extra_args.get(CAPTURE_KEY)
-        if raw is None:
-            return
-        key = str(raw)
-        if self.ticket is None or key.rpartition(":")[0] != self.ticket:
-            logger.warning("dynsteer: request %s has capture key %r, not of the open capture "
-                           "pass; it runs uncaptured", req_id, key)
-            return
-        entry = self._entries.get(key)
-        if entry is None or entry.req_id != req_id:  # a re-added request keeps its rows
-            if entry is not None:
-                self._detach(self._entries.pop(key))
-            start = self._allocate(prompt_len)
-            if start is None:
-                logger.warning("dynsteer: no %d free capture rows for request %s (capacity %d)",
-                               prompt_len, req_id, self.capacity)
+        entry = self._requests.get(req_id)
+        if entry is None:
+            entry = self._new_request_entry(req_id, wanted, prompt_len)
+            if entry is None:
                 return
-            entry = _Entry(req_id=req_id, start=start, length=prompt_len, prompt_len=prompt_len)
-            self._entries[key] = entry
+            self._requests[req_id] = entry
+        self._left.pop(req_id, None)
         self._attach(entry, slot)
-        self._key_of[req_id] = key
 
     def detach(self, req_id: str) -> None:
         """The request left the batch: its tokens stop writing (its rows wait for collect)."""
@@ -322,11 +208,6 @@ class CaptureBuffers:
         if entry is not None:
             self._detach(entry)
             self._left[req_id] = None
-            return
-        key = self._key_of.pop(req_id, None)
-        entry = self._entries.get(key) if key is not None else None
-        if entry is not None and entry.req_id == req_id:
-            self._detach(entry)
 
     @property
     def active(self) -> bool:
@@ -352,20 +233,9 @@ class CaptureBuffers:
 
     @property
     def rows_in_use(self) -> int:
-        return sum(e.length for e in (*self._entries.values(), *self._requests.values()))
+        return sum(e.length for e in self._requests.values())
 
     # ---- internals -----------------------------------------------------------------------
-    def _admit_request(self, req_id: str, slot: int, wanted: dict[str, Any],
-                       prompt_len: int) -> None:
-        entry = self._requests.get(req_id)
-        if entry is None:
-            entry = self._new_request_entry(req_id, wanted, prompt_len)
-            if entry is None:
-                return
-            self._requests[req_id] = entry
-        self._left.pop(req_id, None)
-        self._attach(entry, slot)
-
     def _new_request_entry(self, req_id: str, wanted: dict[str, Any],
                            prompt_len: int) -> _Entry | None:
         try:
@@ -374,11 +244,14 @@ class CaptureBuffers:
         except (KeyError, TypeError, ValueError) as e:
             return self._drop(req_id, f"malformed capture: {e}")
         lanes = self._acquire(sites)
+        while lanes is None and self._left:
+            self._evict_oldest()
+            lanes = self._acquire(sites)
         if lanes is None:
             return self._drop(req_id, f"no free capture lanes for {len(sites)} sites "
                                       "(dynsteer.capture_lanes) when the request ran")
         self._publish_lanes()
-        start = self._allocate(rows, evict=True)
+        start = self._allocate(rows)
         if start is None:
             self._release(lanes)
             return self._drop(req_id, f"no {rows} free capture rows (dynsteer.capture_tokens "
@@ -454,26 +327,28 @@ class CaptureBuffers:
         if reply and self.capture.is_cuda:
             torch.cuda.synchronize(self.capture.device)  # rare RPC; forwards may be in flight
 
-    def _allocate(self, n: int, evict: bool = False) -> int | None:
-        """First fit: the lowest start of ``n`` free consecutive rows in 1..C; with ``evict``,
-        the rows of requests that left the batch longest ago are reused until it fits."""
+    def _allocate(self, n: int) -> int | None:
+        """First fit: the lowest start of ``n`` free consecutive rows in 1..C; the rows of
+        requests that left the batch longest ago are reused until it fits."""
         while True:
             start = 1
-            taken = sorted((*self._entries.values(), *self._requests.values()),
-                           key=lambda e: e.start)
-            for entry in taken:
+            for entry in sorted(self._requests.values(), key=lambda e: e.start):
                 if entry.start - start >= n:
                     break
                 start = max(start, entry.start + entry.length)
             if start + n <= self.capacity + 1:
                 return start
-            if not evict or not self._left:
+            if not self._left:
                 return None
-            oldest, _ = self._left.popitem(last=False)
-            entry = self._requests.pop(oldest)
-            self._release(entry.lanes)
-            self._drop(oldest, "its rows were reused before they were collected (collect "
-                               "activations as outputs arrive)")
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        """Free the rows and lanes of the request that left the batch longest ago, uncollected."""
+        oldest, _ = self._left.popitem(last=False)
+        entry = self._requests.pop(oldest)
+        self._release(entry.lanes)
+        self._drop(oldest, "its rows were reused before they were collected (collect "
+                           "activations as outputs arrive)")
 
     def _attach(self, entry: _Entry, slot: int) -> None:
         self._detach(entry)
@@ -502,21 +377,3 @@ class CaptureBuffers:
         self._slot_first[slot] = _UNSEEN
         self._by_slot.pop(slot, None)
         entry.slot = None
-
-    def _end_pass(self) -> None:
-        for entry in self._entries.values():
-            self._detach(entry)
-        self._entries.clear()
-        self._key_of.clear()
-        self._release(self._pass_lanes)
-        self._pass_lanes = ()
-        self.ticket = None
-
-
-def _reduce(rows: torch.Tensor, reduce: str) -> torch.Tensor:
-    """``[lanes, tokens, H]`` -> ``[lanes, 1 or tokens, H]`` (done on the device: less to copy)."""
-    if reduce == "last":
-        return rows[:, -1:]
-    if reduce == "mean":
-        return rows.mean(dim=1, keepdim=True)
-    return rows

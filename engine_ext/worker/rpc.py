@@ -57,23 +57,7 @@ class DynsteerWorkerExtension:
     def dynsteer_info(self) -> dict[str, Any]:
         return self._dynsteer().info()
 
-    # ---- activation capture (driven by dynsteer.engine_ext.frontend.capture) -------------
-    def dynsteer_capture_begin(self, ticket: str, sites: list[str]) -> None:
-        """Open a capture pass: ``sites`` (``hook@layer``, at most capture_lanes) get lanes."""
-        self._dynsteer().capture.begin(ticket, sites)
-
-    def dynsteer_capture_collect(self, keys: list[str], reduce: str) -> dict[str, Any] | None:
-        """Reduced captured rows of ``keys`` (then freed); None on all but TP rank 0.
-
-        The residual stream is replicated across TP ranks, so one copy is enough; every rank
-        still frees its rows so the allocators stay identical.
-        """
-        return self._dynsteer().capture.collect(keys, reduce, reply=self._dynsteer_replies())
-
-    def dynsteer_capture_end(self, ticket: str | None = None) -> None:
-        """Close capture pass ``ticket`` (None: any): no site is captured, rows are free."""
-        self._dynsteer().capture.end(ticket)
-
+    # ---- activation capture (collected by dynsteer.engine_ext.frontend.request_capture) --
     def dynsteer_collect_activations(self, requests: list[tuple[str, int | None]],
                                      inbox: dict[str, str] | None = None
                                      ) -> dict[str, Any] | None:
