@@ -56,7 +56,8 @@ class Activations:
     positions: np.ndarray
     """The positions captured (int64, ascending): the rows of every site's array."""
     sites: dict[str, np.ndarray]
-    """Per site (``hook@layer``): ``[len(positions), hidden]`` (``k`` columns when projected);
+    """Per site (``hook@layer``): ``[len(positions), hidden]`` (one row, their mean, with the
+    capture's ``reduce: "mean"``; ``k`` columns when projected);
     float16 for ``float16``, float32 otherwise (the bfloat16 values for ``bfloat16``, the
     dequantized values for ``int8``)."""
     dtype: str

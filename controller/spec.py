@@ -258,6 +258,10 @@ class CaptureSpec(BaseModel):
     """With ``when: "gated"``: ``[before, after]``, keep only the positions from ``before``
     before the first position whose gate fired to ``after`` after it (of those ``positions``
     names); None: all of them."""
+    reduce: Literal["mean"] | None = None
+    """``mean``: one row per site, the mean of the rows at the positions captured (in float32
+    on the device, before the projection and the cast), instead of one row per position; the
+    positions still list those averaged. Not with a ``sink``."""
 
     @field_validator("window")
     @classmethod
@@ -266,6 +270,14 @@ class CaptureSpec(BaseModel):
         if window is not None and info.data.get("when") != "gated":
             raise ValueError("a window around the gate's first firing needs when: 'gated'")
         return window
+
+    @field_validator("reduce")
+    @classmethod
+    def _reduce_is_returned(cls, reduce: str | None, info: ValidationInfo) -> str | None:
+        if reduce is not None and info.data.get("sink") is not None:
+            raise ValueError("a reduced capture is returned with the output; a sink stores "
+                             "rows per position (drop reduce or sink)")
+        return reduce
 
 
 class SteeringSpec(BaseModel):

@@ -85,7 +85,8 @@ def test_plan_items_are_prefill_only_requests_capturing_their_prompt(reduce, pos
     assert [it.index for it in items] == [0, 3]
     assert all(it.params.max_tokens == 1 for it in items)
     assert items[0].params.extra_args == {SPEC_KEY: {"capture": {
-        "sites": ["post_block@1", "post_block@2"], "positions": positions}}}
+        "sites": ["post_block@1", "post_block@2"], "positions": positions,
+        **({"reduce": "mean"} if reduce == "mean" else {})}}}
     ids = {it.request_id for a in range(3) for it in p.items(1, [0, 3], a)}
     assert len(ids) == 6 and not ids & {it.request_id for it in plan().items(1, [0, 3], 2)}
 
@@ -153,7 +154,7 @@ class FakeLLM:
             spec = sp.extra_args[SPEC_KEY]["capture"]  # what admission writes for the workers
             self.state.add_request(req, i + 1, {ACTIVATIONS_KEY: {
                 "sites": spec["sites"], "rows": len(tokens[i]), "positions": spec["positions"],
-                "dtype": "float32"}}, len(tokens[i]))
+                "dtype": "float32", "reduce": spec.get("reduce")}}, len(tokens[i]))
         lens = np.array([len(t) for t in tokens])
         self.state.fill(np.arange(1, len(ids) + 1), np.zeros(len(ids), np.int64), lens)
         flat = torch.tensor([t for p in tokens for t in p], dtype=torch.float32)

@@ -268,6 +268,26 @@ def test_positions_forms_match_hf(llm, hf, positions):
 
 
 @pytest.mark.engine
+def test_a_mean_is_one_row_per_site_the_mean_of_hfs_rows(llm, hf):
+    """``reduce: "mean"``: one row per site, the mean of HF's rows at the positions captured
+    (listed as usual), under steering upstream; over JSON too."""
+    spec = {"steer": [{"vector": vec(3), "layers": [0]}],
+            "capture": {"sites": CAPTURED, "positions": ["1:"], "reduce": "mean"}}
+    outs, acts = captured(llm, PROMPTS[1:3], spec)
+    for out, act in zip(outs, acts, strict=True):
+        tokens = [*out.prompt_token_ids, *out.outputs[0].token_ids][:-1]
+        streams = record_streams(hf, tokens, spec["steer"])
+        assert act.status == "ok" and act.positions.tolist() == list(range(1, len(tokens)))
+        for site in CAPTURED:
+            hook, layer = site.split("@")
+            want = streams[(hook, int(layer))][act.positions].mean(axis=0, keepdims=True)
+            assert act[site].shape == (1, HIDDEN)
+            np.testing.assert_allclose(act[site], want, atol=CAPTURE_ATOL, err_msg=site)
+        back = from_json(json.loads(json.dumps(to_json(act))))
+        np.testing.assert_array_equal(back[CAPTURED[0]], act[CAPTURED[0]])
+
+
+@pytest.mark.engine
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_dtypes_round_the_float32_rows(llm, dtype):
     spec = {"capture": {"sites": ["post_block@3"], "dtype": dtype}}
@@ -382,6 +402,9 @@ def test_uncaptured_requests_and_errors(llm):
         ({"sites": "post_block@1", "when": "later"}, r"dynsteer\.capture\.when"),
         ({"sites": "post_block@1", "project": {"k": 129}},
          r"dynsteer\.capture\.project\.k: 129 is more than the model's hidden size \(128\)"),
+        ({"sites": "post_block@1", "reduce": "max"}, r"dynsteer\.capture\.reduce"),
+        ({"sites": "post_block@1", "sink": "acts", "reduce": "mean"},
+         r"dynsteer\.capture\.reduce: .*a reduced capture is returned with the output"),
     ]:
         with pytest.raises(ValueError, match=message):
             run(llm, PROMPTS[:1], [params(3, spec={"capture": capture})])

@@ -7,11 +7,12 @@ reduced per prompt: ``last`` (last prompt token), ``mean`` (over the prompt toke
 
 It is a client of per-request capture (:mod:`.request_capture`), the path every request's
 ``capture`` takes: each prompt runs as a request with ``max_tokens=1`` whose spec captures its
-prompt positions (``last_prompt`` for ``last``), and its rows are collected as any request's
-are. So captures run concurrently with each other and with traffic, share the engine's
-scheduler with it, and the prefix cache is handled as for any capturing request: a prompt
-computes every position it captures. What is captured is the stream as the engine serves it:
-global steering, when set, applies to capture prompts too.
+prompt positions (``last_prompt`` for ``last``; with ``reduce: "mean"``, averaged on the device,
+for ``mean``), and its rows are collected as any request's are. So captures run concurrently
+with each other and with traffic, share the engine's scheduler with it, and the prefix cache is
+handled as for any capturing request: a prompt computes every position it captures. What is
+captured is the stream as the engine serves it: global steering, when set, applies to capture
+prompts too.
 
 The work is split into *passes* of at most ``dynsteer.capture_lanes`` sites (a request
 captures at most that many) and *rounds* of prompts whose lengths sum to at most
@@ -132,11 +133,14 @@ class CapturePlan:
 
     def items(self, pass_index: int, indices: list[int], attempt: int) -> list[CaptureItem]:
         positions = "last_prompt" if self.reduce == "last" else "prompt"
-        spec = {"capture": {"sites": self.passes[pass_index], "positions": positions}}
+        spec: dict[str, Any] = {"sites": self.passes[pass_index], "positions": positions}
+        if self.reduce == "mean":
+            spec["reduce"] = "mean"
         return [CaptureItem(
             index=i, request_id=f"dynsteer-capture-{self.ticket}.{pass_index}.{attempt}:{i}",
             prompt={"prompt_token_ids": self.prompts[i]},
-            params=vllm_frontend.one_token_params({SPEC_KEY: spec})) for i in indices]
+            params=vllm_frontend.one_token_params({SPEC_KEY: {"capture": spec}}))
+            for i in indices]
 
 
 def plan_capture(prompts: list[list[int]], args: CaptureArgs, frontend: Any) -> CapturePlan:
@@ -186,9 +190,11 @@ class _Assembler:
         for site in self._plan.passes[pass_index]:
             if site not in found.sites:
                 raise RuntimeError(f"capture of prompts[{i}]: no rows for site {site}")
-            rows = found.sites[site].astype(np.float32, copy=False)
-            self._rows[site][i] = rows.mean(axis=0, keepdims=True) if (
-                self._plan.reduce == "mean") else rows
+            rows = found.sites[site]
+            if rows.shape[0] != (1 if self._plan.reduce != "all" else length):
+                raise RuntimeError(f"capture of prompts[{i}]: {rows.shape[0]} rows for site "
+                                   f"{site}")
+            self._rows[site][i] = rows
 
     def result(self) -> CaptureResult:
         out: CaptureResult = {}

@@ -61,7 +61,8 @@ def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, promp
     return {"sites": [site_name(site) for site in sites], "rows": rows,
             "positions": capture.positions, "dtype": capture.dtype, "when": capture.when,
             "window": list(capture.window) if capture.window is not None else None,
-            "project": capture.project.model_dump() if capture.project is not None else None}
+            "project": capture.project.model_dump() if capture.project is not None else None,
+            "reduce": capture.reduce}
 
 
 def first_captured_prompt_position(capture: CaptureSpec | None, prompt_len: int) -> int | None:
@@ -99,7 +100,7 @@ def decode(reply: dict[str, Any], file: np.ndarray | None = None) -> Activations
     (:meth:`..worker.capture_buffers.CaptureBuffers.collect_requests`); ``file``: the bytes of
     the reply's inbox file, where its rows are when it gives an ``offset``."""
     positions = np.frombuffer(reply["positions"], dtype="<i8").astype(np.int64)
-    shape = (len(reply["sites"]), len(positions), int(reply["hidden"]))
+    shape = (len(reply["sites"]), int(reply.get("rows", len(positions))), int(reply["hidden"]))
     if "offset" in reply and file is not None:
         data = file[int(reply["offset"]):int(reply["offset"]) + int(reply["nbytes"])]
     else:

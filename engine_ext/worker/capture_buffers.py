@@ -126,7 +126,8 @@ class CaptureBuffers:
         ``dropped``), ``detail``, ``sites`` (``hook@layer``), ``hidden`` (a row's width: ``k``
         when projected), ``dtype``, ``positions`` (little-endian int64 bytes), the rows
         ``[sites, positions, hidden]`` (:mod:`.capture_encode`) as ``data`` or as ``offset`` /
-        ``nbytes`` in the file, and ``scales`` (int8: one float32 per row).
+        ``nbytes`` in the file, ``rows`` per site (one with ``reduce: mean``), and ``scales``
+        (int8: one float32 per row).
         """
         self._synchronize(reply)
         taken = [self._take(request_id, computed, reply, first_gated)
@@ -180,10 +181,12 @@ class CaptureBuffers:
         index = torch.as_tensor(entry.start + seen, device=self.capture.device)
         lanes = self._lane_index([entry.lanes[i] for i in mine])
         rows = self.capture[lanes[:, None], index[None, :]]  # [sites, positions, hidden]
+        if wanted.get("reduce") == "mean" and len(seen):
+            rows = rows.mean(dim=1, keepdim=True)
         data, scales, width = encode(rows, wanted["dtype"], wanted.get("project"))
         return {"status": status, "detail": detail,
                 "sites": [site_name(sites[i]) for i in mine if sites[i] is not None],
-                "hidden": width, "dtype": wanted["dtype"],
+                "hidden": width, "rows": rows.shape[1], "dtype": wanted["dtype"],
                 "positions": seen.astype("<i8").tobytes(), "scales": scales}, data
 
     # ---- request lifecycle and steps -----------------------------------------------------
