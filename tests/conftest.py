@@ -34,13 +34,6 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Engines stopped in the background (``engine_utils.stop_llm``) have exited before the
-    session reports."""
-    if "engine_utils" in sys.modules:
-        sys.modules["engine_utils"].join_stopping()
-
-
 SPLIT_BY_ARCHITECTURE = ("test_architectures.py", "test_steering_reference.py",
                          "test_gating_reference.py", "test_projection_reference.py")
 """Modules whose engines are a module-scoped fixture parametrized by architecture (the first

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -73,31 +72,10 @@ def without_inductor() -> Iterator[None]:
                 os.environ[name] = value
 
 
-_STOPPING: list[threading.Thread] = []
-"""Engines whose processes are still being torn down (:func:`stop_llm`)."""
-
-
-def stop_llm(llm: Any, wait: bool = False) -> None:
-    """Stop an engine. vLLM's teardown spends about 4 s waiting for the engine and worker
-    processes to exit; unless ``wait``, that wait runs in a thread while the next test goes on
-    (the engine takes no more requests once this returns). :func:`join_stopping` waits for all
-    of them; the conftest calls it at the end of the session, and Python joins such threads at
-    exit anyway."""
-    core = llm.llm_engine.engine_core
+def stop_llm(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
     del llm
-    if wait:
-        core.shutdown()
-    else:
-        thread = threading.Thread(target=core.shutdown, name="stop_llm")
-        thread.start()
-        _STOPPING.append(thread)
     gc.collect()
-
-
-def join_stopping() -> None:
-    """Wait until every engine stopped without ``wait`` has exited."""
-    while _STOPPING:
-        _STOPPING.pop().join()
 
 
 async def start_async_llm(path: Any, dynsteer: dict[str, Any] | None = None,
