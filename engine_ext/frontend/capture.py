@@ -336,11 +336,6 @@ def capture_sync(llm: Any, prompts: Any, sites: Any, reduce: Any = "last") -> Ca
         token_prompts = _encode_texts(token_prompts, tokenizer)
     plan = plan_capture(token_prompts, args, frontend)  # type: ignore[arg-type]
 
-    def collect(requests: list[tuple[str, int | None]]) -> list[Activations | None]:
-        return request_capture.merge(vllm_frontend.rpc(
-            llm, "dynsteer_collect_activations", request_capture.collect_args(requests)),
-            len(requests))
-
     def execute(step: _Step) -> Any:
         if isinstance(step, _Wait):
             return time.sleep(step.seconds)
@@ -348,7 +343,8 @@ def capture_sync(llm: Any, prompts: Any, sites: Any, reduce: Any = "last") -> Ca
             return None
         outs = llm.generate([item.prompt for item in step.items],
                             [item.params for item in step.items], use_tqdm=False)
-        return collect([(o.request_id, vllm_frontend.computed_positions(o)) for o in outs])
+        return request_capture.collect(
+            llm, [(o.request_id, vllm_frontend.computed_positions(o)) for o in outs])
 
     return _drive(_protocol(plan), execute)
 
@@ -375,16 +371,12 @@ async def capture_async(engine_client: Any, prompts: Any, sites: Any,
         token_prompts = await asyncio.to_thread(_encode_texts, token_prompts, tokenizer)
     plan = plan_capture(token_prompts, args, frontend)  # type: ignore[arg-type]
 
-    async def collect(requests: list[tuple[str, int | None]]) -> list[Activations | None]:
-        return request_capture.merge(await vllm_frontend.rpc_async(
-            engine_client, "dynsteer_collect_activations",
-            request_capture.collect_args(requests)), len(requests))
-
     async def execute(step: _Step) -> Any:
         if isinstance(step, _Wait):
             return await asyncio.sleep(step.seconds)
         if isinstance(step, _Free):
-            return await collect([(item.request_id, None) for item in step.items])
+            return await request_capture.collect_async(
+                engine_client, [(item.request_id, None) for item in step.items])
         tasks = [asyncio.ensure_future(_last(engine_client.generate(
             item.prompt, item.params, item.request_id))) for item in step.items]
         try:
@@ -393,8 +385,9 @@ async def capture_async(engine_client: Any, prompts: Any, sites: Any,
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        return await collect([(item.request_id, vllm_frontend.computed_positions(out))
-                              for item, out in zip(step.items, outs, strict=True)])
+        return await request_capture.collect_async(
+            engine_client, [(item.request_id, vllm_frontend.computed_positions(out))
+                            for item, out in zip(step.items, outs, strict=True)])
 
     return await _drive_async(_protocol(plan), execute)
 

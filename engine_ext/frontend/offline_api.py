@@ -114,9 +114,7 @@ class Steering:
         wanted = [outputs] if single else list(outputs)
         requests = [(o, None) if isinstance(o, str)
                     else (o.request_id, vllm_frontend.computed_positions(o)) for o in wanted]
-        found = request_capture.merge(vllm_frontend.rpc(
-            self._llm, "dynsteer_collect_activations", request_capture.collect_args(requests)),
-            len(requests))
+        found = request_capture.collect(self._llm, requests)
         return found[0] if single else found
 
     def capture(self, prompts: Sequence[Sequence[int] | str], sites: str | Sequence[str],

@@ -24,6 +24,7 @@ from dynsteer.controller.limits import SpecError
 from dynsteer.controller.positions import first_prompt_position
 from dynsteer.controller.spec import CaptureSpec, ModelShape, capture_sites
 
+from ..compat import frontend as vllm_frontend
 from ..compat.frontend import Generation
 from ..options import EngineOptions
 from . import rows_inbox
@@ -78,6 +79,20 @@ def first_captured_prompt_position(capture: CaptureSpec | None, prompt_len: int)
 def collect_args(requests: list[tuple[str, int | None]]) -> tuple[Any, ...]:
     """The arguments of ``dynsteer_collect_activations`` for ``requests`` ((id, computed))."""
     return ([list(r) for r in requests], rows_inbox.inbox())
+
+
+def collect(llm: Any, requests: list[tuple[str, int | None]]) -> list[Activations | None]:
+    """The activations of ``requests`` ((id, computed)) from an offline ``vllm.LLM``'s
+    workers (freed there), one result per request."""
+    return merge(vllm_frontend.rpc(llm, "dynsteer_collect_activations", collect_args(requests)),
+                 len(requests))
+
+
+async def collect_async(engine_client: Any, requests: list[tuple[str, int | None]]
+                        ) -> list[Activations | None]:
+    """:func:`collect` through an ``AsyncLLM``."""
+    return merge(await vllm_frontend.rpc_async(engine_client, "dynsteer_collect_activations",
+                                               collect_args(requests)), len(requests))
 
 
 def merge(replies: list[dict[str, Any] | None], count: int) -> list[Activations | None]:
