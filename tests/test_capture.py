@@ -9,6 +9,7 @@ tiny Qwen3 behind the offline ``LLM`` (``Steering.capture``), both compiled, fp3
 from __future__ import annotations
 
 import asyncio
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -30,6 +31,7 @@ from tiny_models import HIDDEN, LAYERS, vec
 from dynsteer.controller.extra_args import ACTIVATIONS_KEY, SPEC_KEY
 from dynsteer.engine_ext import Steering
 from dynsteer.engine_ext.frontend import capture as capture_module
+from dynsteer.engine_ext.frontend import rows_inbox
 from dynsteer.engine_ext.frontend.capture import (
     STALLS,
     _drive,
@@ -313,7 +315,7 @@ def test_async_capture_matches_hf(loop, async_engine, hf_streams, reduce):
 @pytest.mark.engine
 def test_a_cancelled_capture_frees_the_engine_for_the_next(loop, async_engine, hf_streams):
     """Cancelling a capture mid-way (its HTTP client disconnected) aborts its requests and
-    frees their rows: the next capture is exact, and no row is left held."""
+    frees their rows: the next capture is exact, and no row (nor reply file) is left held."""
     async def scenario():
         task = asyncio.ensure_future(capture_async(async_engine, PROMPTS * 30, ALL_SITES,
                                                    "mean"))
@@ -328,6 +330,7 @@ def test_a_cancelled_capture_frees_the_engine_for_the_next(loop, async_engine, h
     assert_capture_matches_hf(result, hf_streams("llama")[1], "last")
     info = loop.run_until_complete(async_engine.collective_rpc("dynsteer_info"))
     assert info[0]["capture_rows_in_use"] == 0
+    assert os.listdir(rows_inbox.inbox()["folder"]) == ["token"], "a cancelled reply's file"
 
 
 @pytest.mark.engine

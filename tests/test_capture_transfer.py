@@ -4,6 +4,7 @@ else inline, with the same bytes."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynsteer.engine_ext.frontend import rows_inbox
+from dynsteer.engine_ext.frontend import request_capture, rows_inbox
 from dynsteer.engine_ext.worker import capture_transfer
 from dynsteer.engine_ext.worker.capture_transfer import RowsSender
 
@@ -66,3 +67,22 @@ def _file(box, data):
     with open(path, "wb") as f:
         f.write(data)
     return path
+
+
+def test_a_reply_whose_caller_was_cancelled_leaves_no_file():
+    """The caller of a collect goes away (its client disconnected) while the workers reply:
+    the reply still arrives, and its file is removed rather than left in the inbox."""
+    async def scenario():
+        reply = asyncio.get_running_loop().create_future()
+        caller = asyncio.ensure_future(request_capture.replies_async(reply))
+        await asyncio.sleep(0)
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        file, placed = RowsSender().send(blobs(), rows_inbox.inbox())
+        assert os.path.exists(file)
+        reply.set_result([{"file": file, "items": placed}, None])
+        await asyncio.sleep(0)
+        return caller, file
+
+    caller, file = asyncio.run(scenario())
+    assert caller.cancelled() and not os.path.exists(file)

@@ -13,6 +13,8 @@ them after it finishes until they are collected (:func:`collect_args`, :func:`me
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -91,8 +93,28 @@ def collect(llm: Any, requests: list[tuple[str, int | None]]) -> list[Activation
 async def collect_async(engine_client: Any, requests: list[tuple[str, int | None]]
                         ) -> list[Activations | None]:
     """:func:`collect` through an ``AsyncLLM``."""
-    return merge(await vllm_frontend.rpc_async(engine_client, "dynsteer_collect_activations",
-                                               collect_args(requests)), len(requests))
+    return merge(await replies_async(vllm_frontend.rpc_async(
+        engine_client, "dynsteer_collect_activations", collect_args(requests))), len(requests))
+
+
+async def replies_async(call: Awaitable[list[Any]]) -> list[Any]:
+    """The replies of a ``dynsteer_collect_activations`` call. Cancelling the caller lets the
+    call finish (the workers free the rows either way) and removes the inbox files of its
+    replies, which nobody will read."""
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_discard_files)
+        raise
+
+
+def _discard_files(task: asyncio.Future[list[Any]]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    for reply in task.result():
+        if reply is not None and reply.get("file"):
+            rows_inbox.discard(reply["file"])
 
 
 def merge(replies: list[dict[str, Any] | None], count: int) -> list[Activations | None]:
@@ -100,10 +122,11 @@ def merge(replies: list[dict[str, Any] | None], count: int) -> list[Activations 
     result per request (a pipeline stage's replier has its own layers' sites; None: the
     request asked for no capture)."""
     parts: list[list[Activations]] = [[] for _ in range(count)]
-    for reply in replies:
+    files = [rows_inbox.take(reply["file"]) if reply is not None and reply.get("file") else None
+             for reply in replies]  # every file first: a bad reply must not strand the rest
+    for reply, file in zip(replies, files, strict=True):
         if reply is None:
             continue
-        file = rows_inbox.take(reply["file"]) if reply.get("file") else None
         for i, item in enumerate(reply["items"]):
             if item is not None:
                 parts[i].append(decode(item, file))

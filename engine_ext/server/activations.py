@@ -139,8 +139,9 @@ async def collect(server: Any, path: str, sink: str | None, response_id: str,
     if len(indices) == 1 and "prompt_tokens" in usage and "completion_tokens" in usage:
         computed = int(usage["prompt_tokens"]) + int(usage["completion_tokens"]) - 1
     try:
-        replies = await server.rpc("dynsteer_collect_activations", *request_capture.collect_args(
-            [(engine_id, computed) for engine_id in engine_ids]))
+        replies = await request_capture.replies_async(server.rpc(
+            "dynsteer_collect_activations", *request_capture.collect_args(
+                [(engine_id, computed) for engine_id in engine_ids])))
     except WorkerError as e:
         return [{"status": "dropped", "detail": str(e), "dtype": "float32", "positions": [],
                  "sites": {}} for _ in engine_ids]
