@@ -3,15 +3,16 @@
 The engine returns what a request's spec ``capture`` asked for (see ``docs/capture.md``): the
 positions it captured and, per site, the rows ``[positions, hidden]``. Offline,
 ``Steering.activations(output)`` gives an :class:`Activations`; over HTTP a completion's JSON
-(a stream's last event before ``[DONE]``) carries one per choice under
-``dynsteer.activations`` (:func:`to_json`),
-which :func:`activations_of` reads back from the response (a dict, or an ``openai`` client's
-response object). No vLLM import.
+(a stream's ``dynsteer.activations`` events) carries one per choice under
+``dynsteer.activations`` (:func:`to_json`), which :func:`activations_of` reads back from
+the response (a dict, or an ``openai`` client's response object), and
+:func:`activations_of_stream` from a stream's chunks. No vLLM import.
 """
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -145,3 +146,30 @@ def activations_of(response: Any) -> list[Activations | None]:
     if found is None:
         return [None] * len(response.get("choices", []))
     return [from_json(item) for item in found]
+
+
+def activations_of_stream(chunks: Iterable[Any]) -> dict[int, Activations | None]:
+    """Per choice index of a streamed completion (its chunks: JSON dicts of the events, or an
+    ``openai`` client's chunk objects), what it captured: the rows of all its
+    ``dynsteer.activations`` events joined in position order, the worst status."""
+    parts: dict[int, list[Activations | None]] = {}
+    for chunk in chunks:
+        if hasattr(chunk, "model_dump"):
+            chunk = chunk.model_dump()
+        for at, item in enumerate((chunk.get("dynsteer") or {}).get("activations") or ()):
+            index = at if item is None else int(item.get("index", at))
+            parts.setdefault(index, []).append(from_json(item))
+    return {index: join([p for p in found if p is not None]) for index, found in parts.items()}
+
+
+def join(parts: list[Activations]) -> Activations | None:
+    """One result from parts of a request's positions (a stream's events): their positions
+    and rows one after the other, the worst status."""
+    if not parts:
+        return None
+    worst = max(parts, key=lambda a: STATUSES.index(a.status))
+    names = dict.fromkeys(site for part in parts for site in part.sites)
+    sites = {site: np.concatenate([p.sites[site] for p in parts if site in p.sites])
+             for site in names}
+    return Activations(status=worst.status, detail=worst.detail, dtype=worst.dtype,
+                       positions=np.concatenate([p.positions for p in parts]), sites=sites)

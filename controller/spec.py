@@ -263,6 +263,13 @@ class CaptureSpec(BaseModel):
     on the device, before the projection and the cast), instead of one row per position; the
     positions still list those averaged. Not with a ``sink``."""
 
+    @property
+    def streams(self) -> bool:
+        """Whether a streamed response carries the rows as they are computed: each row is
+        final once computed (no gate to wait for, no mean over later rows) and the rows come
+        back in the response (no sink)."""
+        return self.when == "always" and self.reduce is None and self.sink is None
+
     @field_validator("window")
     @classmethod
     def _window_needs_a_gate(cls, window: tuple[int, int] | None,

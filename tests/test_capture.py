@@ -146,7 +146,7 @@ class FakeLLM:
 
     def collective_rpc(self, method, args=()):
         assert method == "dynsteer_collect_activations"
-        requests, _ = args
+        requests, _, _ = args
         return [self.state.collect_activations([tuple(r) for r in requests], True, None)]
 
     def generate(self, prompts, params, use_tqdm=False):
@@ -172,7 +172,7 @@ class FakeLLM:
                 "sites": ["post_block@0"], "rows": self.frontend.options.capture_tokens,
                 "positions": "all", "dtype": "float32"}}, 1)
             self.state.remove_request(other)
-            self.state.collect_activations([(other, None)], False, None)
+            self.state.collect_activations([(other, None, 0)], False, None)
         return [SimpleNamespace(request_id=req, prompt_token_ids=t,
                                 outputs=[SimpleNamespace(token_ids=[0])])
                 for req, t in zip(ids, tokens, strict=True)]
@@ -458,7 +458,7 @@ def test_tp2_capture_matches_hf_and_only_rank0_replies(tiny_model_dir, hf_stream
         result = Steering(llm).capture(PROMPTS, "post_attn@1,post_block@3", reduce="mean")
         out = run(llm, [PROMPTS[0]], [params(2, spec={"capture": {"sites": "post_block@0"}})])
         replies = llm.collective_rpc("dynsteer_collect_activations",
-                                     args=([[out[0].request_id, None]], None))
+                                     args=([[out[0].request_id, None, 0]], None))
     finally:
         stop_llm(llm)
     assert_capture_matches_hf(result, hf_streams("llama")[1], "mean")

@@ -21,6 +21,7 @@ from tiny_models import HIDDEN, vec
 
 from dynsteer.controller.activations import (
     Activations,
+    activations_of_stream,
     from_json,
     projection_matrix,
     quantize_int8,
@@ -32,6 +33,7 @@ from dynsteer.controller.extra_args import ACTIVATIONS_KEY
 from dynsteer.controller.positions import first_prompt_position, select
 from dynsteer.engine_ext import Steering
 from dynsteer.engine_ext.frontend import rows_inbox
+from dynsteer.engine_ext.worker.sites import SiteOp
 from dynsteer.engine_ext.worker.state import SteeringState
 
 pytestmark = pytest.mark.usefixtures("engines_without_inductor")
@@ -77,6 +79,29 @@ def test_json_round_trip_keeps_each_dtypes_values(dtype):
     assert back.positions.tolist() == list(range(5)) and back.dtype == dtype
 
 
+def test_a_streams_events_join_per_choice_in_position_order():
+    """Each choice's parts (by their ``index``, in any event order) join into its positions
+    and rows in order, with the worst status; an event without ``dynsteer`` is skipped."""
+    rows = np.arange(12, dtype=np.float32).reshape(6, 2)
+
+    def part(index, first, count, status="ok"):
+        acts = Activations(status=status, positions=np.arange(first, first + count),
+                           sites={"post_block@1": rows[first:first + count]}, dtype="float32")
+        return {**to_json(acts), "index": index}
+
+    def event(*parts):
+        return {"object": "dynsteer.activations", "choices": [],
+                "dynsteer": {"activations": list(parts)}}
+
+    found = activations_of_stream([
+        event(part(1, 0, 2), part(0, 0, 3, "partial")), {"choices": [{"index": 0}]},
+        event(part(0, 3, 0), part(1, 2, 4)), event(part(1, 6, 0), part(0, 3, 3))])
+    assert found[0].status == "partial" and found[1].status == "ok"
+    for acts in found.values():
+        assert acts.positions.tolist() == list(range(6))
+        np.testing.assert_array_equal(acts["post_block@1"], rows)
+
+
 def test_int8_error_is_within_half_a_scale():
     rows = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
     rows[3] = 0.0
@@ -104,7 +129,7 @@ WORKER_SITES = (("pre_attn", 0), ("post_block", 0), ("post_block", 1))
 
 def collected(capture, request_id, reply=True):
     """A worker's reply for one request (rows inline), None where it has none."""
-    found = capture.collect_requests([(request_id, None)], reply=reply)
+    found = capture.collect_requests([(request_id, None, 0)], reply=reply)
     return found and found["items"][0]
 
 
@@ -160,6 +185,46 @@ def test_rows_of_finished_requests_are_reused_oldest_first():
     state.add_request("c", 3, wanted(["post_block@1"], 4), prompt_len=2)
     assert collected(state.capture, "b", reply=True)["status"] == "dropped"
     assert collected(state.capture, "a", reply=True)["status"] == "ok"
+
+
+def step(state, slot, first, count):
+    """One step of one request: positions ``first .. first + count - 1``, each site's stream
+    at a token the token's position (as the model's forward would write it)."""
+    state.fill(np.array([slot]), np.array([first]), np.array([count]))
+    x = torch.arange(first, first + count, dtype=torch.float32)[:, None].expand(-1, 4)
+    for buffers in state.site_buffers().values():
+        SiteOp(buffers)(x.contiguous(), torch.zeros_like(x))
+
+
+def test_a_stream_reads_rows_as_they_are_computed_and_collecting_frees_them():
+    """Reading with ``keep`` returns a running request's rows computed since ``since`` and
+    frees nothing; a capture whose rows do not stream (a gated one) gives None then; the final
+    collect returns what is left and frees it."""
+    state = SteeringState(WORKER_SITES, 4, max_rows=4, max_tokens=32, max_slots=8,
+                          device=torch.device("cpu"), capture_lanes=2, capture_tokens=40)
+    capture = state.capture
+    streamed = {"sites": ["post_block@1"], "rows": 6, "positions": "all", "dtype": "float32",
+                "stream": True}
+    state.add_request("a", 1, {ACTIVATIONS_KEY: streamed}, prompt_len=3)
+    state.add_request("g", 2, {ACTIVATIONS_KEY: {**streamed, "when": "gated",
+                                                  "stream": False}}, prompt_len=3)
+
+    def read(since, keep=True, others=("g",)):
+        found = capture.collect_requests([("a", None, since), *((o, None, 0) for o in others)],
+                                         reply=True, keep=keep)["items"]
+        rows = rows_from_bytes(found[0]["data"], "float32", (1, found[0]["rows"], 4))
+        positions = np.frombuffer(found[0]["positions"], "<i8").tolist()
+        assert rows[0, :, 0].tolist() == positions  # each row is its own position's
+        return positions, *found[1:]
+
+    step(state, 1, 0, 3)
+    assert read(0) == ([0, 1, 2], None)
+    step(state, 1, 3, 1)
+    assert read(3) == ([3], None) and read(0)[0] == [0, 1, 2, 3]
+    assert capture.rows_in_use == 12
+    state.remove_request("a")
+    assert read(2, keep=False, others=()) == ([2, 3],)
+    assert collected(capture, "a") is None and capture.rows_in_use == 6
 
 
 # ---- a real engine vs HF -------------------------------------------------------------------

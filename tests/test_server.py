@@ -256,22 +256,24 @@ def test_a_global_capture_scoped_to_a_session_or_a_key(openai_client, client, se
                         everything, api_key=KEY)
     assert status == 400 and "caller" in json.dumps(body)
 
-def test_a_streamed_request_gets_its_activations_before_done(openai_client):
-    """The stream passes through as it comes and ends with one more event carrying the
-    activations, the rows the same request gets unstreamed (the stream's may hold one more
-    position: its token counts are not known)."""
-    from dynsteer.controller.activations import activations_of
+def test_a_streamed_request_gets_its_rows_as_they_are_computed(openai_client):
+    """The stream passes through as it comes; its rows come in events between its chunks,
+    each with the positions computed since the last, and in one before ``[DONE]`` with the
+    rest. Joined, they are the rows the same request gets unstreamed (the stream's may hold
+    one more position: its token counts are not known)."""
+    from dynsteer.controller.activations import activations_of, activations_of_stream
 
     model = openai_client.models.list().data[0].id
-    kwargs = {"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS,
-              "temperature": 0.0, "seed": 0, "extra_body": {"dynsteer": CAPTURE}}
+    kwargs = {"model": model, "messages": MESSAGES, "max_tokens": 32, "temperature": 0.0,
+              "seed": 0, "extra_body": {"dynsteer": CAPTURE, "ignore_eos": True}}
     whole = activations_of(openai_client.chat.completions.create(**kwargs))[0]
     chunks = list(openai_client.chat.completions.create(stream=True, **kwargs))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    (last,) = [c for c in chunks if (c.model_extra or {}).get("dynsteer")]
-    assert last is chunks[-1] and not last.choices
-    (streamed,) = activations_of(last)
-    assert streamed.status == "ok"
+    events = [i for i, c in enumerate(chunks) if (c.model_extra or {}).get("dynsteer")]
+    assert events[-1] == len(chunks) - 1 and not chunks[-1].choices
+    assert len(events) >= 3 and events[0] < max(i for i, c in enumerate(chunks) if c.choices)
+    streamed = activations_of_stream(chunks)[0]
+    assert streamed.status == "ok" and np.all(np.diff(streamed.positions) == 1)
     n = len(whole.positions)
     assert streamed.positions[:n].tolist() == whole.positions.tolist()
     assert len(streamed.positions) - n in (0, 1)

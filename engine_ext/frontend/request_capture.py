@@ -14,7 +14,7 @@ them after it finishes until they are collected (:func:`collect_args`, :func:`me
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,7 +65,7 @@ def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, promp
             "positions": capture.positions, "dtype": capture.dtype, "when": capture.when,
             "window": list(capture.window) if capture.window is not None else None,
             "project": capture.project.model_dump() if capture.project is not None else None,
-            "reduce": capture.reduce}
+            "reduce": capture.reduce, "stream": capture.streams}
 
 
 def first_captured_prompt_position(capture: CaptureSpec | None, prompt_len: int) -> int | None:
@@ -78,9 +78,12 @@ def first_captured_prompt_position(capture: CaptureSpec | None, prompt_len: int)
     return first if first is not None and first < prompt_len - 1 else None
 
 
-def collect_args(requests: list[tuple[str, int | None]]) -> tuple[Any, ...]:
-    """The arguments of ``dynsteer_collect_activations`` for ``requests`` ((id, computed))."""
-    return ([list(r) for r in requests], rows_inbox.inbox())
+def collect_args(requests: Sequence[tuple[str, int | None] | tuple[str, int | None, int]],
+                 keep: bool = False) -> tuple[Any, ...]:
+    """The arguments of ``dynsteer_collect_activations`` for ``requests`` ((id, computed) or
+    (id, computed, since): the first position not yet collected)."""
+    return ([[r[0], r[1], r[2] if len(r) > 2 else 0] for r in requests],
+            rows_inbox.inbox(), keep)
 
 
 def collect(llm: Any, requests: list[tuple[str, int | None]]) -> list[Activations | None]:

@@ -2,10 +2,14 @@
 
 A ``/v1/completions`` or ``/v1/chat/completions`` request whose spec has ``capture`` (the
 middleware knows it from the body it checked) gets, once vLLM has answered, what each choice
-captured, under ``dynsteer.activations`` of the JSON (a stream: of one more event before
-``data: [DONE]``, ``{"id", "object": "dynsteer.activations", "choices": [], "dynsteer"}``):
-one entry per choice in :func:`dynsteer.controller.activations.to_json`'s form, read back by
-:func:`dynsteer.controller.activations.activations_of`. The rows are collected from the
+captured, under ``dynsteer.activations`` of the JSON: one entry per choice in
+:func:`dynsteer.controller.activations.to_json`'s form with the choice's ``index``, read back
+by :func:`dynsteer.controller.activations.activations_of`. A stream gets them in events of
+their own, ``{"id", "object": "dynsteer.activations", "choices": [], "dynsteer"}``: one before
+``data: [DONE]`` and, when its capture streams, one after each chunk whose rows were read by
+then (:mod:`.stream_rows`), each with the positions computed since the last;
+:func:`~dynsteer.controller.activations.activations_of_stream` joins them. The rows are
+collected from the
 workers (and freed there) by each choice's engine request id: the response's ``id`` on the
 chat route, ``<id>-<index>`` for the prompts of a completion. Only the caller that sent the
 request receives them. A capture naming a sink sends the rows there instead (the response
@@ -16,12 +20,13 @@ can tell whose traffic each row is.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 from starlette.types import Message, Send
 
-from dynsteer.controller.activations import to_json
+from dynsteer.controller.activations import Activations, to_json
 
 from ..frontend import request_capture
 from ..frontend.caller import current
@@ -31,11 +36,15 @@ CHAT_PATH = "/v1/chat/completions"
 
 
 def with_activations(send: Send, server: Any, path: str, sink: str | None,
-                     streamed: bool) -> Send:
+                     streamed: bool, live: bool = False) -> Send:
     """``send`` that adds the request's activations to its response (a response other than
     200 passes as it is): a JSON response is held back until its body is complete; a stream
-    passes through as it comes, and gets one more event before ``data: [DONE]``."""
-    return (_streamed if streamed else _whole)(send, server, path, sink)
+    passes through as it comes, and gets one more event before ``data: [DONE]``, and with
+    ``live`` (its capture streams), one after each chunk whose rows were read by then (see
+    :mod:`.stream_rows`)."""
+    if streamed:
+        return _streamed(send, server, path, sink, live)
+    return _whole(send, server, path, sink)
 
 
 def _whole(send: Send, server: Any, path: str, sink: str | None) -> Send:
@@ -68,32 +77,90 @@ def _whole(send: Send, server: Any, path: str, sink: str | None) -> Send:
 _DONE = b"data: [DONE]"
 
 
-def _streamed(send: Send, server: Any, path: str, sink: str | None) -> Send:
-    response_id: str | None = None
-    indices: dict[int, None] = {}
-    ok = False
+def _streamed(send: Send, server: Any, path: str, sink: str | None, live: bool) -> Send:
+    stream = _Stream(server, path)
 
     async def passing(message: Message) -> None:
-        nonlocal response_id, ok
         if message["type"] == "http.response.start":
-            ok = message["status"] == 200
-        elif message["type"] == "http.response.body" and ok:
+            stream.ok = message["status"] == 200
+        elif message["type"] == "http.response.body" and stream.ok:
             body = message.get("body", b"")
-            for event in _events(body):
-                response_id = response_id or event.get("id")
-                for choice in event.get("choices") or ():
-                    if isinstance(choice, dict):
-                        indices[int(choice.get("index", 0))] = None
-            if _DONE in body and isinstance(response_id, str):
-                found = await collect(server, path, sink, response_id, list(indices), {})
-                event = {"id": response_id, "object": "dynsteer.activations", "choices": [],
-                         "dynsteer": {"activations": found}}
+            stream.saw(body)
+            if stream.response_id is None:
+                pass
+            elif _DONE in body:
                 before, _, after = body.partition(_DONE)
-                message = {**message, "body": before + b"data: " + json.dumps(event).encode()
-                           + b"\n\n" + _DONE + after}
+                before += await stream.rows(wait=True)
+                found = await collect(server, path, sink, stream.response_id,
+                                      list(stream.indices), {}, stream.since)
+                body = before + _event(stream.response_id, found) + _DONE + after
+            elif live and stream.indices:
+                body = await stream.rows(wait=False) + body
+                stream.read_next()
+            message = {**message, "body": body}
         await send(message)
 
     return passing
+
+
+class _Stream:
+    """What a streamed response's wrapper knows: its id, its choices, and the rows being read
+    for them (:mod:`.stream_rows`)."""
+
+    def __init__(self, server: Any, path: str) -> None:
+        self.server = server
+        self.path = path
+        self.ok = False
+        self.response_id: str | None = None
+        self.indices: dict[int, None] = {}
+        self.since: dict[int, int] = {}
+        """Per choice: its first position not yet sent."""
+        self._reading: tuple[asyncio.Task[list[Activations | None]], list[int]] | None = None
+
+    def saw(self, body: bytes) -> None:
+        """Note the response id and choice indices of a piece of the stream."""
+        for event in _events(body):
+            if isinstance(event.get("id"), str):
+                self.response_id = self.response_id or event["id"]
+            for choice in event.get("choices") or ():
+                if isinstance(choice, dict):
+                    self.indices[int(choice.get("index", 0))] = None
+
+    def read_next(self) -> None:
+        """Start reading the rows computed since the last read (unless a read is running)."""
+        if self._reading is not None or self.response_id is None:
+            return
+        order = list(self.indices)
+        ids = engine_ids(self.path, self.response_id, order)
+        task = asyncio.ensure_future(self.server.stream_rows.read(
+            [(i, self.since.get(index, 0)) for i, index in zip(ids, order, strict=True)]))
+        self._reading = (task, order)
+
+    async def rows(self, wait: bool) -> bytes:
+        """The event of the last read's rows, once it is done (``wait``: wait for it); b""
+        when it is not done or found no new rows."""
+        if self._reading is None or not (wait or self._reading[0].done()):
+            return b""
+        task, order = self._reading
+        self._reading = None
+        found = await task
+        for index, activations in zip(order, found, strict=True):
+            if activations is not None and len(activations.positions):
+                self.since[index] = int(activations.positions[-1]) + 1
+        if not any(a is not None and len(a.positions) for a in found):
+            return b""
+        return _event(self.response_id, [_indexed(to_json(a), i)
+                                         for i, a in zip(order, found, strict=True)])
+
+
+def _event(response_id: str | None, found: list[dict[str, Any] | None]) -> bytes:
+    event = {"id": response_id, "object": "dynsteer.activations", "choices": [],
+             "dynsteer": {"activations": found}}
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+def _indexed(found: dict[str, Any] | None, index: int) -> dict[str, Any] | None:
+    return None if found is None else {**found, "index": index}
 
 
 def _events(body: bytes) -> list[dict[str, Any]]:
@@ -126,32 +193,42 @@ async def attach(body: bytes, server: Any, path: str, sink: str | None = None) -
     return json.dumps(data).encode()
 
 
+def engine_ids(path: str, response_id: str, indices: list[int]) -> list[str]:
+    """The engine request id of each choice: the response's ``id`` on the chat route,
+    ``<id>-<index>`` for the prompts of a completion."""
+    return [response_id if path == CHAT_PATH else f"{response_id}-{index}" for index in indices]
+
+
 async def collect(server: Any, path: str, sink: str | None, response_id: str,
-                  indices: list[int], usage: dict[str, Any]) -> list[dict[str, Any] | None]:
+                  indices: list[int], usage: dict[str, Any],
+                  since: dict[int, int] | None = None) -> list[dict[str, Any] | None]:
     """Each choice's activations, collected from the workers (and freed there), in the JSON
-    form; with ``sink``, written there instead (each keeps its status and positions, and
-    ``"sink"`` names where the rows went). ``usage`` (a single choice's token counts) bounds
-    the positions to those of its tokens."""
+    form with the choice's ``index``; with ``sink``, written there instead (each keeps its
+    status and positions, and ``"sink"`` names where the rows went). ``usage`` (a single
+    choice's token counts) bounds the positions to those of its tokens; ``since``: per choice,
+    the first position not sent yet (a stream's)."""
     caller = current(server.frontend.default_caller).namespace or "-"
-    engine_ids = [response_id if path == CHAT_PATH else f"{response_id}-{index}"
-                  for index in indices]
+    ids = engine_ids(path, response_id, indices)
+    since = since or {}
     computed = None
     if len(indices) == 1 and "prompt_tokens" in usage and "completion_tokens" in usage:
         computed = int(usage["prompt_tokens"]) + int(usage["completion_tokens"]) - 1
     try:
         replies = await request_capture.replies_async(server.rpc(
             "dynsteer_collect_activations", *request_capture.collect_args(
-                [(engine_id, computed) for engine_id in engine_ids])))
+                [(engine_id, computed, since.get(index, 0))
+                 for engine_id, index in zip(ids, indices, strict=True)])))
     except WorkerError as e:
         return [{"status": "dropped", "detail": str(e), "dtype": "float32", "positions": [],
-                 "sites": {}} for _ in engine_ids]
+                 "sites": {}, "index": index} for index in indices]
     found: list[dict[str, Any] | None] = []
-    for engine_id, activations in zip(engine_ids, request_capture.merge(replies, len(engine_ids)),
-                                      strict=True):
+    for engine_id, index, activations in zip(ids, indices, request_capture.merge(
+            replies, len(ids)), strict=True):
         if sink is None or activations is None:
-            found.append(to_json(activations))
+            found.append(_indexed(to_json(activations), index))
             continue
         written = activations.status in ("ok", "partial") and server.sinks[sink].write(
             engine_id, activations, {"caller": caller})
-        found.append({**to_json(activations), "sites": {}, "sink": sink if written else None})
+        found.append({**to_json(activations), "sites": {}, "sink": sink if written else None,
+                      "index": index})
     return found

@@ -166,6 +166,8 @@ class Checked(NamedTuple):
     captures: bool = False
     sink: str | None = None
     streamed: bool = False
+    live: bool = False
+    """Whether a streamed response carries the rows as they are computed."""
 
 
 def _with_global_capture(found: _Json, frontend: FrontendState) -> bool:
@@ -228,10 +230,10 @@ def check_body(path: str, body: bytes, frontend: FrontendState | None) -> Checke
     spec = None
     if frontend is not None and isinstance(xargs, dict):
         spec = admission.precheck(frontend, xargs)
-    captures = spec is not None and spec.capture is not None
-    return Checked(found.dumps(found.data) if moved else body, captures,
-                   spec.capture.sink if captures and spec is not None and spec.capture else None,
-                   bool(found.data.get("stream")))
+    capture = spec.capture if spec is not None else None
+    return Checked(found.dumps(found.data) if moved else body, capture is not None,
+                   capture.sink if capture is not None else None,
+                   bool(found.data.get("stream")), capture is not None and capture.streams)
 
 
 def _bearer(scope: Scope) -> str | None:
@@ -298,5 +300,5 @@ class DynsteerMiddleware:
                 scope, body = _with_length(scope, len(checked.body)), checked.body
             if checked.captures:
                 send = with_activations(send, server, path.rstrip("/"), checked.sink,
-                                        checked.streamed)
+                                        checked.streamed, checked.live)
         await self.app(scope, _replay(body, receive), send)

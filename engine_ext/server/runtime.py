@@ -22,6 +22,7 @@ from ..frontend.control_plane import Change, ControlPlane
 from . import sinks
 from .registry_store import RegistryStore
 from .settings import ServerSettings
+from .stream_rows import StreamRows
 
 logger = logging.getLogger("vllm.dynsteer.server")
 
@@ -60,6 +61,8 @@ class DynsteerServer:
         self.sinks: dict[str, Any] = sinks.build(settings.capture_sinks)
         """Capture sinks by name (:mod:`.sinks`)."""
         frontend.sinks = frozenset(self.sinks)
+        self.stream_rows = StreamRows(self.rpc)
+        """Reads streamed completions' rows as they are computed."""
         self._lock = asyncio.Lock()
 
     async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:

@@ -108,18 +108,24 @@ class CaptureBuffers:
         self._sender = RowsSender()
 
     # ---- request captures ----------------------------------------------------------------
-    def collect_requests(self, requests: list[tuple[str, int | None]], reply: bool,
+    def collect_requests(self, requests: list[tuple[str, int | None, int]], reply: bool,
                          first_gated: Callable[[str], int | None] = lambda _: 0,
-                         inbox: dict[str, str] | None = None) -> dict[str, Any] | None:
+                         inbox: dict[str, str] | None = None,
+                         keep: bool = False) -> dict[str, Any] | None:
         """The captured positions of requests (each by its id or the caller's id of it), then
         freed; None on TP ranks other than 0.
 
-        ``requests``: (id, computed) pairs; ``computed`` is how many positions the request
-        computed, as its output says (prompt plus generated tokens, less one); None: as far as
-        this worker saw. ``first_gated(req_id)``: the first position whose gate fired (None:
-        none; a ``when: "gated"`` capture keeps its rows only if there is one, and only
-        those within its ``window`` of it; otherwise they are freed without leaving the
-        device). ``inbox``: where the frontend takes the rows (:mod:`.capture_transfer`).
+        ``requests``: (id, computed, since) triples; ``computed`` is how many positions the
+        request computed, as its output says (prompt plus generated tokens, less one); None:
+        as far as this worker saw; only positions from ``since`` on are returned (those
+        before went out already). ``first_gated(req_id)``: the first position whose gate
+        fired (None: none; a ``when: "gated"`` capture keeps its rows only if there is one,
+        and only those within its ``window`` of it; otherwise they are freed without leaving
+        the device). ``inbox``: where the frontend takes the rows (:mod:`.capture_transfer`).
+        ``keep``: read the rows computed so far of requests that may still be running, and
+        free nothing (a stream's rows as it goes); only a capture whose rows stream
+        (:attr:`~dynsteer.controller.spec.CaptureSpec.streams`) is read so, the others reply
+        None.
 
         Reply: ``file`` (the inbox file holding the rows, or None) and per request, in order,
         None (it asked for no capture) or ``status`` (``ok`` / ``skipped`` / ``partial`` /
@@ -130,8 +136,8 @@ class CaptureBuffers:
         (int8: one float32 per row).
         """
         self._synchronize(reply)
-        taken = [self._take(request_id, computed, reply, first_gated)
-                 for request_id, computed in requests]
+        taken = [self._take(request_id, computed, since, reply, first_gated, keep)
+                 for request_id, computed, since in requests]
         if not reply:
             return None
         blobs = [blob for _, blob in taken if blob is not None]
@@ -142,11 +148,11 @@ class CaptureBuffers:
                  for answer, blob in taken]
         return {"file": file, "items": items}
 
-    def _take(self, request_id: str, computed: int | None, reply: bool,
-              first_gated: Callable[[str], int | None]
+    def _take(self, request_id: str, computed: int | None, since: int, reply: bool,
+              first_gated: Callable[[str], int | None], keep: bool
               ) -> tuple[dict[str, Any] | None, torch.Tensor | None]:
-        """One request's reply (without its rows) and its rows' bytes on the device; its rows
-        and lanes are free once the bytes are copied out."""
+        """One request's reply (without its rows) and its rows' bytes on the device; unless
+        ``keep``, its rows and lanes are free once the bytes are copied out."""
         req_id = self._find(request_id)
         if req_id is None:
             gone = next((g for g in self._gone if g == request_id
@@ -154,27 +160,35 @@ class CaptureBuffers:
             if gone is None or not reply:
                 return None, None
             return self._nothing("dropped", self._gone[gone]), None
-        entry = self._requests.pop(req_id)
-        self._left.pop(req_id, None)
-        self._detach(entry)
-        self._release(entry.lanes)
-        wanted = entry.wanted
+        wanted = self._requests[req_id].wanted
+        if keep:
+            if not reply or not wanted.get("stream"):
+                return None, None
+            entry = self._requests[req_id]
+            first, end = self._seen(entry)
+        else:
+            entry = self._requests.pop(req_id)
+            self._left.pop(req_id, None)
+            self._detach(entry)
+            self._release(entry.lanes)
+            first, end = entry.first, entry.end
         fired = first_gated(req_id) if wanted.get("when") == "gated" else None
         if wanted.get("when") == "gated" and fired is None:
             return {**self._nothing("skipped", "the request's gate never fired"),
                     "dtype": wanted["dtype"]}, None
         if not reply:
             return None, None
-        end = entry.end if computed is None else min(entry.end, computed)
+        end = end if computed is None else min(end, computed)
         positions = select(wanted["positions"], entry.prompt_len, max(end, 0))
+        positions = positions[positions >= since]
         if fired is not None and wanted.get("window") is not None:
             before, after = wanted["window"]
             positions = positions[(positions >= fired - before) & (positions <= fired + after)]
-        seen = positions[positions >= max(entry.first, 0)] if entry.first >= 0 else positions[:0]
+        seen = positions[positions >= first] if first >= 0 else positions[:0]
         status, detail = "ok", ""
         if len(seen) < len(positions):
             status = "partial"
-            detail = (f"positions {int(positions[0])}..{max(entry.first, 0) - 1} were not "
+            detail = (f"positions {int(positions[0])}..{max(first, 0) - 1} were not "
                       "computed by this request (taken from the prefix cache)")
         sites = [self._lane_site[lane] for lane in entry.lanes]
         mine = [i for i, site in enumerate(sites) if site in self.installed]
@@ -239,6 +253,13 @@ class CaptureBuffers:
         return sum(e.length for e in self._requests.values())
 
     # ---- internals -----------------------------------------------------------------------
+    def _seen(self, entry: _Entry) -> tuple[int, int]:
+        """(lowest position computed or -1, one past the highest) of a request, live or not."""
+        if entry.slot is None:
+            return entry.first, entry.end
+        first = int(self._slot_first[entry.slot])
+        return (-1 if first == _UNSEEN else first), int(self._slot_end[entry.slot])
+
     def _new_request_entry(self, req_id: str, wanted: dict[str, Any],
                            prompt_len: int) -> _Entry | None:
         try:
@@ -373,9 +394,7 @@ class CaptureBuffers:
         slot = entry.slot
         if slot is None:
             return
-        first = int(self._slot_first[slot])
-        entry.first = -1 if first == _UNSEEN else first
-        entry.end = int(self._slot_end[slot])
+        entry.first, entry.end = self._seen(entry)
         self._slot_start[slot] = self._slot_len[slot] = self._slot_end[slot] = 0
         self._slot_first[slot] = _UNSEEN
         self._by_slot.pop(slot, None)

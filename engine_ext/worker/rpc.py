@@ -58,15 +58,15 @@ class DynsteerWorkerExtension:
         return self._dynsteer().info()
 
     # ---- activation capture (collected by dynsteer.engine_ext.frontend.request_capture) --
-    def dynsteer_collect_activations(self, requests: list[tuple[str, int | None]],
-                                     inbox: dict[str, str] | None = None
+    def dynsteer_collect_activations(self, requests: list[tuple[str, int | None, int]],
+                                     inbox: dict[str, str] | None = None, keep: bool = False
                                      ) -> dict[str, Any] | None:
-        """Requests' own captured rows (then freed), each ``(id, computed)``; None on all but
-        TP rank 0 (of each pipeline stage). ``inbox``: the frontend's folder for large
-        replies (:mod:`.capture_transfer`)."""
+        """Requests' own captured rows (then freed, unless ``keep``), each ``(id, computed,
+        since)``; None on all but TP rank 0 (of each pipeline stage). ``inbox``: the
+        frontend's folder for large replies (:mod:`.capture_transfer`)."""
         return self._dynsteer().collect_activations(
-            [(str(r), None if c is None else int(c)) for r, c in requests],
-            reply=self._dynsteer_replies(), inbox=inbox)
+            [(str(r), None if c is None else int(c), int(since)) for r, c, since in requests],
+            reply=self._dynsteer_replies(), inbox=inbox, keep=bool(keep))
 
     def _dynsteer_replies(self) -> bool:
         """Whether this worker answers for its pipeline stage (TP rank 0)."""

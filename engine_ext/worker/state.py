@@ -251,10 +251,11 @@ class SteeringState:
         """The prefix-guard report of gated requests (see :mod:`.prefix_guard`)."""
         return self.telemetry.cache_report()
 
-    def collect_activations(self, requests: list[tuple[str, int | None]], reply: bool,
-                            inbox: dict[str, str] | None) -> dict[str, Any] | None:
+    def collect_activations(self, requests: list[tuple[str, int | None, int]], reply: bool,
+                            inbox: dict[str, str] | None, keep: bool = False
+                            ) -> dict[str, Any] | None:
         """Requests' own captured rows (see :meth:`.CaptureBuffers.collect_requests`)."""
-        return self.capture.collect_requests(requests, reply, self._first_gated, inbox)
+        return self.capture.collect_requests(requests, reply, self._first_gated, inbox, keep)
 
     def _first_gated(self, req_id: str) -> int | None:
         """The first position whose gate fired (None: none, or no gate)."""
