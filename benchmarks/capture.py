@@ -20,6 +20,10 @@ Generation scenarios report generated tokens per second of wall time (median of 
 repetitions) and the ratio to stock's in the same run (the issue's targets: ``plain`` at least
 0.99, ``returned-1`` 0.90, ``sink-4`` 0.85, ``training`` 0.5 of stock's prefill).
 
+With ``--peer-lens DIR``, vllm-lens (installed in DIR) runs the same traffic first, in a
+process of its own (:mod:`capture_lens`): its rows report the ratio to stock and, as ``own``,
+to its own eager engine.
+
 Run on the GPU host: ``python -u benchmarks/capture.py --batches 32 256 --out $OUT/capture.json``.
 """
 
@@ -29,11 +33,14 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import capture_lens
 from bench_model import dummy_model
 from overhead import LLAMA_8B, prompts
 from sigterm import exits_on_sigterm
@@ -134,13 +141,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tiny", action="store_true",
                         help="a small model of the same depth in float32 (a CPU run)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--peer-lens", type=Path, default=None, metavar="DIR",
+                        help="also run vllm-lens, installed in DIR, as a peer row in a "
+                             "process of its own (see capture_lens.py)")
+    parser.add_argument("--lens-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     path = dummy_model("capture-tiny" if args.tiny else "llama8b",
                        TINY if args.tiny else LLAMA_8B)
+    if args.lens_out is not None:  # the peer's own process
+        return capture_lens.main(args, path, start, SITES)
+    runs: dict[str, list[dict[str, float]]] = {}
+    if args.peer_lens is not None:  # first, so its engine has the device to itself
+        runs.update(peer_lens(args, argv if argv is not None else sys.argv[1:]))
     engines = {"stock": start(path, None, args),
                "capture": start(path, capture_options(args), args)}
-    runs: dict[str, list[dict[str, float]]] = {}
     seed = 0
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
@@ -155,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 engine = engines["capture" if training else "stock"]
                 runs.setdefault(name, []).append(
                     {"tokens_per_s": prefill(engine, args, seed, training)})
-    table = summarize(runs, args.batches)
+    table = summarize(runs, args.batches, args.peer_lens is not None)
     for row, value in table.items():
         print(f"{row:24s} " + "  ".join(f"{k} {v:.4g}" for k, v in value.items()), flush=True)
     if args.out is not None:
@@ -164,10 +179,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return table
 
 
-def summarize(runs: dict[str, list[dict[str, float]]],
-              batches: list[int]) -> dict[str, dict[str, float]]:
+def peer_lens(args: argparse.Namespace, argv: list[str]) -> dict[str, list[dict[str, float]]]:
+    """The runs of :mod:`capture_lens` in a process of its own, with only vllm-lens loaded."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "lens.json"
+        env = {**os.environ, "VLLM_PLUGINS": "activations",
+               "PYTHONPATH": os.pathsep.join(filter(None, [
+                   str(args.peer_lens), os.environ.get("PYTHONPATH")]))}
+        subprocess.run([sys.executable, "-u", __file__, *argv, "--lens-out", str(out)],
+                       env=env, check=True)
+        return json.loads(out.read_text())
+
+
+def summarize(runs: dict[str, list[dict[str, float]]], batches: list[int],
+              lens: bool = False) -> dict[str, dict[str, float]]:
     """Median tokens/s per scenario and its ratio to stock's (generation: stock at the same
-    batch; training: stock's prefill)."""
+    batch; training: stock's prefill); vllm-lens's rows (``lens``) also with ``own``, the
+    ratio to its own plain requests (eager) or prefill."""
     def median(key: str, field: str = "tokens_per_s") -> float:
         return statistics.median(r[field] for r in runs[key])
 
@@ -182,6 +210,17 @@ def summarize(runs: dict[str, list[dict[str, float]]],
                 table[key]["sink_mb_per_s"] = median(key, "sink_mb_per_s")
     table["training"] = {"tokens_per_s": median("training"),
                          "ratio": median("training") / median("stock-prefill")}
+    if not lens:
+        return table
+    for batch in batches:
+        stock, own = median(f"stock@{batch}"), median(f"lens-plain@{batch}")
+        for name in capture_lens.SCENARIOS:
+            key = f"{name}@{batch}"
+            table[key] = {"tokens_per_s": median(key), "ratio": median(key) / stock,
+                          "own": median(key) / own}
+    table["lens-training"] = {"tokens_per_s": median("lens-training"),
+                              "ratio": median("lens-training") / median("stock-prefill"),
+                              "own": median("lens-training") / median("lens-prefill")}
     return table
 
 
