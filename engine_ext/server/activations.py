@@ -9,13 +9,12 @@ their own, ``{"id", "object": "dynsteer.activations", "choices": [], "dynsteer"}
 ``data: [DONE]`` and, when its capture streams, one after each chunk whose rows were read by
 then (:mod:`.stream_rows`), each with the positions computed since the last;
 :func:`~dynsteer.controller.activations.activations_of_stream` joins them. The rows are
-collected from the
-workers (and freed there) by each choice's engine request id: the response's ``id`` on the
-chat route, ``<id>-<index>`` for the prompts of a completion. Only the caller that sent the
-request receives them. A capture naming a sink sends the rows there instead (the response
-keeps each choice's status and positions), with the namespace of the caller's API key
-(``caller``: ``-`` without keys, ``-/`` for a request without a configured key), so an operator
-can tell whose traffic each row is.
+collected from the workers (and freed there) by each choice's engine request id: the
+response's ``id`` on the chat route, ``<id>-<index>`` for the prompts of a completion. Only
+the caller that sent the request receives them. A capture naming a sink sends the rows there
+instead (the response keeps each choice's status and positions), with the namespace of the
+caller's API key (``caller``: ``-`` without keys, ``-/`` for a request without a configured
+key), so an operator can tell whose traffic each row is.
 """
 
 from __future__ import annotations
@@ -86,15 +85,13 @@ def _streamed(send: Send, server: Any, path: str, sink: str | None, live: bool) 
         elif message["type"] == "http.response.body" and stream.ok:
             body = message.get("body", b"")
             stream.saw(body)
-            if stream.response_id is None:
-                pass
-            elif _DONE in body:
+            if stream.response_id is not None and _DONE in body:
                 before, _, after = body.partition(_DONE)
                 before += await stream.rows(wait=True)
                 found = await collect(server, path, sink, stream.response_id,
                                       list(stream.indices), {}, stream.since)
                 body = before + _event(stream.response_id, found) + _DONE + after
-            elif live and stream.indices:
+            elif stream.response_id is not None and live and stream.indices:
                 body = await stream.rows(wait=False) + body
                 stream.read_next()
             message = {**message, "body": body}
