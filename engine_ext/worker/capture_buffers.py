@@ -160,14 +160,14 @@ class CaptureBuffers:
             if gone is None or not reply:
                 return None, None
             return self._nothing("dropped", self._gone[gone]), None
-        wanted = self._requests[req_id].wanted
+        entry = self._requests[req_id]
+        wanted = entry.wanted
         if keep:
             if not reply or not wanted.get("stream"):
                 return None, None
-            entry = self._requests[req_id]
             first, end = self._seen(entry)
         else:
-            entry = self._requests.pop(req_id)
+            del self._requests[req_id]
             self._left.pop(req_id, None)
             self._detach(entry)
             self._release(entry.lanes)
