@@ -33,8 +33,9 @@ GUARD_KEY = "dynsteer_cache"
 """The request's prefix-cache guard (:mod:`dynsteer.engine_ext.prefix_guard`), read by the
 scheduler."""
 ACTIVATIONS_KEY = "dynsteer_activations"
-"""A request's own capture, ``{"sites", "rows", "positions", "dtype"}``, from its spec's
-``capture`` (see :mod:`dynsteer.engine_ext.frontend.request_capture`)."""
+"""A request's own capture (``sites``, ``rows``, ``positions``, ``dtype`` and the spec's other
+capture fields, with ``stream``), from its spec's ``capture`` (see
+:func:`dynsteer.engine_ext.frontend.request_capture.admit`)."""
 
 FRONTEND_KEYS = (WIRE_KEY, GLOBAL_KEY, REGISTRY_KEY, CLAIMS_KEY, GUARD_KEY, ACTIVATIONS_KEY)
 """The keys the frontend writes (all under :data:`RESERVED_PREFIX`)."""

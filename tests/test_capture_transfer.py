@@ -74,7 +74,8 @@ def test_a_reply_whose_caller_was_cancelled_leaves_no_file():
     the reply still arrives, and its file is removed rather than left in the inbox."""
     async def scenario():
         reply = asyncio.get_running_loop().create_future()
-        caller = asyncio.ensure_future(request_capture.replies_async(reply))
+        caller = asyncio.ensure_future(request_capture.collect_through(
+            lambda method, *args: reply, [("r", None)]))
         await asyncio.sleep(0)
         caller.cancel()
         await asyncio.gather(caller, return_exceptions=True)

@@ -14,7 +14,7 @@ them after it finishes until they are collected (:func:`collect_args`, :func:`me
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -96,20 +96,26 @@ def collect(llm: Any, requests: list[tuple[str, int | None]]) -> list[Activation
 async def collect_async(engine_client: Any, requests: list[tuple[str, int | None]]
                         ) -> list[Activations | None]:
     """:func:`collect` through an ``AsyncLLM``."""
-    return merge(await replies_async(vllm_frontend.rpc_async(
-        engine_client, "dynsteer_collect_activations", collect_args(requests))), len(requests))
+    return await collect_through(
+        lambda method, *args: vllm_frontend.rpc_async(engine_client, method, args), requests)
 
 
-async def replies_async(call: Awaitable[list[Any]]) -> list[Any]:
-    """The replies of a ``dynsteer_collect_activations`` call. Cancelling the caller lets the
-    call finish (the workers free the rows either way) and removes the inbox files of its
-    replies, which nobody will read."""
-    task = asyncio.ensure_future(call)
+async def collect_through(rpc: Callable[..., Awaitable[list[Any]]],
+                          requests: Sequence[tuple[str, int | None]
+                                             | tuple[str, int | None, int]],
+                          keep: bool = False) -> list[Activations | None]:
+    """The activations of ``requests`` (see :func:`collect_args`) through ``rpc(method,
+    *args)``, an async call of every worker. Cancelling the caller lets the call finish (the
+    workers free the rows either way) and removes the inbox files of its replies, which
+    nobody will read."""
+    task = asyncio.ensure_future(rpc("dynsteer_collect_activations",
+                                     *collect_args(requests, keep)))
     try:
-        return await asyncio.shield(task)
+        replies = await asyncio.shield(task)
     except asyncio.CancelledError:
         task.add_done_callback(_discard_files)
         raise
+    return merge(replies, len(requests))
 
 
 def _discard_files(task: asyncio.Future[list[Any]]) -> None:

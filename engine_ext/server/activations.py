@@ -211,16 +211,14 @@ async def collect(server: Any, path: str, sink: str | None, response_id: str,
     if len(indices) == 1 and "prompt_tokens" in usage and "completion_tokens" in usage:
         computed = int(usage["prompt_tokens"]) + int(usage["completion_tokens"]) - 1
     try:
-        replies = await request_capture.replies_async(server.rpc(
-            "dynsteer_collect_activations", *request_capture.collect_args(
-                [(engine_id, computed, since.get(index, 0))
-                 for engine_id, index in zip(ids, indices, strict=True)])))
+        collected = await request_capture.collect_through(server.rpc, [
+            (engine_id, computed, since.get(index, 0))
+            for engine_id, index in zip(ids, indices, strict=True)])
     except WorkerError as e:
         return [{"status": "dropped", "detail": str(e), "dtype": "float32", "positions": [],
                  "sites": {}, "index": index} for index in indices]
     found: list[dict[str, Any] | None] = []
-    for engine_id, index, activations in zip(ids, indices, request_capture.merge(
-            replies, len(ids)), strict=True):
+    for engine_id, index, activations in zip(ids, indices, collected, strict=True):
         if sink is None or activations is None:
             found.append(_indexed(to_json(activations), index))
             continue

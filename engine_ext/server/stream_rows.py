@@ -58,9 +58,7 @@ class StreamRows:
                     for request_id, since in requests]
             self._last = loop.time()
             try:
-                found = request_capture.merge(await request_capture.replies_async(self._rpc(
-                    "dynsteer_collect_activations",
-                    *request_capture.collect_args(flat, keep=True))), len(flat))
+                found = await request_capture.collect_through(self._rpc, flat, keep=True)
             except Exception as e:  # the streams go on; their rows come with the last event
                 logger.warning("dynsteer: reading streamed requests' rows failed: %s", e)
                 found = [None] * len(flat)
