@@ -35,6 +35,17 @@ def test_rows_go_through_the_inbox_and_the_file_is_gone_once_mapped():
     assert not os.path.exists(file)
 
 
+def test_blobs_larger_than_a_write_arrive_whole_and_in_order(monkeypatch):
+    """Blobs cut into many pieces, more than the writes in flight, each written at its own
+    offset by the writer threads: the file holds every byte where the reply says."""
+    monkeypatch.setattr(capture_transfer, "CHUNK", 7)
+    rng = np.random.default_rng(0)
+    many = [torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8)) for n in (3, 50, 0, 7, 61)]
+    file, placed = RowsSender().send(many, rows_inbox.inbox())
+    assert file is not None
+    assert received(file, placed) == [b.numpy().tobytes() for b in many]
+
+
 def test_an_inbox_the_worker_cannot_see_or_fill_sends_inline(monkeypatch):
     box = rows_inbox.inbox()
     want = [b.numpy().tobytes() for b in blobs()]
@@ -42,10 +53,10 @@ def test_an_inbox_the_worker_cannot_see_or_fill_sends_inline(monkeypatch):
     assert file is None and received(file, placed) == want
     assert RowsSender().send(blobs(), None)[0] is None
 
-    def full(fd, data):
+    def full(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(capture_transfer.os, "write", full)
+    monkeypatch.setattr(capture_transfer.os, "pwrite", full)
     file, placed = RowsSender().send(blobs(), box)
     assert file is None and received(file, placed) == want
     assert os.listdir(box["folder"]) == ["token"]
