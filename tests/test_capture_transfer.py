@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -46,19 +47,67 @@ def test_blobs_larger_than_a_write_arrive_whole_and_in_order(monkeypatch):
     assert received(file, placed) == [b.numpy().tobytes() for b in many]
 
 
-def test_an_inbox_the_worker_cannot_see_or_fill_sends_inline(monkeypatch):
+def test_an_inbox_the_worker_cannot_see_or_open_sends_inline(monkeypatch):
     box = rows_inbox.inbox()
     want = [b.numpy().tobytes() for b in blobs()]
     file, placed = RowsSender().send(blobs(), {**box, "token": "not the frontend's"})
     assert file is None and received(file, placed) == want
     assert RowsSender().send(blobs(), None)[0] is None
+    real_open = os.open
 
+    def full(path, *args):
+        if path.endswith(rows_inbox.PART):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *args)
+
+    monkeypatch.setattr(capture_transfer.os, "open", full)
+    file, placed = RowsSender().send(blobs(), box)
+    assert file is None and received(file, placed) == want
+    assert os.listdir(box["folder"]) == ["token"]
+
+
+def test_a_file_the_worker_cannot_write_drops_its_requests_and_leaves_nothing(monkeypatch):
+    """The disk fills while the sender writes, after the reply left: the frontend gets
+    ``dropped`` with the reason for each request of that reply, and no file stays behind."""
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(capture_transfer.os, "pwrite", full)
+    box = rows_inbox.inbox()
     file, placed = RowsSender().send(blobs(), box)
-    assert file is None and received(file, placed) == want
+    item = {"status": "ok", "detail": "", "sites": ["post_block@0"], "hidden": 5,
+            "dtype": "float32", "rows": 1, "positions": np.zeros(1, "<i8").tobytes(),
+            "scales": b"", **placed[0]}
+    [got, missing] = request_capture.merge([{"file": file, "items": [item, None]}], 2)
+    assert missing is None
+    assert got.status == "dropped" and "No space left on device" in got.detail
+    assert os.listdir(box["folder"]) == ["token"]
+
+
+def test_the_reply_leaves_before_its_file_is_written(monkeypatch):
+    """The engine does not wait for the write: ``send`` returns while the file is still
+    being written, the frontend waits for it; a file discarded meanwhile is never
+    published (the sender finds it gone)."""
+    writing = threading.Event()
+    real = capture_transfer._write_at
+
+    def slow(*args):
+        writing.wait(10)
+        real(*args)
+
+    monkeypatch.setattr(capture_transfer, "_write_at", slow)
+    box = rows_inbox.inbox()
+    sender = RowsSender()
+    file, placed = sender.send(blobs(), box)
+    assert not os.path.exists(file) and os.path.exists(file + rows_inbox.PART)
+    threading.Timer(0.2, writing.set).start()
+    assert received(file, placed) == [b.numpy().tobytes() for b in blobs()]
+
+    writing.clear()
+    file, placed = sender.send(blobs(), box)
+    rows_inbox.discard(file)
+    writing.set()
+    sender._sender.submit(lambda: None).result()  # the sender is done with the file
     assert os.listdir(box["folder"]) == ["token"]
 
 
@@ -91,6 +140,7 @@ def test_a_reply_whose_caller_was_cancelled_leaves_no_file():
         caller.cancel()
         await asyncio.gather(caller, return_exceptions=True)
         file, placed = RowsSender().send(blobs(), rows_inbox.inbox())
+        await rows_inbox.ready(file)
         assert os.path.exists(file)
         reply.set_result([{"file": file, "items": placed}, None])
         await asyncio.sleep(0)

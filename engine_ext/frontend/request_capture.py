@@ -112,6 +112,9 @@ async def collect_through(rpc: Callable[..., Awaitable[list[Any]]],
                                      *collect_args(requests, keep)))
     try:
         replies = await asyncio.shield(task)
+        for reply in replies:
+            if reply is not None and reply.get("file"):
+                await rows_inbox.ready(reply["file"])
     except asyncio.CancelledError:
         task.add_done_callback(_discard_files)
         raise
@@ -131,15 +134,30 @@ def merge(replies: list[dict[str, Any] | None], count: int) -> list[Activations 
     result per request (a pipeline stage's replier has its own layers' sites; None: the
     request asked for no capture)."""
     parts: list[list[Activations]] = [[] for _ in range(count)]
-    files = [rows_inbox.take(reply["file"]) if reply is not None and reply.get("file") else None
-             for reply in replies]  # every file first: a bad reply must not strand the rest
+    files = [_take(reply) for reply in replies]  # every file first: none is left behind
     for reply, file in zip(replies, files, strict=True):
         if reply is None:
             continue
         for i, item in enumerate(reply["items"]):
-            if item is not None:
+            if item is None:
+                continue
+            if isinstance(file, OSError):
+                parts[i].append(Activations(status="dropped", positions=np.zeros(0, np.int64),
+                                            sites={}, dtype=item["dtype"], detail=str(file)))
+            else:
                 parts[i].append(decode(item, file))
     return [merge_parts(p) for p in parts]
+
+
+def _take(reply: dict[str, Any] | None) -> np.ndarray | OSError | None:
+    """The bytes of a reply's inbox file (None: it has none; the error when the worker could
+    not write it)."""
+    if reply is None or not reply.get("file"):
+        return None
+    try:
+        return rows_inbox.take(reply["file"])
+    except OSError as e:
+        return e
 
 
 def decode(reply: dict[str, Any], file: np.ndarray | None = None) -> Activations:

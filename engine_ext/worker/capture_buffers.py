@@ -135,7 +135,6 @@ class CaptureBuffers:
         ``nbytes`` in the file, ``rows`` per site (one with ``reduce: mean``), and ``scales``
         (int8: one float32 per row).
         """
-        self._synchronize(reply)
         taken = [self._take(request_id, computed, since, reply, first_gated, keep)
                  for request_id, computed, since in requests]
         if not reply:
@@ -346,10 +345,6 @@ class CaptureBuffers:
 
     def _lane_index(self, lanes: list[int]) -> torch.Tensor:
         return torch.tensor(lanes, dtype=torch.long, device=self.capture.device)
-
-    def _synchronize(self, reply: bool) -> None:
-        if reply and self.capture.is_cuda:
-            torch.cuda.synchronize(self.capture.device)  # rare RPC; forwards may be in flight
 
     def _allocate(self, n: int) -> int | None:
         """First fit: the lowest start of ``n`` free consecutive rows in 1..C; the rows of

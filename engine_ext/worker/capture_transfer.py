@@ -9,10 +9,14 @@ the token file the frontend wrote — the rows are written into one file there a
 carries only offsets; the frontend maps the file. Otherwise (a worker on another host, a full
 or missing folder) they travel inline as bytes.
 
-The file is written in pieces of :data:`CHUNK` bytes, :data:`WRITERS` at once, each at its own
-offset: a tmpfs fills several times faster from several threads than from one, and the write,
-not the copy off the device, is most of a large collect. Device pieces go through pinned
-staging buffers, one per writer, each reused once its write is done.
+The reply leaves before its file is written: the rows are queued on the device (projected and
+cast already, :mod:`.capture_encode`), and a sender thread of this worker copies them off the
+device and writes the file, so the engine's next step does not wait for either. The frontend
+waits for the file instead (see :mod:`..frontend.rows_inbox` for how a file says it is
+written, or why it could not be). The file is written in pieces of :data:`CHUNK` bytes,
+:data:`WRITERS` at once, each at its own offset; device pieces go through pinned staging
+buffers, one per writer, each reused once its write is done, after a copy on a stream of the
+sender's own that waits for the rows to be computed.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ..frontend.rows_inbox import FAILED, PART
+
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
 
 CHUNK = 32 << 20
@@ -40,22 +46,35 @@ class RowsSender:
 
     def __init__(self) -> None:
         self._staging: list[torch.Tensor] = []
-        self._writers: ThreadPoolExecutor | None = None
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="dynsteer-rows-send")
+        """Writes one reply's file after another (they share the staging buffers)."""
+        self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="dynsteer-rows-write")
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._seen: dict[tuple[str, str], bool] = {}
 
     def send(self, blobs: list[torch.Tensor], inbox: dict[str, str] | None
              ) -> tuple[str | None, list[dict[str, Any]]]:
         """Per blob (flat ``uint8``), ``{"data": bytes}`` or ``{"offset", "nbytes"}`` into the
-        returned file of the inbox."""
+        returned file of the inbox, which is written after this returns."""
         if inbox is not None and sum(b.numel() for b in blobs) > 0 and self._usable(inbox):
             path = os.path.join(inbox["folder"], f"{uuid.uuid4().hex}.rows")
             try:
-                return path, self._write(path, blobs)
+                fd = os.open(path + PART, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except OSError as e:
                 logger.warning("dynsteer: rows sent inline; the frontend's inbox %s failed: %s",
                                inbox["folder"], e)
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            else:
+                placed: list[dict[str, Any]] = []
+                offset = 0
+                for blob in blobs:
+                    placed.append({"offset": offset, "nbytes": blob.numel()})
+                    offset += blob.numel()
+                computed = None
+                if blobs[0].is_cuda:  # the rows are ready once the work queued so far is done
+                    computed = torch.cuda.Event()
+                    computed.record(torch.cuda.current_stream(blobs[0].device))
+                self._sender.submit(self._write, fd, path, blobs, computed)
+                return path, placed
         return None, [{"data": b.cpu().numpy().tobytes()} for b in blobs]
 
     def _usable(self, inbox: dict[str, str]) -> bool:
@@ -69,24 +88,39 @@ class RowsSender:
                 self._seen[key] = False
         return self._seen[key]
 
-    def _write(self, path: str, blobs: list[torch.Tensor]) -> list[dict[str, Any]]:
-        placed: list[dict[str, Any]] = []
-        offset = 0
-        for blob in blobs:
-            placed.append({"offset": offset, "nbytes": blob.numel()})
-            offset += blob.numel()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    def _write(self, fd: int, path: str, blobs: list[torch.Tensor],
+               computed: torch.cuda.Event | None) -> None:
+        """The sender thread's job: the file, then its rename into place; on failure, the
+        reason beside it (unless the frontend discarded the file meanwhile)."""
         try:
-            self._write_pieces(fd, blobs)
-        finally:
-            os.close(fd)
-        return placed
+            try:
+                self._write_pieces(fd, blobs, computed)
+            finally:
+                os.close(fd)
+            os.rename(path + PART, path)
+        except FileNotFoundError:
+            return  # discarded: nobody waits for these rows
+        except Exception as e:
+            logger.warning("dynsteer: collected rows could not be written to %s: %s", path, e)
+            if os.path.exists(path + PART):
+                with contextlib.suppress(OSError):
+                    with open(path + FAILED + PART, "w") as f:
+                        f.write(str(e))
+                    os.rename(path + FAILED + PART, path + FAILED)
+                with contextlib.suppress(OSError):
+                    os.unlink(path + PART)
 
-    def _write_pieces(self, fd: int, blobs: list[torch.Tensor]) -> None:
+    def _write_pieces(self, fd: int, blobs: list[torch.Tensor],
+                      computed: torch.cuda.Event | None) -> None:
         """Every blob at its offset in ``fd``, :data:`WRITERS` pieces at a time; the first
         failed write's error once every write has ended."""
-        if self._writers is None:
-            self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="dynsteer-rows")
+        stream = None
+        if computed is not None:
+            device = blobs[0].device
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            stream = self._streams[device]
+            stream.wait_event(computed)
         writes: deque[Future[None]] = deque()
         errors: list[BaseException] = []
         offset = turn = 0
@@ -96,7 +130,7 @@ class RowsSender:
                 for start in range(0, flat.numel(), CHUNK):
                     if len(writes) == WRITERS:  # the oldest used this turn's staging buffer
                         _wait(writes.popleft(), errors)
-                    piece, ready = self._stage(flat[start:start + CHUNK], turn)
+                    piece, ready = self._stage(flat[start:start + CHUNK], turn, stream)
                     writes.append(self._writers.submit(_write_at, fd, piece, offset + start,
                                                        ready))
                     turn = (turn + 1) % WRITERS
@@ -107,18 +141,19 @@ class RowsSender:
         if errors:
             raise errors[0]
 
-    def _stage(self, piece: torch.Tensor, turn: int
+    def _stage(self, piece: torch.Tensor, turn: int, stream: torch.cuda.Stream | None
                ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """A host piece as it is; a device piece queued for copying into staging buffer
-        ``turn``, with the event after its copy."""
-        if not piece.is_cuda:
+        """A host piece as it is; a device piece queued on ``stream`` for copying into staging
+        buffer ``turn``, with the event after its copy."""
+        if stream is None:
             return piece, None
         while len(self._staging) <= turn:
             self._staging.append(torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True))
         staged = self._staging[turn][:piece.numel()]
-        staged.copy_(piece, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(piece.device))
+        with torch.cuda.stream(stream):
+            staged.copy_(piece, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
         return staged, ready
 
 
