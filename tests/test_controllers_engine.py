@@ -122,7 +122,7 @@ def controlled_run(tiny_model_dir, controller_plugins):
     hf = load_hf(path)
     gate, scores = base_gate(hf)
     specs = cases(scores, gate)
-    llm = start_llm(path, dynsteer=OPTIONS)
+    llm = start_llm(path, dynsteer=OPTIONS, in_process=True)
     try:
         steering = Steering(llm)
         steering.register_vector("alt", ALT)

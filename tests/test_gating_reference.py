@@ -86,7 +86,8 @@ def gated_run(request, tiny_model_dir):
     hf = load_hf(path)
     cases = {name: calibrate(hf, spec) for name, spec in base_cases().items()}
     # The monitor sites are the gates'; every other site steers by the fused tensor ops.
-    llm = start_llm(path, dynsteer={"sites": ALL_SITES, "monitor_sites": MONITOR_SITES})
+    llm = start_llm(path, dynsteer={"sites": ALL_SITES, "monitor_sites": MONITOR_SITES},
+                    in_process=True)
     try:
         steering = Steering(llm)
         register_probes(steering)

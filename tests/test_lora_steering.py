@@ -65,7 +65,7 @@ def lora_run(tiny_model_dir, tmp_path_factory):
                                  for n in ("post_attn-all", "mixed-phases")}, "gated": gated}
     prompts = [PROMPT] * len(specs)
     llm = start_llm(path, dynsteer={"sites": ALL_SITES, "monitor_sites": MONITOR_SITES},
-                    enable_lora=True, max_lora_rank=RANK, max_loras=1)
+                    enable_lora=True, max_lora_rank=RANK, max_loras=1, in_process=True)
     try:
         request = LoRARequest("tiny", 1, str(adapter))
         sps = [params(6, spec=s, prompt_logprobs=None) for s in specs.values()]

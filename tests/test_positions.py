@@ -120,7 +120,7 @@ def engine(tiny_model_dir):
     path = tiny_model_dir("llama")
     llm = start_llm(path, block_size=32, enable_prefix_caching=True,
                     dynsteer={"sites": ALL_SITES, "monitor_sites": "post_block@1",
-                              "max_projections": 1})
+                              "max_projections": 1}, in_process=True)
     try:
         yield llm, load_hf(path)
     finally:

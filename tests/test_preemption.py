@@ -32,7 +32,8 @@ def preempted_outputs(tiny_model_dir):
     llm = start_llm(path, dynsteer={"monitor_sites": "post_block@0,post_block@2"},
                     block_size=BLOCK,
                     num_gpu_blocks_override=6,
-                    max_model_len=128, max_num_seqs=4, disable_log_stats=False)
+                    max_model_len=128, max_num_seqs=4, disable_log_stats=False,
+                    in_process=True)
     try:
         prompts = [[1, *np.random.RandomState(i).randint(3, 500, 39).tolist()] for i in range(4)]
         outs = run(llm, prompts, [params(40, spec=s) for s in SPECS])

@@ -43,7 +43,7 @@ per site for the ``clamp`` cases)."""
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     llm = start_llm(tiny_model_dir("llama"), dynsteer=DYNSTEER, enable_prefix_caching=True,
-                    block_size=BLOCK)
+                    block_size=BLOCK, in_process=True)
     yield llm
     stop_llm(llm)
 

@@ -85,7 +85,7 @@ def projected(request, tiny_model_dir):
     gated = {name: calibrate(hf, spec) for name, spec in GATED_CASES.items()}
     specs = {**{n: {"steer": e} for n, e in STATIC_CASES.items()}, **gated}
     llm = start_llm(path, dynsteer={"sites": ALL_SITES, "monitor_sites": MONITOR_SITES,
-                                    "max_projections": 2})
+                                    "max_projections": 2}, in_process=True)
     try:
         names = list(specs)
         outs = dict(zip(names, run(llm, [PROMPT] * len(names),

@@ -239,7 +239,7 @@ def llm(tiny_model_dir):
     engine = start_llm(tiny_model_dir("llama"), max_num_batched_tokens=64, block_size=32,
                        enable_prefix_caching=True,
                        dynsteer={"sites": SITES, "monitor_sites": SITES, "capture_lanes": 4,
-                                 "capture_tokens": 200})
+                                 "capture_tokens": 200}, in_process=True)
     yield engine
     stop_llm(engine)
 

@@ -20,7 +20,7 @@ PROMPTS = [[1, 17, 42, 99, 7, 250, 3, 64], [1, 300, 5, 77, 8]]
 def arch_outputs(request, tiny_model_dir):
     """Run baseline + every case on one engine in one batch; stop the engine."""
     path = tiny_model_dir(request.param)
-    llm = start_llm(path, dynsteer={"sites": ALL_SITES})
+    llm = start_llm(path, dynsteer={"sites": ALL_SITES}, in_process=True)
     try:
         names = ["baseline", *STATIC_CASES]
         prompts = [PROMPTS[i % 2] for i in range(len(names))]
