@@ -9,9 +9,10 @@ repetition), each on fresh random prompts:
 * ``plain``       requests without a capture on the capture engine;
 * ``returned-1``  every request captures one site at all positions as float16, collected with
                   one ``Steering.activations(outputs)`` call for the batch (timed);
-* ``sink-4``      every request captures all four sites at all positions as float16 into a
-                  filesystem sink (a temporary folder; timed until the shards are sealed);
-                  the sink's MB/s is reported;
+* ``sink-4``      every request captures all four sites at all positions as float16 into the
+                  capture engine's own sink (``dynsteer.capture_sinks``, a temporary folder:
+                  the workers write rows as the requests run), timed until its shards are
+                  sealed (``Steering.flush_capture_sinks``); the sink's MB/s is reported;
 * ``training``    the probe-training path: ``Steering.capture`` of ``--train-prompts`` prompts
                   of the prompt length at the four sites (``reduce="mean"``), against stock's
                   prefill of the same prompts (``max_tokens=1``): prompt tokens/s.
@@ -65,28 +66,29 @@ def start(path: Path, dynsteer: dict[str, Any] | None, args: argparse.Namespace)
                max_num_seqs=max(args.batches), seed=0, **gpu, **extra)
 
 
-def capture_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The capture engine's options: rows for every request of the largest batch."""
+def capture_options(args: argparse.Namespace, sink: Path) -> dict[str, Any]:
+    """The capture engine's options: rows for every request of the largest batch, and the
+    sink ``bench`` in the folder ``sink``."""
     rows = max(args.batches) * (args.prompt + args.gen) + 1
     rows = max(rows, args.prompt * args.train_prompts // 4 + 1)
     return {"sites": ",".join(SITES), "monitor_sites": ",".join(SITES), "capture_lanes": 4,
-            "capture_tokens": rows}
+            "capture_tokens": rows, "capture_sinks": {"bench": str(sink)}}
 
 
-def spec(scenario: str, sink: bool = False) -> dict[str, Any] | None:
+def spec(scenario: str) -> dict[str, Any] | None:
     if scenario == "returned-1":
         return {"capture": {"sites": SITES[1], "positions": "all", "dtype": "float16"}}
     if scenario == "sink-4":
-        return {"capture": {"sites": SITES, "positions": "all", "dtype": "float16"}}
+        return {"capture": {"sites": SITES, "positions": "all", "dtype": "float16",
+                            "sink": "bench"}}
     return None
 
 
-def generate(llm: Any, scenario: str, batch: int, args: argparse.Namespace, seed: int,
-             sink_root: Path) -> dict[str, float]:
+def generate(llm: Any, scenario: str, batch: int, args: argparse.Namespace, seed: int
+             ) -> dict[str, float]:
     """One timed run: generated tokens/s (and the sink's MB/s)."""
     from vllm import SamplingParams
 
-    from dynsteer import capture
     from dynsteer.engine_ext import Steering
 
     wanted = spec(scenario)
@@ -95,21 +97,24 @@ def generate(llm: Any, scenario: str, batch: int, args: argparse.Namespace, seed
                              extra_args={"dynsteer": wanted} if wanted else None)
               for _ in range(batch)]
     batch_prompts = prompts(batch, args.prompt, seed)
-    sink = capture.FilesystemSink(sink_root / f"run-{seed}") if scenario == "sink-4" else None
+    sink = scenario == "sink-4"
+    before = Steering(llm).flush_capture_sinks()["bench"] if sink else {}
     t0 = time.perf_counter()
     outs = llm.generate(batch_prompts, params, use_tqdm=False)
-    if wanted is not None:
-        for out, acts in zip(outs, Steering(llm).activations(outs), strict=True):
-            if sink is not None:
-                sink.write(out.request_id, acts)
-            elif acts is None or acts.status != "ok":
+    if sink:
+        after = Steering(llm).flush_capture_sinks()["bench"]
+        held = after["requests"] - before["requests"]
+        if held != batch:
+            raise RuntimeError(f"{scenario}: the sink holds {held} of {batch} requests "
+                               f"({after['dropped']} dropped)")
+    elif wanted is not None:
+        for acts in Steering(llm).activations(outs):
+            if acts is None or acts.status != "ok":
                 raise RuntimeError(f"{scenario}: capture {acts and acts.status}")
-    if sink is not None:
-        sink.close()
     wall = time.perf_counter() - t0
     result = {"tokens_per_s": batch * args.gen / wall}
-    if sink is not None:
-        result["sink_mb_per_s"] = sink.counters.bytes / wall / 1e6
+    if sink:
+        result["sink_mb_per_s"] = (after["bytes"] - before["bytes"]) / wall / 1e6
     return result
 
 
@@ -154,16 +159,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {}
     if args.peer_lens is not None:  # first, so its engine has the device to itself
         runs.update(peer_lens(args, argv if argv is not None else sys.argv[1:]))
-    engines = {"stock": start(path, None, args),
-               "capture": start(path, capture_options(args), args)}
     seed = 0
     with tempfile.TemporaryDirectory() as tmp:
+        engines = {"stock": start(path, None, args),
+                   "capture": start(path, capture_options(args, Path(tmp)), args)}
         for rep in range(args.reps):
             order = [("stock", "stock"), *(("capture", s) for s in GENERATION)]
             for batch in args.batches:
                 for engine, scenario in order if rep % 2 == 0 else order[::-1]:
                     seed += 1
-                    result = generate(engines[engine], scenario, batch, args, seed, Path(tmp))
+                    result = generate(engines[engine], scenario, batch, args, seed)
                     runs.setdefault(f"{scenario}@{batch}", []).append(result)
             for name, training in (("stock-prefill", False), ("training", True)):
                 seed += 1

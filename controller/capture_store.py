@@ -1,23 +1,21 @@
-"""Captured activations on disk: safetensors shards and an index, written while serving.
+"""Captured activations on disk: the filesystem sink and the reader of a sink's folder.
 
-A :class:`FilesystemSink` takes requests' :class:`~.activations.Activations` and packs them
-into shards: one safetensors file holds, per (site, dtype, row width), one tensor of the rows
-of every request in it, one after the other, and one int64 tensor of their positions. A shard
-is *sealed* once it holds ``shard_bytes``, has been open ``seal_after_s``, or the sink is
-flushed or closed: written
-under a hidden temporary name, synced, renamed into place, and only then named in
-``index.jsonl``, one line per request (its id, status, shard, and per site the tensor and row
-range). A process killed mid-way leaves sealed shards, an index that names only them, and at
-most one hidden temporary file, which readers ignore.
+A :class:`FilesystemSink` takes requests' :class:`~.activations.Activations` (the API server
+hands each over once its response is complete) and writes them into safetensors shards and an
+index through a :class:`~.capture_shards.ShardWriter`, on a thread of its own behind a bounded
+queue (``policy`` ``block`` or ``drop``). The engine's own sinks
+(``dynsteer.capture_sinks``) write the same files from the workers while requests run.
 
-Writes go through a bounded queue to one writer thread, so a caller never waits for the disk
-unless the queue is full: ``policy="block"`` then waits, ``"drop"`` drops the request and
-counts it. A write that fails (a full disk) drops that shard's requests, counts them and logs
-why; the caller is never interrupted.
+A shard holds, per request, one tensor of its rows at each site (as its dtype stores them:
+bfloat16 as its bits, int8 with a tensor of per-row scales) and one of its positions;
+``index.jsonl`` has a line per request (its id, status, shard, and per site the tensor and row
+range). A write that fails (a full disk) drops that request or shard, counts it and logs why;
+the caller is never interrupted. See :mod:`.capture_shards` for sealing, and what a killed
+process leaves.
 
 :func:`open` reads a folder back: iterate its requests, or read one site across all of them
-(each shard's tensor memory-mapped). The files are ordinary safetensors (``safetensors``
-reads them too). No vLLM import.
+(each block memory-mapped). The files are ordinary safetensors (``safetensors`` reads them too).
+No vLLM import.
 """
 
 from __future__ import annotations
@@ -26,111 +24,45 @@ import builtins
 import json
 import logging
 import os
-import queue
 import struct
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from .activations import Activations, quantize_int8
+from .capture_shards import (
+    DEFAULT_SEAL_AFTER_S,
+    DEFAULT_SHARD_BYTES,
+    INDEX,
+    NP_DTYPE,
+    Policy,
+    ShardCounters,
+    ShardThread,
+    write_at,
+)
 
 logger = logging.getLogger("vllm.dynsteer.capture_store")
 
-INDEX = "index.jsonl"
-DEFAULT_SHARD_BYTES = 256 << 20
-DEFAULT_SEAL_AFTER_S = 60.0
-"""A shard open this long with something in it is sealed, full or not (so a quiet server's
-rows reach the disk)."""
-_ST_OF = {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16", np.dtype("<u2"): "BF16",
-          np.dtype("i1"): "I8", np.dtype("<i8"): "I64"}
-"""The safetensors dtype of each stored numpy dtype (bfloat16 rows are kept as their bits)."""
-_NP_OF_ST = {st: np_dtype for np_dtype, st in _ST_OF.items()}
+SinkCounters = ShardCounters
 _CASTS = {"float32": "<f4", "float16": "<f2"}
-Policy = Literal["block", "drop"]
 
 
-@dataclass
-class SinkCounters:
-    """What a sink did (exported as metrics by the server)."""
-
-    requests: int = 0
-    """Requests written into sealed shards."""
-    dropped: int = 0
-    """Requests dropped (queue full under ``drop``, or a failed write)."""
-    bytes: int = 0
-    """Bytes of sealed shards."""
-    shards: int = 0
-
-
-@dataclass
-class _Open:
-    """The shard being filled: per tensor, its parts; per request, its index line."""
-
-    tensors: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    rows: dict[str, int] = field(default_factory=dict)
-    lines: list[dict[str, Any]] = field(default_factory=list)
-    nbytes: int = 0
-    since: float = field(default_factory=time.monotonic)
-
-    def append(self, name: str, array: np.ndarray) -> int:
-        """Add rows to tensor ``name``; returns the first row's index in it."""
-        start = self.rows.get(name, 0)
-        self.tensors.setdefault(name, []).append(array)
-        self.rows[name] = start + len(array)
-        self.nbytes += array.nbytes
-        return start
-
-
-class FilesystemSink:
+class FilesystemSink(ShardThread):
     """Writes requests' activations into ``path`` (created if missing)."""
 
     def __init__(self, path: str | os.PathLike[str], shard_bytes: int = DEFAULT_SHARD_BYTES,
                  queue_size: int = 64, policy: Policy = "block",
                  seal_after_s: float = DEFAULT_SEAL_AFTER_S) -> None:
-        if policy not in ("block", "drop"):
-            raise ValueError(f"policy: {policy!r} is not 'block' or 'drop'")
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.shard_bytes = shard_bytes
-        self.seal_after_s = seal_after_s
-        self.policy = policy
-        self.counters = SinkCounters()
-        self._queue: queue.Queue[tuple[str, Activations, dict[str, str]] | None] = \
-            queue.Queue(queue_size)
-        self._open = _Open()
-        self._next = 1 + max((int(p.stem.split("-")[1]) for p in self.path.glob("shard-*")),
-                             default=0)
-        self._thread = threading.Thread(target=self._run, name="dynsteer-capture-sink",
-                                        daemon=True)
-        self._thread.start()
+        super().__init__(path, shard_bytes, queue_size, policy, seal_after_s)
 
     def write(self, request_id: str, activations: Activations,
               meta: dict[str, str] | None = None) -> bool:
         """Queue one request's activations (``meta``: kept in its index line, e.g. who sent
         it); False when dropped (queue full under ``drop``)."""
-        try:
-            self._queue.put((request_id, activations, meta or {}),
-                            block=self.policy == "block")
-        except queue.Full:
-            self.counters.dropped += 1
-            return False
-        return True
-
-    def flush(self) -> None:
-        """Wait until everything queued is in a sealed shard."""
-        self._queue.put(("", _SEAL, {}))
-        self._queue.join()
-
-    def close(self) -> None:
-        """Seal what is open and stop the writer."""
-        self.flush()
-        self._queue.put(None)
-        self._thread.join()
+        return self.put((request_id, activations, meta or {}))
 
     def __enter__(self) -> FilesystemSink:
         return self
@@ -138,130 +70,108 @@ class FilesystemSink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- the writer thread -----------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            try:
-                item = self._queue.get(timeout=self.seal_after_s / 4)
-            except queue.Empty:
-                if self._open.lines and time.monotonic() - self._open.since > self.seal_after_s:
-                    self._seal()
-                continue
-            try:
-                if item is None:
-                    return
-                request_id, activations, meta = item
-                if activations is _SEAL:
-                    self._seal()
-                else:
-                    self._add(request_id, activations, meta)
-                    if self._open.nbytes >= self.shard_bytes:
-                        self._seal()
-            finally:
-                self._queue.task_done()
+    def _handle(self, item: tuple[str, Activations, dict[str, str]]) -> None:
+        self._add(*item)
 
     def _add(self, request_id: str, activations: Activations,
              meta: dict[str, str] | None = None) -> None:
-        shard = self._open
-        positions = np.asarray(activations.positions, dtype=np.int64)
+        tensors: dict[str, np.ndarray] = {}
+        positions = np.asarray(activations.positions, dtype="<i8")
+        if len(positions):
+            tensors["positions"] = positions
+        for site, rows in activations.sites.items():
+            for suffix, data in _stored(rows, activations.dtype).items():
+                tensors[site + suffix] = data
         line: dict[str, Any] = {"request_id": request_id, "meta": meta or {},
                                 "status": activations.status,
                                 "detail": activations.detail, "dtype": activations.dtype,
                                 "positions": None, "sites": {}}
-        if len(positions):
-            start = shard.append("positions", positions)
-            line["positions"] = {"tensor": "positions", "start": start,
-                                 "stop": start + len(positions)}
-        for site, rows in activations.sites.items():
-            entry: dict[str, Any] = {}
-            for name, data in _stored(site, rows, activations.dtype).items():
-                start = shard.append(name, data)  # the scales keep pace with their rows
-                entry["scales" if name.endswith("/scales") else "tensor"] = name
-            line["sites"][site] = {**entry, "start": start, "stop": start + len(rows)}
-        shard.lines.append(line)
-
-    def _seal(self) -> None:
-        shard, self._open = self._open, _Open()
-        if not shard.lines:
-            return
-        name = f"shard-{self._next:06d}.safetensors"
-        self._next += 1
-        temporary = self.path / f".{name}.tmp"
+        reservation = self.writer.reserve(
+            {key: (_tensor_name(key, activations.dtype, data), data.dtype, data.shape)
+             for key, data in tensors.items()})
         try:
-            size = _write_safetensors(temporary, shard.tensors)
-            os.replace(temporary, self.path / name)
-            with builtins.open(self.path / INDEX, "a", encoding="utf-8") as index:
-                for line in shard.lines:
-                    index.write(json.dumps({**line, "shard": name}) + "\n")
-                index.flush()
-                os.fsync(index.fileno())
+            for key, data in tensors.items():
+                self.writer.wrote(reservation, write_at(reservation.fd, data,
+                                                        reservation.offsets[key]))
         except OSError as e:
-            logger.error("dynsteer: capture sink %s could not write %s (%s); %d requests "
-                         "dropped", self.path, name, e, len(shard.lines))
-            self.counters.dropped += len(shard.lines)
-            temporary.unlink(missing_ok=True)
+            logger.error("dynsteer: capture sink %s could not write request %s (%s); dropped",
+                         self.path, request_id, e)
+            self.writer.finish(reservation, None)
+            self.counters.dropped += 1
             return
-        self.counters.requests += len(shard.lines)
-        self.counters.bytes += size
-        self.counters.shards += 1
+        names = reservation.names
+        if len(positions):
+            line["positions"] = {"tensor": names["positions"], "start": 0,
+                                 "stop": len(positions)}
+        for site, rows in activations.sites.items():
+            entry = {"tensor": names[site], "start": 0, "stop": len(rows)}
+            if site + "/scales" in names:
+                entry["scales"] = names[site + "/scales"]
+            line["sites"][site] = entry
+        self.writer.finish(reservation, line)
 
 
-_SEAL: Any = object()
+_SETTINGS = {"shard_bytes": int, "queue_size": int, "policy": str, "seal_after_s": float}
 
 
-def _stored(site: str, rows: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
-    """The tensors one site's rows are kept in: as their dtype holds them (bfloat16 as its
-    bits, int8 with its scales), in a tensor per (site, dtype, width)."""
-    name = f"{site}/{dtype}/{rows.shape[-1]}"
+def sink_settings(name: str, value: str) -> tuple[str, dict[str, Any]]:
+    """A configured sink's folder and settings: ``DIR`` or ``DIR?shard_bytes=N&policy=drop
+    &seal_after_s=S&queue_size=N`` (ValueError naming the sink and the setting)."""
+    folder, _, query = value.partition("?")
+    if not folder:
+        raise ValueError(f"capture_sinks.{name}: no folder (NAME=DIR[?setting=value&...])")
+    settings: dict[str, Any] = {}
+    for item in filter(None, query.split("&")):
+        key, _, text = item.partition("=")
+        if key not in _SETTINGS:
+            raise ValueError(f"capture_sinks.{name}: unknown setting {key!r} (one of "
+                             f"{', '.join(_SETTINGS)})")
+        try:
+            settings[key] = _SETTINGS[key](text)
+        except ValueError as e:
+            raise ValueError(f"capture_sinks.{name}.{key}: {text!r} is not valid") from e
+    if settings.get("policy", "block") not in ("block", "drop"):
+        raise ValueError(f"capture_sinks.{name}.policy: {settings['policy']!r} is not 'block' "
+                         "or 'drop'")
+    return folder, settings
+
+
+def _tensor_name(key: str, dtype: str, data: np.ndarray) -> str:
+    """A block's name in its shard (before its number): the site, dtype and row width."""
+    if key == "positions":
+        return key
+    site, _, scales = key.partition("/")
+    return f"{site}/{dtype}/scales" if scales else f"{site}/{dtype}/{data.shape[-1]}"
+
+
+def _stored(rows: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
+    """The tensors one site's rows are kept in, by key suffix: as their dtype holds them
+    (bfloat16 as its bits, int8 with its scales)."""
     if dtype == "bfloat16":
-        return {name: (np.ascontiguousarray(rows, np.float32).view(np.uint32) >> 16)
-                .astype(np.uint16)}
+        return {"": (np.ascontiguousarray(rows, np.float32).view(np.uint32) >> 16)
+                .astype("<u2")}
     if dtype == "int8":
         q, scale = quantize_int8(rows)
-        return {name: q, f"{name}/scales": scale}
-    return {name: np.ascontiguousarray(rows, _CASTS[dtype])}
-
-
-def _write_safetensors(path: Path, tensors: dict[str, list[np.ndarray]]) -> int:
-    """Write ``tensors`` (each the concatenation of its parts along the first axis) as one
-    safetensors file, synced; returns its size. The parts go to the file as they are, not
-    joined in memory first."""
-    header: dict[str, Any] = {"__metadata__": {"format": "dynsteer-capture"}}
-    offset = 0
-    for name, parts in tensors.items():
-        nbytes = sum(part.nbytes for part in parts)
-        header[name] = {"dtype": _ST_OF[parts[0].dtype.newbyteorder("<")],
-                        "shape": [sum(len(part) for part in parts), *parts[0].shape[1:]],
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with builtins.open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(text)))
-        out.write(text)
-        for parts in tensors.values():
-            for part in parts:
-                out.write(memoryview(np.ascontiguousarray(part)).cast("B"))
-        out.flush()
-        os.fsync(out.fileno())
-    return 8 + len(text) + offset
+        return {"": q, "/scales": np.ascontiguousarray(scale, "<f4")}
+    return {"": np.ascontiguousarray(rows, _CASTS[dtype])}
 
 
 # ---- reading ---------------------------------------------------------------------------------
 def _tensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file, memory-mapped (bfloat16 as uint16 bits)."""
+    """Every tensor of a safetensors file, as views of one memory map (bfloat16 as uint16
+    bits)."""
     with builtins.open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
     header.pop("__metadata__", None)
+    data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else None
     out = {}
     for name, info in header.items():
         begin, end = info["data_offsets"]
-        dtype = np.dtype(_NP_OF_ST[info["dtype"]])
-        count = (end - begin) // dtype.itemsize
-        out[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + length + begin,
-                              shape=(count,)).reshape(info["shape"]) if count else \
-            np.zeros(info["shape"], dtype)
+        dtype = np.dtype(NP_DTYPE[info["dtype"]])
+        out[name] = (data[8 + length + begin:8 + length + end].view(dtype)
+                     .reshape(info["shape"]) if end > begin and data is not None
+                     else np.zeros(info["shape"], dtype))
     return out
 
 
@@ -289,27 +199,32 @@ class CapturedRequest:
 
 
 class CaptureStore:
-    """A sink's folder, read back (:func:`open`)."""
+    """A sink's folder, read back (:func:`open`). A request written by several workers (one
+    per pipeline stage, each with its own layers' sites) has a line from each; it reads as one
+    request with all of their sites."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         index = path / INDEX
         self.lines = ([json.loads(line) for line in index.read_text("utf-8").splitlines()
                        if line.strip()] if index.exists() else [])
+        self._by_request: dict[str, list[dict[str, Any]]] = {}
+        for line in self.lines:
+            self._by_request.setdefault(line["request_id"], []).append(line)
         self._shards: dict[str, dict[str, np.ndarray]] = {}
 
     def __len__(self) -> int:
-        return len(self.lines)
+        return len(self._by_request)
 
     def __iter__(self) -> Iterator[CapturedRequest]:
-        return (self._request(line) for line in self.lines)
+        return (self._request(lines) for lines in self._by_request.values())
 
     def sites(self) -> list[str]:
         return sorted({site for line in self.lines for site in line["sites"]})
 
     def site(self, site: str) -> np.ndarray:
-        """Every request's rows at ``site``, in index order: ``[tokens, width]`` (one shard's
-        worth is a memory map; several are concatenated)."""
+        """Every request's rows at ``site``, in index order: ``[tokens, width]`` (one request's
+        is a memory map; several are concatenated)."""
         parts = [self._rows(line, site) for line in self.lines if site in line["sites"]]
         if not parts:
             raise KeyError(f"site: {site!r} is not in {self.path} (it has {self.sites()})")
@@ -328,15 +243,19 @@ class CaptureStore:
             if "scales" in entry else None
         return _as_values(rows, line["dtype"], scales)
 
-    def _request(self, line: dict[str, Any]) -> CapturedRequest:
-        found = line["positions"]
-        positions = (self._shard(line["shard"])["positions"][found["start"]:found["stop"]]
+    def _request(self, lines: list[dict[str, Any]]) -> CapturedRequest:
+        first = lines[0]
+        found = first["positions"]
+        positions = (self._shard(first["shard"])[found["tensor"]][found["start"]:found["stop"]]
                      if found else np.zeros(0, np.int64))
-        activations = Activations(status=line["status"], detail=line.get("detail", ""),
-                                  dtype=line["dtype"], positions=np.asarray(positions),
-                                  sites={site: self._rows(line, site) for site in line["sites"]})
-        return CapturedRequest(line["request_id"], line["status"], activations,
-                               line.get("meta", {}))
+        sites = {site: self._rows(line, site) for line in lines for site in line["sites"]}
+        status = next((line["status"] for line in lines if line["status"] != "ok"),
+                      first["status"])
+        activations = Activations(status=status, detail=first.get("detail", ""),
+                                  dtype=first["dtype"], positions=np.asarray(positions),
+                                  sites=sites)
+        return CapturedRequest(first["request_id"], status, activations,
+                               first.get("meta", {}))
 
 
 def open(path: str | os.PathLike[str]) -> CaptureStore:

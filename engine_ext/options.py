@@ -13,8 +13,10 @@ from typing import Annotated, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from dynsteer.controller.capture_store import sink_settings
 from dynsteer.controller.contract import Site, check_site_grammar, resolve_sites, site_order
 from dynsteer.controller.limits import DEFAULT_MAX_STEER_NORM
+from dynsteer.controller.spec import SINK_PATTERN
 
 from .plugin import CONFIG_KEY, requested
 
@@ -104,6 +106,13 @@ class EngineOptions(BaseModel):
     """Capture rows (per lane): a request capturing its own activations holds its prompt plus
     ``max_tokens - 1`` of them until they are collected, and one that could never fit is
     refused; a probe-training round holds prompts whose lengths sum to at most this."""
+    capture_sinks: dict[Annotated[str, Field(pattern=SINK_PATTERN)], str] = Field(
+        default_factory=dict)
+    """The engine's own capture sinks by name: a folder, optionally with settings
+    (``acts/?shard_bytes=268435456&policy=drop&seal_after_s=60&queue_size=1024``). A request
+    whose capture names one (``"sink": NAME``) has its rows written there by the workers as
+    it runs, in safetensors shards (read back with ``dynsteer.capture.open``), instead of
+    returned with its output."""
     events_address: str | None = None
     """Where the engine publishes controller events (ZeroMQ PUB, e.g.
     ``tcp://127.0.0.1:5557``); None: no events. See :mod:`dynsteer.controller.zmq_protocol`.
@@ -127,6 +136,13 @@ class EngineOptions(BaseModel):
             raise ValueError(f"{v!r} is not a ZeroMQ address (tcp://HOST:PORT or ipc://PATH)")
         return v
 
+    @field_validator("capture_sinks")
+    @classmethod
+    def _check_sinks(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            sink_settings(name, value)
+        return v
+
     @field_validator("sites", "monitor_sites")
     @classmethod
     def _check_site_grammar(cls, v: str | list[str]) -> str | list[str]:
@@ -142,7 +158,8 @@ class EngineOptions(BaseModel):
 
 
 RUNTIME_OPTIONS = frozenset({"max_steer_norm", "max_vectors", "max_probes", "events_address",
-                             "events_every", "events_queue", "commands_address"})
+                             "events_every", "events_queue", "commands_address",
+                             "capture_sinks"})
 """Options that never reach the compiled graph (checks, registry caps, sockets): left out of
 vLLM's compile-cache key, so changing one does not recompile the model."""
 

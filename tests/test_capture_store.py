@@ -61,9 +61,13 @@ def test_shards_are_safetensors(tmp_path):
         sink.write("b", request(1))
     (shard,) = tmp_path.glob("shard-*.safetensors")
     tensors = safetensors.load_file(str(shard))
-    np.testing.assert_array_equal(tensors["post_block@1/float32/16"],
-                                  np.concatenate([request(0)["post_block@1"],
-                                                  request(1)["post_block@1"]]))
+    for line, i in zip(capture.open(tmp_path).lines, (0, 1), strict=True):
+        entry = line["sites"]["post_block@1"]
+        assert entry["tensor"].startswith("post_block@1/float32/16/")
+        np.testing.assert_array_equal(tensors[entry["tensor"]][entry["start"]:entry["stop"]],
+                                      request(i)["post_block@1"])
+        np.testing.assert_array_equal(tensors[line["positions"]["tensor"]],
+                                      request(i).positions)
 
 
 def test_a_reopened_folder_continues_its_numbering(tmp_path):
@@ -113,16 +117,16 @@ def test_block_policy_waits_instead(tmp_path):
 def test_a_failed_write_drops_its_requests_and_the_sink_goes_on(tmp_path, monkeypatch):
     from dynsteer.controller import capture_store
 
-    real = capture_store._write_safetensors
+    real = capture_store.write_at
     calls = []
 
-    def full_disk(path, tensors):
-        calls.append(path)
+    def full_disk(fd, data, offset):
+        calls.append(offset)
         if len(calls) == 1:
             raise OSError(28, "No space left on device")
-        return real(path, tensors)
+        return real(fd, data, offset)
 
-    monkeypatch.setattr(capture_store, "_write_safetensors", full_disk)
+    monkeypatch.setattr(capture_store, "write_at", full_disk)
     with capture.FilesystemSink(tmp_path) as sink:
         sink.write("lost", request(0))
         sink.flush()
@@ -154,3 +158,36 @@ def test_a_killed_writer_leaves_sealed_shards_and_an_index_naming_them(tmp_path)
     assert shards == {p.name for p in tmp_path.glob("shard-*.safetensors")}
     for i, got in enumerate(store):
         assert got.request_id == f"r{i}" and np.all(got["post_block@1"] == i)
+
+
+def test_a_shard_is_sealed_once_its_running_requests_finish(tmp_path):
+    """Blocks filled in pieces, out of order, by two requests sharing a shard: nothing is
+    published while either runs; once both finish, the shard and both lines are, and the
+    rows a request reserved but never filled read as zeros outside its line's range."""
+    from dynsteer.controller.capture_shards import ShardWriter, write_at
+
+    writer = ShardWriter(tmp_path, shard_bytes=1 << 20)
+    rows = {r: np.arange(r * 100, r * 100 + 8 * 4, dtype=np.float32).reshape(8, 4)
+            for r in (1, 2)}
+    held = {r: writer.reserve({"rows": ("post_block@1/float32/4", np.dtype("<f4"), (8, 4))})
+            for r in (1, 2)}
+    assert held[1].shard is held[2].shard
+    for r, first, stop in [(2, 4, 6), (1, 0, 3), (2, 0, 4), (1, 3, 5)]:
+        write_at(held[r].fd, rows[r][first:stop], held[r].offsets["rows"] + first * 16)
+    writer.finish(held[1], {"request_id": "r1", "status": "ok", "dtype": "float32",
+                            "positions": None, "sites": {"post_block@1": {
+                                "tensor": held[1].names["rows"], "start": 0, "stop": 5}}})
+    writer.seal(force=True)
+    assert capture.open(tmp_path).lines == [] and not list(tmp_path.glob("shard-*"))
+    writer.finish(held[2], {"request_id": "r2", "status": "ok", "dtype": "float32",
+                            "positions": None, "sites": {"post_block@1": {
+                                "tensor": held[2].names["rows"], "start": 0, "stop": 6}}})
+    writer.seal()
+    store = capture.open(tmp_path)
+    got = {r.request_id: r["post_block@1"] for r in store}
+    np.testing.assert_array_equal(got["r1"], rows[1][:5])
+    np.testing.assert_array_equal(got["r2"], rows[2][:6])
+    (shard,) = tmp_path.glob("shard-*.safetensors")
+    tensors = pytest.importorskip("safetensors.numpy").load_file(str(shard))
+    assert not tensors[held[1].names["rows"]][5:].any()
+    assert writer.counters.requests == 2 and writer.counters.shards == 1

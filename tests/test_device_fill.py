@@ -110,8 +110,8 @@ class _Pair:
         for s in (self.host, self.dev):
             s.gate[:tokens] = gates
             s.score[:tokens] = gates * 2 - 1
-        reports = [self.host.cache_report(), self.dev.cache_report()]
-        return [] if reports[0] == reports[1] else [["cache_report", *map(str, reports)]]
+        reports = [self.host.after_forward(), self.dev.after_forward()]
+        return [] if reports[0] == reports[1] else [["after_forward", *map(str, reports)]]
 
     def reports(self, ids: list[str]) -> list[list[Any]]:
         """Both states' gate reports of each request, once every step is folded."""

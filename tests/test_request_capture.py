@@ -19,6 +19,7 @@ from engine_utils import params, run, start_llm, stop_llm
 from hf_reference import CAPTURE_ATOL, load_hf, record_streams
 from tiny_models import HIDDEN, vec
 
+from dynsteer.capture import open as open_store
 from dynsteer.controller.activations import (
     Activations,
     activations_of_stream,
@@ -235,11 +236,18 @@ DECODE = 6
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir):
+def sink_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine-sink")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir, sink_dir):
     engine = start_llm(tiny_model_dir("llama"), max_num_batched_tokens=64, block_size=32,
                        enable_prefix_caching=True,
                        dynsteer={"sites": SITES, "monitor_sites": SITES, "capture_lanes": 4,
-                                 "capture_tokens": 200}, in_process=True)
+                                 "capture_tokens": 200,
+                                 "capture_sinks": {"disk": f"{sink_dir}?shard_bytes=65536"}},
+                       in_process=True)
     yield engine
     stop_llm(engine)
 
@@ -483,3 +491,64 @@ def test_uncaptured_requests_and_errors(llm):
         run(llm, PROMPTS[:1], [sampled])
     out, = run(llm, PROMPTS[:1], [params(3)])  # still serving
     assert len(out.outputs[0].token_ids) == 3
+
+
+# ---- the engine's own sink ------------------------------------------------------------------
+def sunk(llm, sink_dir, outs):
+    """The requests of ``outs`` as the engine's sink holds them, after sealing."""
+    totals = Steering(llm).flush_capture_sinks()["disk"]
+    store = {r.request_id: r for r in open_store(sink_dir)}
+    assert totals["requests"] == sum(1 for _ in open_store(sink_dir))
+    return [store.get(out.request_id) for out in outs]
+
+
+@pytest.mark.engine
+def test_an_engine_sink_holds_the_rows_hf_computes(llm, hf, sink_dir):
+    """Rows written by the worker as the requests run (the 70-token prompt's first chunk,
+    then stretches of generated positions, the rest when each finishes), under static
+    steering upstream: read back, every site equals HF's stream; a collect says where they
+    went and the worker keeps none."""
+    spec = {"steer": [{"vector": vec(3), "layers": [0, 2]}],
+            "capture": {"sites": CAPTURED, "sink": "disk"}}
+    outs = run(llm, PROMPTS, [params(max_tokens, spec=spec, prompt_logprobs=None)
+                              for max_tokens in (40, 6, 40, 3)])
+    said = Steering(llm).activations(outs)
+    assert all(a.status == "ok" and a.sites == {} and "disk" in a.detail for a in said)
+    for out, got in zip(outs, sunk(llm, sink_dir, outs), strict=True):
+        assert got is not None and got.status == "ok"
+        n = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+        assert got.activations.positions.tolist() == list(range(n))
+        assert_rows_match_hf(hf, out, got.activations, spec)
+    assert Steering(llm).info()[0]["capture_rows_in_use"] == 0
+
+
+@pytest.mark.engine
+def test_an_engine_sink_keeps_only_gated_requests_whose_gate_fired(llm, hf, sink_dir):
+    """``when: "gated"`` into the sink, in float16 at some positions: the requests whose gate
+    fired are there with HF's rows (to float16's precision), the others are not."""
+    def spec(threshold):
+        return {"gate": {"probe": {"weights": vec(7, norm=1.0), "threshold": threshold},
+                         "layer": 1, "steer": [{"vector": vec(8), "layers": [2, 3]}]},
+                "capture": {"sites": ["post_block@3"], "when": "gated", "sink": "disk",
+                            "positions": [0, "2:4", -1], "dtype": "float16"}}
+
+    specs = [spec(-1e4), spec(1e4), spec(-1e4)]
+    outs = run(llm, PROMPTS[:3], [params(DECODE, spec=s, prompt_logprobs=None) for s in specs])
+    got = sunk(llm, sink_dir, outs)
+    assert [g is not None for g in got] == [True, False, True]
+    for out, found, s in zip(outs, got, specs, strict=True):
+        if found is None:
+            continue
+        prompt = len(out.prompt_token_ids)
+        assert found.activations.positions.tolist() == select(
+            [0, "2:4", -1], prompt, prompt + DECODE - 1).tolist()
+        tokens = [*out.prompt_token_ids, *out.outputs[0].token_ids][:-1]
+        want = record_streams(hf, tokens, (), gate=s["gate"], prompt_len=prompt)[
+            ("post_block", 3)][found.activations.positions]
+        np.testing.assert_allclose(found["post_block@3"], want, rtol=2e-3, atol=2e-3)
+
+
+def test_an_unknown_sink_is_refused_naming_the_configured_ones(llm):
+    with pytest.raises(ValueError, match=r"capture\.sink: 'nope' is not a capture sink.*disk"):
+        run(llm, PROMPTS[:1], [params(DECODE, spec={"capture": {"sites": CAPTURED,
+                                                              "sink": "nope"}})])

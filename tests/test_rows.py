@@ -304,7 +304,7 @@ def test_gated_positions_are_relative_until_a_request_jumps():
         state.gate[:n] = 0.9
         state.score[:n] = 1.0
         entries = state.token_rows.buffer[layout.INDEX_POS, :n].tolist()
-        state.cache_report()
+        state.after_forward()
         return entries
 
     assert step([1, 2], [0, 0], [3, 2]) == [absolute, absolute + 1, absolute + 2,
@@ -354,7 +354,7 @@ def test_a_step_that_schedules_nothing_publishes_the_finished_events():
     state.add_request("a", 1, spec, prompt_len=3)
     state.after_updates(False)
     state.fill(np.array([1]), np.array([0]), np.array([3]))
-    state.cache_report()
+    state.after_forward()
     state.remove_request("a")
     state.after_updates(False)  # a step with tokens follows: it reads "a" out
     assert events.finished == []

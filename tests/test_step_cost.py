@@ -106,7 +106,7 @@ def decode_lines(state: SteeringState, slots: np.ndarray, steps: int, gate: floa
         try:
             state.fill(slots, np.full(requests, PROMPT + k), np.ones(requests, np.int64),
                        *device_slots)
-            assert state.cache_report() == {}
+            assert state.after_forward() == {}
         finally:
             sys.settrace(None)
             gc.enable()
@@ -132,7 +132,7 @@ def lines_per_step(requests: int, gate: float, capture: bool = False,
     state = make_state(requests, spec_of, capture)
     slots = np.arange(1, requests + 1)
     state.fill(slots, np.zeros(requests, np.int64), np.full(requests, PROMPT))  # prefill
-    state.cache_report()
+    state.after_forward()
     return decode_lines(state, slots, 2, gate)
 
 
@@ -173,7 +173,7 @@ def lines_per_kept_step(requests: int) -> tuple[int, dict[str, int]]:
     slots = np.arange(1, requests + 1)
     device_slots = torch.from_numpy(slots.astype(np.int32))
     state.fill(slots, np.zeros(requests, np.int64), np.full(requests, PROMPT), device_slots)
-    state.cache_report()
+    state.after_forward()
     # the first decode step (filled), one kept (after the slot checks), the measured one
     return decode_lines(state, slots, 3, 0.0, device_slots), state.index_fills
 
@@ -194,7 +194,7 @@ def test_the_report_names_only_requests_that_crossed_a_block():
     state.add_request("g", 1, {WIRE_KEY: spec_to_wire(parse_spec(spec(0)))}, prompt_len=3)
     state.fill(np.array([1]), np.array([0]), np.array([3]))
     state.gate[:3] = 0.0  # not fired: the clean prefix is everything processed
-    assert state.cache_report() == {}  # 3 positions: no whole block yet
+    assert state.after_forward() == {}  # 3 positions: no whole block yet
     state.fill(np.array([1]), np.array([3]), np.array([1]))
     state.skip_step()
-    assert state.cache_report() == {"g": (4, None)}
+    assert state.after_forward() == {"g": (4, None)}

@@ -136,6 +136,23 @@ def is_output_rank() -> bool:
     return get_tp_group().rank_in_group == 0 and bool(get_pp_group().is_last_rank)
 
 
+def caller_id(internal_id: str) -> str:
+    """The caller's request id of the engine's ``internal_id`` (see :func:`is_internal_id_of`)."""
+    head, dash, tail = internal_id.rpartition("-")
+    return head if dash and len(tail) == 8 and tail.isalnum() else internal_id
+
+
+def sink_writer() -> tuple[int, int] | None:
+    """(pipeline stage, stages) when this worker is TP rank 0 of its stage (it writes the
+    engine's capture sinks), else None."""
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    if get_tp_group().rank_in_group != 0:
+        return None
+    pp = get_pp_group()
+    return int(pp.rank_in_group), int(pp.world_size)
+
+
 def is_internal_id_of(internal_id: str, request_id: str) -> bool:
     """Whether the engine's ``internal_id`` belongs to the caller's ``request_id``: vLLM
     appends ``-`` and 8 random characters to the latter."""
@@ -178,7 +195,8 @@ def is_v2_runner(runner: Any) -> bool:
     return type(runner).__module__.startswith("vllm.v1.worker.gpu.")
 
 
-def install_step_hooks(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str], None],
+def install_step_hooks(runner: Any, on_add: Callable[..., None],
+                       on_remove: Callable[[str, bool], None],
                        on_step: Callable[..., None], on_output: Callable[[], dict[str, Any]],
                        on_idle: Callable[[], None],
                        on_updated: Callable[[bool], None]) -> None:
@@ -229,14 +247,14 @@ def _attach_report(result: Any, report: dict[str, Any]) -> Any:
     return result
 
 
-def _install_v1(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str], None],
+def _install_v1(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str, bool], None],
                 on_step: Callable[..., None], on_updated: Callable[[bool], None]) -> None:
     update_states = runner._update_states
     prepare_inputs = runner._prepare_inputs
 
     def _update_states(scheduler_output: Any) -> Any:
         for req_id in scheduler_output.finished_req_ids:
-            on_remove(req_id)
+            on_remove(req_id, True)
         result = update_states(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
@@ -257,11 +275,15 @@ def _install_v1(runner: Any, on_add: Callable[..., None], on_remove: Callable[[s
     runner._prepare_inputs = _prepare_inputs
 
 
-def _install_v2(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str], None],
+def _install_v2(runner: Any, on_add: Callable[..., None], on_remove: Callable[[str, bool], None],
                 on_step: Callable[..., None], on_updated: Callable[[bool], None]) -> None:
     add_requests = runner.add_requests
     remove_request = runner._remove_request
+    finish_requests = getattr(runner, "finish_requests", None)
     prepare_inputs = runner.prepare_inputs
+    finishing: set[str] = set()
+    """Requests ``finish_requests`` removes because they finished (not preempted ones, nor
+    re-added ones)."""
 
     def _add_requests(scheduler_output: Any) -> Any:
         result = add_requests(scheduler_output)
@@ -273,8 +295,16 @@ def _install_v2(runner: Any, on_add: Callable[..., None], on_remove: Callable[[s
         on_updated(scheduler_output.total_num_scheduled_tokens == 0)  # after finish_requests
         return result
 
+    def _finish_requests(scheduler_output: Any) -> Any:
+        finishing.update(set(scheduler_output.finished_req_ids)
+                         - set(scheduler_output.preempted_req_ids or ()))
+        try:
+            return finish_requests(scheduler_output)
+        finally:
+            finishing.clear()
+
     def _remove_request(req_id: str) -> Any:
-        on_remove(req_id)
+        on_remove(req_id, req_id in finishing or finish_requests is None)
         return remove_request(req_id)
 
     def _prepare_inputs(scheduler_output: Any, batch_desc: Any) -> Any:
@@ -285,4 +315,6 @@ def _install_v2(runner: Any, on_add: Callable[..., None], on_remove: Callable[[s
 
     runner.add_requests = _add_requests
     runner._remove_request = _remove_request
+    if finish_requests is not None:
+        runner.finish_requests = _finish_requests
     runner.prepare_inputs = _prepare_inputs

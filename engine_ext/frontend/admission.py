@@ -367,6 +367,9 @@ def admitted(state: FrontendState, request_id: str,
         try:
             activations = request_capture.admit(capture, state.shape(), state.options,
                                                 prompt_len, generation, state.sinks)
+            if activations["sink"] is not None:  # kept in the sink's index line
+                activations["meta"] = {"caller": current(state.default_caller).namespace
+                                       or "-"}
         except ValueError:
             state.counters.requests_rejected += 1
             raise

@@ -117,6 +117,20 @@ class Steering:
         found = request_capture.collect(self._llm, requests)
         return found[0] if single else found
 
+    def flush_capture_sinks(self) -> dict[str, dict[str, int]]:
+        """Seal the shards of the engine's capture sinks (``dynsteer.capture_sinks``) whose
+        requests finished, once everything queued is written, so ``dynsteer.capture.open``
+        reads them; per sink, its counters (``requests``, ``dropped``, ``bytes``, ``shards``,
+        summed over the workers that write it). Shards are also sealed when full, after
+        ``seal_after_s``, and when the engine stops."""
+        totals: dict[str, dict[str, int]] = {}
+        for counters in vllm_frontend.rpc(self._llm, "dynsteer_flush_capture_sinks", ()):
+            for name, values in (counters or {}).items():
+                for key, value in values.items():
+                    totals.setdefault(name, {}).setdefault(key, 0)
+                    totals[name][key] += value
+        return totals
+
     def capture(self, prompts: Sequence[Sequence[int] | str], sites: str | Sequence[str],
                 reduce: str = "last") -> dict[str, Any]:
         """Residual-stream activations of ``prompts`` at ``sites``, computed by this engine.

@@ -37,11 +37,11 @@ def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, promp
           prefix: str = "dynsteer.capture") -> dict[str, Any]:
     """What the workers read (:data:`ACTIVATIONS_KEY`), or a SpecError naming the field."""
     sites = capture_sites(capture, shape, prefix)
-    if capture.sink is not None and capture.sink not in sinks:
-        known = ", ".join(sorted(sinks)) or "none"
-        raise SpecError(f"{prefix}.sink: {capture.sink!r} is not a sink of this server "
-                        f"(configured: {known}; dynsteer serve --dynsteer-capture-sinks "
-                        "NAME=DIR)")
+    if capture.sink is not None and capture.sink not in sinks | options.capture_sinks.keys():
+        known = ", ".join(sorted(sinks | options.capture_sinks.keys())) or "none"
+        raise SpecError(f"{prefix}.sink: {capture.sink!r} is not a capture sink here "
+                        f"(configured: {known}; the engine option dynsteer.capture_sinks "
+                        "NAME=DIR, or dynsteer serve --dynsteer-capture-sinks NAME=DIR)")
     if generation.n != 1:
         raise SpecError(f"{prefix}: a request with n = {generation.n} cannot capture; send "
                         "n = 1 (one request per completion)")
@@ -65,7 +65,8 @@ def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, promp
             "positions": capture.positions, "dtype": capture.dtype, "when": capture.when,
             "window": list(capture.window) if capture.window is not None else None,
             "project": capture.project.model_dump() if capture.project is not None else None,
-            "reduce": capture.reduce, "stream": capture.streams}
+            "reduce": capture.reduce, "stream": capture.streams,
+            "sink": capture.sink if capture.sink in options.capture_sinks else None}
 
 
 def first_captured_prompt_position(capture: CaptureSpec | None, prompt_len: int) -> int | None:

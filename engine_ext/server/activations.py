@@ -222,8 +222,11 @@ async def collect(server: Any, path: str, sink: str | None, response_id: str,
         if sink is None or activations is None:
             found.append(_indexed(to_json(activations), index))
             continue
-        written = activations.status in ("ok", "partial") and server.sinks[sink].write(
-            engine_id, activations, {"caller": caller})
+        if sink in server.sinks:
+            written = activations.status in ("ok", "partial") and server.sinks[sink].write(
+                engine_id, activations, {"caller": caller})
+        else:  # an engine sink: the workers wrote the rows
+            written = activations.status == "ok"
         found.append({**to_json(activations), "sites": {}, "sink": sink if written else None,
                       "index": index})
     return found

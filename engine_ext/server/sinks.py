@@ -14,7 +14,7 @@ import atexit
 from importlib.metadata import entry_points
 from typing import Any
 
-from dynsteer.controller.capture_store import FilesystemSink
+from dynsteer.controller.capture_store import FilesystemSink, sink_settings
 
 GROUP = "dynsteer.capture_sinks"
 
@@ -31,24 +31,7 @@ def build(configured: dict[str, str]) -> dict[str, Any]:
                                  f"group {GROUP}")
             sinks[name] = found[0].load()(arg)
         else:
-            folder, _, query = value.partition("?")
-            sinks[name] = FilesystemSink(folder, **_options(name, query))
+            folder, settings = sink_settings(name, value)
+            sinks[name] = FilesystemSink(folder, **settings)
         atexit.register(sinks[name].close)
     return sinks
-
-
-_OPTIONS = {"shard_bytes": int, "queue_size": int, "policy": str, "seal_after_s": float}
-
-
-def _options(name: str, query: str) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for item in filter(None, query.split("&")):
-        key, _, value = item.partition("=")
-        if key not in _OPTIONS:
-            raise ValueError(f"capture_sinks.{name}: unknown setting {key!r} (one of "
-                             f"{', '.join(_OPTIONS)})")
-        try:
-            options[key] = _OPTIONS[key](value)
-        except ValueError as e:
-            raise ValueError(f"capture_sinks.{name}.{key}: {value!r} is not valid") from e
-    return options

@@ -12,6 +12,7 @@ from ..compat import inductor
 from ..compat import model as vllm_model
 from ..compat import worker as vllm_worker
 from ..options import EngineOptions, options_from_additional_config
+from .capture_sink import open_sinks
 from .events import EngineEvents, EventPublisher
 from .layout import PERSISTENT_SITE_ROW
 from .ops import steer_add
@@ -77,6 +78,9 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         capture_tokens=options.capture_tokens,
         block_size=facts.block_size,
     )
+    writer = vllm_worker.sink_writer() if options.capture_sinks else None
+    if writer is not None:
+        state.capture.sinks = open_sinks(options.capture_sinks, *writer)
     if options.events_address is not None and vllm_worker.is_output_rank():
         state.set_events(EngineEvents(EventPublisher(options.events_address,
                                                      options.events_queue),
@@ -105,8 +109,8 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
         state.add_request(req_id, slot_map.take(req_id) if slot is None else slot, extra_args,
                           prompt_len)
 
-    def on_remove(req_id: str) -> None:
-        state.remove_request(req_id)
+    def on_remove(req_id: str, finished: bool) -> None:
+        state.remove_request(req_id, finished)
         slot_map.drop(req_id)
 
     def on_step(req_ids: list[str], slots: np.ndarray | None, num_computed: np.ndarray,
@@ -120,7 +124,7 @@ def attach(runner: Any, options: EngineOptions) -> SteeringState:
     timer = state.host_time
     vllm_worker.install_step_hooks(
         runner, timer.timed("admit", on_add), timer.timed("finish", on_remove),
-        timer.timed("step", on_step), timer.timed("output", state.cache_report),
+        timer.timed("step", on_step), timer.timed("output", state.after_forward),
         state.skip_step, timer.timed("finish", state.after_updates))
     logger.info(
         "dynsteer: %d steering sites (%d monitor sites) on %s (max_rows=%d, capture %d lanes "

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from dynsteer.controller.capture_shards import write_at
+
 from ..frontend.rows_inbox import FAILED, PART
 
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
@@ -41,15 +43,72 @@ WRITERS = 4
 """Writes in flight at once."""
 
 
+class PieceWriter:
+    """Writes byte blobs (flat ``uint8``, on the device or the host) at offsets of files:
+    :data:`WRITERS` pieces of at most :data:`CHUNK` bytes at once, device pieces through pinned
+    staging buffers after a copy on a stream of its own. One caller at a time (they share the
+    staging buffers)."""
+
+    def __init__(self, name: str) -> None:
+        self._staging: list[torch.Tensor] = []
+        self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix=name)
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def write(self, blobs: list[tuple[int, torch.Tensor, int]],
+              computed: torch.cuda.Event | None) -> None:
+        """Every ``(fd, blob, offset)``; device blobs once ``computed`` (an event recorded
+        after the work that makes them) has passed. Raises the first failed write's error
+        once every write has ended."""
+        stream = None
+        if computed is not None:
+            device = next(b.device for _, b, _ in blobs if b.is_cuda)
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            stream = self._streams[device]
+            stream.wait_event(computed)
+        writes: deque[Future[int]] = deque()
+        errors: list[BaseException] = []
+        turn = 0
+        try:
+            for fd, blob, offset in blobs:
+                flat = blob.reshape(-1)
+                for start in range(0, flat.numel(), CHUNK):
+                    if len(writes) == WRITERS:  # the oldest used this turn's staging buffer
+                        _wait(writes.popleft(), errors)
+                    piece, ready = self._stage(flat[start:start + CHUNK], turn,
+                                               stream if flat.is_cuda else None)
+                    writes.append(self._writers.submit(_write_at, fd, piece, offset + start,
+                                                       ready))
+                    turn = (turn + 1) % WRITERS
+        finally:
+            while writes:
+                _wait(writes.popleft(), errors)
+        if errors:
+            raise errors[0]
+
+    def _stage(self, piece: torch.Tensor, turn: int, stream: torch.cuda.Stream | None
+               ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A host piece as it is; a device piece queued on ``stream`` for copying into staging
+        buffer ``turn``, with the event after its copy."""
+        if stream is None:
+            return piece, None
+        while len(self._staging) <= turn:
+            self._staging.append(torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True))
+        staged = self._staging[turn][:piece.numel()]
+        with torch.cuda.stream(stream):
+            staged.copy_(piece, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return staged, ready
+
+
 class RowsSender:
     """Sends the byte blobs of one collect to the frontend (inline or through its inbox)."""
 
     def __init__(self) -> None:
-        self._staging: list[torch.Tensor] = []
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="dynsteer-rows-send")
         """Writes one reply's file after another (they share the staging buffers)."""
-        self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="dynsteer-rows-write")
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._pieces = PieceWriter("dynsteer-rows-write")
         self._seen: dict[tuple[str, str], bool] = {}
 
     def send(self, blobs: list[torch.Tensor], inbox: dict[str, str] | None
@@ -73,7 +132,10 @@ class RowsSender:
                 if blobs[0].is_cuda:  # the rows are ready once the work queued so far is done
                     computed = torch.cuda.Event()
                     computed.record(torch.cuda.current_stream(blobs[0].device))
-                self._sender.submit(self._write, fd, path, blobs, computed)
+                self._sender.submit(self._write, fd, path,
+                                    [(fd, b, p["offset"]) for b, p in zip(blobs, placed,
+                                                                          strict=True)],
+                                    computed)
                 return path, placed
         return None, [{"data": b.cpu().numpy().tobytes()} for b in blobs]
 
@@ -88,13 +150,13 @@ class RowsSender:
                 self._seen[key] = False
         return self._seen[key]
 
-    def _write(self, fd: int, path: str, blobs: list[torch.Tensor],
+    def _write(self, fd: int, path: str, blobs: list[tuple[int, torch.Tensor, int]],
                computed: torch.cuda.Event | None) -> None:
         """The sender thread's job: the file, then its rename into place; on failure, the
         reason beside it (unless the frontend discarded the file meanwhile)."""
         try:
             try:
-                self._write_pieces(fd, blobs, computed)
+                self._pieces.write(blobs, computed)
             finally:
                 os.close(fd)
             os.rename(path + PART, path)
@@ -110,54 +172,8 @@ class RowsSender:
                 with contextlib.suppress(OSError):
                     os.unlink(path + PART)
 
-    def _write_pieces(self, fd: int, blobs: list[torch.Tensor],
-                      computed: torch.cuda.Event | None) -> None:
-        """Every blob at its offset in ``fd``, :data:`WRITERS` pieces at a time; the first
-        failed write's error once every write has ended."""
-        stream = None
-        if computed is not None:
-            device = blobs[0].device
-            if device not in self._streams:
-                self._streams[device] = torch.cuda.Stream(device)
-            stream = self._streams[device]
-            stream.wait_event(computed)
-        writes: deque[Future[None]] = deque()
-        errors: list[BaseException] = []
-        offset = turn = 0
-        try:
-            for blob in blobs:
-                flat = blob.reshape(-1)
-                for start in range(0, flat.numel(), CHUNK):
-                    if len(writes) == WRITERS:  # the oldest used this turn's staging buffer
-                        _wait(writes.popleft(), errors)
-                    piece, ready = self._stage(flat[start:start + CHUNK], turn, stream)
-                    writes.append(self._writers.submit(_write_at, fd, piece, offset + start,
-                                                       ready))
-                    turn = (turn + 1) % WRITERS
-                offset += flat.numel()
-        finally:
-            while writes:
-                _wait(writes.popleft(), errors)
-        if errors:
-            raise errors[0]
 
-    def _stage(self, piece: torch.Tensor, turn: int, stream: torch.cuda.Stream | None
-               ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """A host piece as it is; a device piece queued on ``stream`` for copying into staging
-        buffer ``turn``, with the event after its copy."""
-        if stream is None:
-            return piece, None
-        while len(self._staging) <= turn:
-            self._staging.append(torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True))
-        staged = self._staging[turn][:piece.numel()]
-        with torch.cuda.stream(stream):
-            staged.copy_(piece, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        return staged, ready
-
-
-def _wait(write: Future[None], errors: list[BaseException]) -> None:
+def _wait(write: Future[int], errors: list[BaseException]) -> None:
     try:
         write.result()
     except Exception as e:  # every write ends before the file is closed
@@ -165,10 +181,7 @@ def _wait(write: Future[None], errors: list[BaseException]) -> None:
 
 
 def _write_at(fd: int, piece: torch.Tensor, offset: int,
-              ready: torch.cuda.Event | None) -> None:
+              ready: torch.cuda.Event | None) -> int:
     if ready is not None:
         ready.synchronize()
-    data = memoryview(piece.numpy()).cast("B")
-    while data.nbytes:
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
+    return write_at(fd, memoryview(piece.numpy()), offset)

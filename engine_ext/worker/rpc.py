@@ -68,6 +68,11 @@ class DynsteerWorkerExtension:
             [(str(r), None if c is None else int(c), int(since)) for r, c, since in requests],
             reply=self._dynsteer_replies(), inbox=inbox, keep=bool(keep))
 
+    def dynsteer_flush_capture_sinks(self) -> dict[str, dict[str, int]]:
+        """Seal the engine's capture sinks' shards whose requests finished (after writing
+        everything queued); this worker's counters per sink (empty where it writes none)."""
+        return self._dynsteer().flush_capture_sinks()
+
     def _dynsteer_replies(self) -> bool:
         """Whether this worker answers for its pipeline stage (TP rank 0)."""
         return vllm_worker.replies(self)

@@ -96,6 +96,7 @@ class SteeringState:
         self.capture = CaptureBuffers(sites, capture_lanes, capture_tokens, hidden_size,
                                       max_slots, device, self.monitor_sites)
         """Activation capture for probe training (off, and no memory, with 0 lanes)."""
+        self.capture.first_gated = self._first_gated
         self.registry = Registry(hidden_size, self.monitor_sites)
         self.globals = GlobalSteerings()
         self.slots = SlotTable(max_slots, self.rows, self.probe_table)
@@ -169,9 +170,10 @@ class SteeringState:
                     controller["params"], req.wire.get("session"), prompt_len)
                 self.slots.control_row[slot] = req.control_row
 
-    def remove_request(self, req_id: str) -> None:
-        """Release a finished (or re-added) request's rows (capture rows wait for collect)."""
-        self.capture.detach(req_id)
+    def remove_request(self, req_id: str, finished: bool = False) -> None:
+        """Release a request's rows: it ``finished``, or it left the batch to come back
+        (capture rows wait for collect, or for its sink)."""
+        self.capture.detach(req_id, finished)
         self.index.forget_batch()
         req = self._requests.pop(req_id, None)
         if req is None:
@@ -193,6 +195,7 @@ class SteeringState:
         go out without waiting for a next step."""
         if empty:
             self.telemetry.drain()
+            self.capture.finish_sinks()
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -243,13 +246,24 @@ class SteeringState:
     def fill(self, slots: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray,
              device_slots: torch.Tensor | None = None) -> None:
         self.index.fill(slots, num_computed, num_scheduled, device_slots)
+        self.capture.finish_sinks()
 
     def skip_step(self) -> None:
         self.index.skip()
+        self.capture.finish_sinks()
 
-    def cache_report(self) -> dict[str, tuple[int, int | None]]:
-        """The prefix-guard report of gated requests (see :mod:`.prefix_guard`)."""
+    def after_forward(self) -> dict[str, tuple[int, int | None]]:
+        """A step's forward is queued: requests of engine sinks that computed their last row
+        are written now (see :meth:`.CaptureBuffers.after_forward`); returns the prefix-guard
+        report of gated requests (see :mod:`.prefix_guard`)."""
+        self.capture.after_forward()
         return self.telemetry.cache_report()
+
+    def flush_capture_sinks(self) -> dict[str, dict[str, int]]:
+        """Fold every step (a gated capture knows whether its gate fired), then flush the
+        engine's capture sinks (see :meth:`.CaptureBuffers.flush_sinks`)."""
+        self.telemetry.drain()
+        return self.capture.flush_sinks()
 
     def collect_activations(self, requests: list[tuple[str, int | None, int]], reply: bool,
                             inbox: dict[str, str] | None, keep: bool = False
@@ -301,6 +315,7 @@ class SteeringState:
             "global_steerings_held": len(self.globals),
             "registry_generation": self.registry.current,
             "capture_rows_in_use": self.capture.rows_in_use,
+            "capture_sinks": self.capture.sink_counters(),
             "tokens_monitored": dict(self.telemetry.tokens_monitored),
             "tokens_gated": dict(self.telemetry.tokens_gated),
             "host_time": self.host_time.summary(),

@@ -49,16 +49,23 @@ def plain_tokens(tiny_model_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir, plain_tokens, controller_plugins) -> Any:
-    """The plugin engine (every hook at every layer, the gating cases' monitor sites), its
-    ``Steering``, and its graph counts at startup."""
+def sink_dir(tmp_path_factory) -> Any:
+    return tmp_path_factory.mktemp("gpu-sink")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, plain_tokens, controller_plugins, sink_dir) -> Any:
+    """The plugin engine (every hook at every layer, the gating cases' monitor sites, a
+    capture sink), its ``Steering``, and its graph counts at startup."""
     from engine_utils import start_llm, stop_llm
     from test_gating_reference import MONITOR_SITES
 
     from dynsteer.engine_ext import Steering
 
     llm = start_llm(tiny_model_dir("llama"),
-                    dynsteer={**ENGINE_OPTIONS, "monitor_sites": MONITOR_SITES}, **GPU)
+                    dynsteer={**ENGINE_OPTIONS, "monitor_sites": MONITOR_SITES,
+                              "capture_sinks": {"disk": f"{sink_dir}?shard_bytes=262144"}},
+                    **GPU)
     try:
         yield SimpleNamespace(llm=llm, steering=Steering(llm), before=replays(llm))
     finally:
@@ -105,6 +112,35 @@ def test_capture_matches_hf_streams(engine, hf_llama, reduce: str) -> None:
         else:
             red = np.stack([w[-1] if reduce == "last" else w.mean(0) for w in want])
             err = max(err, float(np.abs(got - red).max()))
+    assert err <= 2e-3
+    assert not any(i["capture_rows_in_use"] for i in engine.steering.info())
+
+
+def test_an_engine_sink_holds_hf_streams(engine, hf_llama, sink_dir) -> None:
+    """Requests whose capture names the engine's sink, under steering and CUDA graphs, long
+    enough that the worker writes stretches while they run: read back, every site's rows
+    equal HF's streams over the same tokens."""
+    from engine_utils import params, run
+    from hf_reference import record_streams
+    from test_gating_reference import MONITOR_SITES
+
+    from dynsteer import capture
+
+    spec = {"steer": [{"vector": [0.05] * hf_llama.config.hidden_size, "layers": [0]}],
+            "capture": {"sites": MONITOR_SITES, "sink": "disk"}}
+    outs = run(engine.llm, PROMPTS, [params(max_tokens=70, spec=spec) for _ in PROMPTS])
+    totals = engine.steering.flush_capture_sinks()["disk"]
+    assert totals["dropped"] == 0
+    store = {r.request_id: r for r in capture.open(sink_dir)}
+    err = 0.0
+    for out in outs:
+        got = store[out.request_id]
+        tokens = [*out.prompt_token_ids, *out.outputs[0].token_ids][:-1]
+        assert got.activations.positions.tolist() == list(range(len(tokens)))
+        streams = record_streams(hf_llama, tokens, spec["steer"])
+        for site in MONITOR_SITES.split(","):
+            hook, layer = site.split("@")
+            err = max(err, float(np.abs(got[site] - streams[(hook, int(layer))]).max()))
     assert err <= 2e-3
     assert not any(i["capture_rows_in_use"] for i in engine.steering.info())
 
