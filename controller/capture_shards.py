@@ -45,7 +45,7 @@ DEFAULT_SHARD_BYTES = 256 << 20
 DEFAULT_SEAL_AFTER_S = 60.0
 """A shard open this long takes no new requests, and is sealed once those it has finish (so a
 quiet server's rows reach the disk)."""
-SYNC_BYTES = 64 << 20
+SYNC_BYTES = 16 << 20
 """Bytes written into a shard between two background syncs."""
 ST_DTYPE = {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16", np.dtype("<u2"): "BF16",
             np.dtype("i1"): "I8", np.dtype("<i8"): "I64"}

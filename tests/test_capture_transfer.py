@@ -89,13 +89,13 @@ def test_the_reply_leaves_before_its_file_is_written(monkeypatch):
     being written, the frontend waits for it; a file discarded meanwhile is never
     published (the sender finds it gone)."""
     writing = threading.Event()
-    real = capture_transfer._write_at
+    real = capture_transfer._write_parts
 
     def slow(*args):
         writing.wait(10)
         real(*args)
 
-    monkeypatch.setattr(capture_transfer, "_write_at", slow)
+    monkeypatch.setattr(capture_transfer, "_write_parts", slow)
     box = rows_inbox.inbox()
     sender = RowsSender()
     file, placed = sender.send(blobs(), box)
@@ -148,3 +148,20 @@ def test_a_reply_whose_caller_was_cancelled_leaves_no_file():
 
     caller, file = asyncio.run(scenario())
     assert caller.cancelled() and not os.path.exists(file)
+
+
+def test_segments_of_one_blob_land_in_their_files_across_pieces(monkeypatch, tmp_path):
+    """A blob cut into pieces of 7 bytes whose segments straddle the pieces and go to two
+    files at their own offsets, out of blob order: every byte lands where its segment says."""
+    from dynsteer.engine_ext.worker.capture_transfer import PieceWriter
+
+    monkeypatch.setattr(capture_transfer, "CHUNK", 7)
+    blob = torch.arange(30, dtype=torch.uint8)
+    fds = [os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT) for i in range(2)]
+    segments = [(fds[1], 20, 10, 0), (fds[0], 0, 12, 5), (fds[1], 12, 8, 40)]
+    PieceWriter("test").write([(blob, segments)], None)
+    for fd in fds:
+        os.close(fd)
+    first, second = (tmp_path / "f0").read_bytes(), (tmp_path / "f1").read_bytes()
+    assert first == bytes(5) + bytes(range(12))
+    assert second[:10] == bytes(range(20, 30)) and second[40:48] == bytes(range(12, 20))

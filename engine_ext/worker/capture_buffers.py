@@ -277,8 +277,8 @@ class CaptureBuffers:
             if final:
                 stretch.final = True
                 stretch.line = self._sink_line(entry, first, lo, hi)
-                stretch.pieces.append(("positions", torch.arange(lo, hi, dtype=torch.int64)
-                                       .view(torch.uint8), 0))
+                positions = torch.arange(lo, hi, dtype=torch.int64).view(torch.uint8)
+                stretch.pieces.append(("positions", positions, 0, positions.numel(), 0))
             by_sink.setdefault(entry.sink, []).append(stretch)
         for (lane_ids, n, dtype, _), items in groups.items():
             sites = [self._lane_site[lane] for lane in lane_ids]
@@ -292,8 +292,8 @@ class CaptureBuffers:
             for i, (entry, start, stretch) in enumerate(items):
                 into = (start - entry.span[0]) * width * _STORED[dtype].itemsize
                 for j, site_i in enumerate(mine):
-                    at = (i * len(mine) + j) * size
-                    stretch.pieces.append((site_name(sites[site_i]), data[at:at + size], into))
+                    stretch.pieces.append((site_name(sites[site_i]), data,
+                                           (i * len(mine) + j) * size, size, into))
         for sink, stretches in by_sink.items():
             self.sinks[sink].send(stretches)
 
@@ -348,8 +348,8 @@ class CaptureBuffers:
         stretch = Stretch(entry.req_id, tensors, final=True, line=line)
         if len(positions):
             tensors["positions"] = ("positions", np.dtype("<i8"), (len(positions),))
-            stretch.pieces.append(("positions", torch.from_numpy(positions.copy())
-                                   .view(torch.uint8), 0))
+            blob = torch.from_numpy(positions.copy()).view(torch.uint8)
+            stretch.pieces.append(("positions", blob, 0, blob.numel(), 0))
             line["positions"] = {"tensor": "positions", "start": 0, "stop": len(positions)}
         size = n * width * stored.itemsize
         scales = np.frombuffer(answer["scales"], "<f4")
@@ -357,12 +357,12 @@ class CaptureBuffers:
             tensors[name] = (f"{name}/{dtype}/{width}", stored, (n, width))
             line["sites"][name] = {"tensor": name, "start": 0, "stop": n}
             if data is not None:
-                stretch.pieces.append((name, data[i * size:(i + 1) * size], 0))
+                stretch.pieces.append((name, data, i * size, size, 0))
             if len(scales):
                 key = name + "/scales"
                 tensors[key] = (f"{name}/{dtype}/scales", np.dtype("<f4"), (n,))
-                stretch.pieces.append((key, torch.from_numpy(scales[i * n:(i + 1) * n].copy())
-                                       .view(torch.uint8), 0))
+                blob = torch.from_numpy(scales[i * n:(i + 1) * n].copy()).view(torch.uint8)
+                stretch.pieces.append((key, blob, 0, blob.numel(), 0))
                 line["sites"][name]["scales"] = key
         self.sinks[entry.sink].send([stretch])
 

@@ -28,11 +28,11 @@ import torch
 from dynsteer.controller.capture_shards import Reservation, ShardThread
 from dynsteer.controller.capture_store import sink_settings
 
-from .capture_transfer import PieceWriter
+from .capture_transfer import PieceWriter, Segment
 
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
 
-FLUSH_ROWS = 32
+FLUSH_ROWS = 16
 """Generated positions a running request gathers before they are written."""
 PENDING_BYTES = 2 << 30
 """Device bytes queued for writing at most (a full budget counts as a full queue)."""
@@ -40,13 +40,15 @@ PENDING_BYTES = 2 << 30
 
 @dataclass
 class Stretch:
-    """Rows of one request for its sink: the tensors to reserve (first stretch), byte pieces
-    of a device blob at offsets in those tensors, and, with the last stretch, its index line
-    (``tensor`` fields name tensor keys; the sink puts in their names)."""
+    """Rows of one request for its sink: the tensors to reserve (first stretch), the bytes to
+    write into them, and, with the last stretch, its index line (``tensor`` fields name tensor
+    keys; the sink puts in their names)."""
 
     request_id: str
     tensors: dict[str, tuple[str, np.dtype, tuple[int, ...]]]
-    pieces: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
+    pieces: list[tuple[str, torch.Tensor, int, int, int]] = field(default_factory=list)
+    """(tensor key, a flat ``uint8`` blob that stretches of one step share, offset in it,
+    bytes, offset in the tensor)."""
     line: dict[str, Any] | None = None
     final: bool = False
 
@@ -76,9 +78,9 @@ class EngineSink(ShardThread):
     def send(self, stretches: list[Stretch]) -> bool:
         """Queue stretches whose bytes are being computed on the current stream; False when
         dropped (their requests' lines will say so)."""
-        nbytes = sum(blob.numel() for s in stretches for _, blob, _ in s.pieces)
+        nbytes = sum(size for s in stretches for _, _, _, size, _ in s.pieces)
         computed = None
-        if any(blob.is_cuda for s in stretches for _, blob, _ in s.pieces):
+        if any(piece[1].is_cuda for s in stretches for piece in s.pieces):
             computed = torch.cuda.Event()
             computed.record(torch.cuda.current_stream())
         with self._room:
@@ -109,23 +111,24 @@ class EngineSink(ShardThread):
 
     def _handle(self, job: _Job) -> None:
         try:
-            blobs: list[tuple[int, torch.Tensor, int]] = []
+            sources: dict[int, tuple[torch.Tensor, list[Segment]]] = {}
             for stretch in job.stretches:
                 reservation = self._reserved.get(stretch.request_id)
                 if reservation is None:
                     reservation = self.writer.reserve(stretch.tensors)
                     self._reserved[stretch.request_id] = reservation
-                blobs += [(reservation.fd, blob, reservation.offsets[key] + offset)
-                          for key, blob, offset in stretch.pieces]
+                for key, blob, offset, size, into in stretch.pieces:
+                    sources.setdefault(id(blob), (blob, []))[1].append(
+                        (reservation.fd, offset, size, reservation.offsets[key] + into))
             try:
-                if blobs:
-                    self._pieces.write(blobs, job.computed)
+                if sources:
+                    self._pieces.write(list(sources.values()), job.computed)
             except OSError as e:
                 logger.error("dynsteer: capture sink %s could not write (%s)", self.path, e)
                 self._lost.update(s.request_id for s in job.stretches)
             for stretch in job.stretches:
                 reservation = self._reserved[stretch.request_id]
-                self.writer.wrote(reservation, sum(b.numel() for _, b, _ in stretch.pieces))
+                self.writer.wrote(reservation, sum(p[3] for p in stretch.pieces))
                 if stretch.final:
                     del self._reserved[stretch.request_id]
                     self._finish(reservation, stretch)

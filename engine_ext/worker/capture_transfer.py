@@ -43,42 +43,50 @@ WRITERS = 4
 """Writes in flight at once."""
 
 
+Segment = tuple[int, int, int, int]
+"""Where bytes of a blob go: (file descriptor, offset in the blob, bytes, offset in the file)."""
+
+
 class PieceWriter:
-    """Writes byte blobs (flat ``uint8``, on the device or the host) at offsets of files:
-    :data:`WRITERS` pieces of at most :data:`CHUNK` bytes at once, device pieces through pinned
-    staging buffers after a copy on a stream of its own. One caller at a time (they share the
-    staging buffers)."""
+    """Writes byte blobs (flat ``uint8``, on the device or the host) into files: each blob in
+    pieces of at most :data:`CHUNK` bytes, :data:`WRITERS` at once, device pieces through
+    pinned staging buffers after a copy on a stream of its own; every piece is written to the
+    parts of files it holds bytes for. One caller at a time (they share the staging
+    buffers)."""
 
     def __init__(self, name: str) -> None:
         self._staging: list[torch.Tensor] = []
         self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix=name)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def write(self, blobs: list[tuple[int, torch.Tensor, int]],
+    def write(self, sources: list[tuple[torch.Tensor, list[Segment]]],
               computed: torch.cuda.Event | None) -> None:
-        """Every ``(fd, blob, offset)``; device blobs once ``computed`` (an event recorded
-        after the work that makes them) has passed. Raises the first failed write's error
-        once every write has ended."""
+        """Each blob's segments; device blobs once ``computed`` (an event recorded after the
+        work that makes them) has passed. Raises the first failed write's error once every
+        write has ended."""
         stream = None
         if computed is not None:
-            device = next(b.device for _, b, _ in blobs if b.is_cuda)
+            device = next(b.device for b, _ in sources if b.is_cuda)
             if device not in self._streams:
                 self._streams[device] = torch.cuda.Stream(device)
             stream = self._streams[device]
             stream.wait_event(computed)
-        writes: deque[Future[int]] = deque()
+        writes: deque[Future[None]] = deque()
         errors: list[BaseException] = []
         turn = 0
         try:
-            for fd, blob, offset in blobs:
+            for blob, segments in sources:
                 flat = blob.reshape(-1)
+                segments = sorted(segments, key=lambda s: s[1])
                 for start in range(0, flat.numel(), CHUNK):
+                    parts = _cut(segments, start, min(start + CHUNK, flat.numel()))
+                    if not parts:
+                        continue
                     if len(writes) == WRITERS:  # the oldest used this turn's staging buffer
                         _wait(writes.popleft(), errors)
                     piece, ready = self._stage(flat[start:start + CHUNK], turn,
                                                stream if flat.is_cuda else None)
-                    writes.append(self._writers.submit(_write_at, fd, piece, offset + start,
-                                                       ready))
+                    writes.append(self._writers.submit(_write_parts, piece, parts, ready))
                     turn = (turn + 1) % WRITERS
         finally:
             while writes:
@@ -133,9 +141,8 @@ class RowsSender:
                     computed = torch.cuda.Event()
                     computed.record(torch.cuda.current_stream(blobs[0].device))
                 self._sender.submit(self._write, fd, path,
-                                    [(fd, b, p["offset"]) for b, p in zip(blobs, placed,
-                                                                          strict=True)],
-                                    computed)
+                                    [(b, [(fd, 0, b.numel(), p["offset"])])
+                                     for b, p in zip(blobs, placed, strict=True)], computed)
                 return path, placed
         return None, [{"data": b.cpu().numpy().tobytes()} for b in blobs]
 
@@ -150,7 +157,7 @@ class RowsSender:
                 self._seen[key] = False
         return self._seen[key]
 
-    def _write(self, fd: int, path: str, blobs: list[tuple[int, torch.Tensor, int]],
+    def _write(self, fd: int, path: str, blobs: list[tuple[torch.Tensor, list[Segment]]],
                computed: torch.cuda.Event | None) -> None:
         """The sender thread's job: the file, then its rename into place; on failure, the
         reason beside it (unless the frontend discarded the file meanwhile)."""
@@ -173,15 +180,28 @@ class RowsSender:
                     os.unlink(path + PART)
 
 
-def _wait(write: Future[int], errors: list[BaseException]) -> None:
+def _cut(segments: list[Segment], start: int, end: int) -> list[tuple[int, int, int, int]]:
+    """The parts of ``segments`` (sorted by blob offset) within bytes ``start .. end - 1`` of
+    their blob, as (fd, offset in the piece, bytes, offset in the file)."""
+    parts = []
+    for fd, offset, nbytes, at in segments:
+        first, stop = max(offset, start), min(offset + nbytes, end)
+        if stop > first:
+            parts.append((fd, first - start, stop - first, at + first - offset))
+    return parts
+
+
+def _wait(write: Future[None], errors: list[BaseException]) -> None:
     try:
         write.result()
     except Exception as e:  # every write ends before the file is closed
         errors.append(e)
 
 
-def _write_at(fd: int, piece: torch.Tensor, offset: int,
-              ready: torch.cuda.Event | None) -> int:
+def _write_parts(piece: torch.Tensor, parts: list[tuple[int, int, int, int]],
+                 ready: torch.cuda.Event | None) -> None:
     if ready is not None:
         ready.synchronize()
-    return write_at(fd, memoryview(piece.numpy()), offset)
+    data = memoryview(piece.numpy())
+    for fd, offset, nbytes, at in parts:
+        write_at(fd, data[offset:offset + nbytes], at)
