@@ -22,17 +22,18 @@ def blobs():
     return [torch.arange(n, dtype=torch.int32).view(torch.uint8) for n in (5, 0, 1000)]
 
 
-def received(file, placed):
-    data = rows_inbox.take(file) if file else None
-    return [bytes(p["data"]) if data is None else data[p["offset"]:p["offset"] + p["nbytes"]]
-            .tobytes() for p in placed]
+def received(file, count, placed):
+    files = [rows_inbox.take(path) for path in rows_inbox.parts(file, count)] if file else []
+    return [bytes(p["data"]) if not files
+            else files[p["part"]][p["offset"]:p["offset"] + p["nbytes"]].tobytes()
+            for p in placed]
 
 
 def test_rows_go_through_the_inbox_and_the_file_is_gone_once_mapped():
-    file, placed = RowsSender().send(blobs(), rows_inbox.inbox())
+    file, count, placed = RowsSender().send(blobs(), rows_inbox.inbox())
     assert file is not None and os.path.dirname(file) == rows_inbox.inbox()["folder"]
     assert [p["nbytes"] for p in placed] == [20, 0, 4000]
-    assert received(file, placed) == [b.numpy().tobytes() for b in blobs()]
+    assert received(file, count, placed) == [b.numpy().tobytes() for b in blobs()]
     assert not os.path.exists(file)
 
 
@@ -42,16 +43,16 @@ def test_blobs_larger_than_a_write_arrive_whole_and_in_order(monkeypatch):
     monkeypatch.setattr(capture_transfer, "CHUNK", 7)
     rng = np.random.default_rng(0)
     many = [torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8)) for n in (3, 50, 0, 7, 61)]
-    file, placed = RowsSender().send(many, rows_inbox.inbox())
-    assert file is not None
-    assert received(file, placed) == [b.numpy().tobytes() for b in many]
+    file, count, placed = RowsSender().send(many, rows_inbox.inbox())
+    assert file is not None and count == capture_transfer.WRITERS
+    assert received(file, count, placed) == [b.numpy().tobytes() for b in many]
 
 
 def test_an_inbox_the_worker_cannot_see_or_open_sends_inline(monkeypatch):
     box = rows_inbox.inbox()
     want = [b.numpy().tobytes() for b in blobs()]
-    file, placed = RowsSender().send(blobs(), {**box, "token": "not the frontend's"})
-    assert file is None and received(file, placed) == want
+    file, count, placed = RowsSender().send(blobs(), {**box, "token": "not the frontend's"})
+    assert file is None and received(file, count, placed) == want
     assert RowsSender().send(blobs(), None)[0] is None
     real_open = os.open
 
@@ -61,8 +62,8 @@ def test_an_inbox_the_worker_cannot_see_or_open_sends_inline(monkeypatch):
         return real_open(path, *args)
 
     monkeypatch.setattr(capture_transfer.os, "open", full)
-    file, placed = RowsSender().send(blobs(), box)
-    assert file is None and received(file, placed) == want
+    file, count, placed = RowsSender().send(blobs(), box)
+    assert file is None and received(file, count, placed) == want
     assert os.listdir(box["folder"]) == ["token"]
 
 
@@ -74,11 +75,11 @@ def test_a_file_the_worker_cannot_write_drops_its_requests_and_leaves_nothing(mo
 
     monkeypatch.setattr(capture_transfer.os, "pwrite", full)
     box = rows_inbox.inbox()
-    file, placed = RowsSender().send(blobs(), box)
+    file, count, placed = RowsSender().send(blobs(), box)
     item = {"status": "ok", "detail": "", "sites": ["post_block@0"], "hidden": 5,
             "dtype": "float32", "rows": 1, "positions": np.zeros(1, "<i8").tobytes(),
             "scales": b"", **placed[0]}
-    [got, missing] = request_capture.merge([{"file": file, "items": [item, None]}], 2)
+    [got, missing] = request_capture.merge([{"file": file, "parts": count, "items": [item, None]}], 2)
     assert missing is None
     assert got.status == "dropped" and "No space left on device" in got.detail
     assert os.listdir(box["folder"]) == ["token"]
@@ -98,13 +99,13 @@ def test_the_reply_leaves_before_its_file_is_written(monkeypatch):
     monkeypatch.setattr(capture_transfer, "_write_parts", slow)
     box = rows_inbox.inbox()
     sender = RowsSender()
-    file, placed = sender.send(blobs(), box)
+    file, count, placed = sender.send(blobs(), box)
     assert not os.path.exists(file) and os.path.exists(file + rows_inbox.PART)
     threading.Timer(0.2, writing.set).start()
-    assert received(file, placed) == [b.numpy().tobytes() for b in blobs()]
+    assert received(file, count, placed) == [b.numpy().tobytes() for b in blobs()]
 
     writing.clear()
-    file, placed = sender.send(blobs(), box)
+    file, count, placed = sender.send(blobs(), box)
     rows_inbox.discard(file)
     writing.set()
     sender._sender.submit(lambda: None).result()  # the sender is done with the file
@@ -139,10 +140,10 @@ def test_a_reply_whose_caller_was_cancelled_leaves_no_file():
         await asyncio.sleep(0)
         caller.cancel()
         await asyncio.gather(caller, return_exceptions=True)
-        file, placed = RowsSender().send(blobs(), rows_inbox.inbox())
+        file, count, placed = RowsSender().send(blobs(), rows_inbox.inbox())
         await rows_inbox.ready(file)
         assert os.path.exists(file)
-        reply.set_result([{"file": file, "items": placed}, None])
+        reply.set_result([{"file": file, "parts": count, "items": placed}, None])
         await asyncio.sleep(0)
         return caller, file
 

@@ -216,7 +216,7 @@ def test_a_capture_into_a_sink_and_the_global_capture(openai_client, server, sin
     assert status == 400 and "a global capture needs a sink" in body["error"]["message"]
     bad = {"capture": {"sites": "post_block@1", "sink": "elsewhere"}}
     with pytest.raises(Exception, match=r"dynsteer\.capture\.sink: 'elsewhere' is not a "
-                                        r"sink of this server \(configured: audit"):
+                                        r"capture sink here \(configured: audit"):
         chat(openai_client, dynsteer=bad)
 
 

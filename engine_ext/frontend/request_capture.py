@@ -114,8 +114,8 @@ async def collect_through(rpc: Callable[..., Awaitable[list[Any]]],
     try:
         replies = await asyncio.shield(task)
         for reply in replies:
-            if reply is not None and reply.get("file"):
-                await rows_inbox.ready(reply["file"])
+            for path in _files(reply):
+                await rows_inbox.ready(path)
     except asyncio.CancelledError:
         task.add_done_callback(_discard_files)
         raise
@@ -126,8 +126,15 @@ def _discard_files(task: asyncio.Future[list[Any]]) -> None:
     if task.cancelled() or task.exception() is not None:
         return
     for reply in task.result():
-        if reply is not None and reply.get("file"):
-            rows_inbox.discard(reply["file"])
+        for path in _files(reply):
+            rows_inbox.discard(path)
+
+
+def _files(reply: dict[str, Any] | None) -> list[str]:
+    """The inbox files of a worker's reply (none: its rows are inline)."""
+    if reply is None or not reply.get("file"):
+        return []
+    return rows_inbox.parts(reply["file"], int(reply.get("parts", 1)))
 
 
 def merge(replies: list[dict[str, Any] | None], count: int) -> list[Activations | None]:
@@ -142,23 +149,25 @@ def merge(replies: list[dict[str, Any] | None], count: int) -> list[Activations 
         for i, item in enumerate(reply["items"]):
             if item is None:
                 continue
-            if isinstance(file, OSError):
+            failed = next((f for f in file if isinstance(f, OSError)), None)
+            if failed is not None:
                 parts[i].append(Activations(status="dropped", positions=np.zeros(0, np.int64),
-                                            sites={}, dtype=item["dtype"], detail=str(file)))
+                                            sites={}, dtype=item["dtype"], detail=str(failed)))
             else:
-                parts[i].append(decode(item, file))
+                parts[i].append(decode(item, file[int(item.get("part", 0))] if file else None))
     return [merge_parts(p) for p in parts]
 
 
-def _take(reply: dict[str, Any] | None) -> np.ndarray | OSError | None:
-    """The bytes of a reply's inbox file (None: it has none; the error when the worker could
-    not write it)."""
-    if reply is None or not reply.get("file"):
-        return None
-    try:
-        return rows_inbox.take(reply["file"])
-    except OSError as e:
-        return e
+def _take(reply: dict[str, Any] | None) -> list[np.ndarray | OSError]:
+    """The bytes of each of a reply's inbox files (the error for one the worker could not
+    write)."""
+    found: list[np.ndarray | OSError] = []
+    for path in _files(reply):
+        try:
+            found.append(rows_inbox.take(path))
+        except OSError as e:
+            found.append(e)
+    return found
 
 
 def decode(reply: dict[str, Any], file: np.ndarray | None = None) -> Activations:

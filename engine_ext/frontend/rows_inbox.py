@@ -7,7 +7,9 @@ that a worker must read back to prove it sees the same folder.
 
 A worker replies as soon as it has queued a reply's rows, before they are written: it writes
 them into ``NAME`` + :data:`PART` and renames that to ``NAME`` when done, or leaves ``NAME`` +
-:data:`FAILED` holding why it could not. So the frontend waits for the file (:func:`take`,
+:data:`FAILED` holding why it could not. A large reply is split into several such files
+(:func:`parts`: ``NAME``, ``NAME.1``, ...), written at once: a tmpfs file takes one writer at
+a time. So the frontend waits for the file (:func:`take`,
 :func:`ready`), not the engine for the write. A reply's file is mapped and unlinked at once:
 its rows stay readable while arrays refer to them, and nothing is left behind; a reply nobody
 reads (its caller was cancelled) is removed with :func:`discard`, written or not. The folder
@@ -53,6 +55,11 @@ def inbox() -> dict[str, str] | None:
         return None
     atexit.register(shutil.rmtree, folder, True)
     return {"folder": folder, "token": token}
+
+
+def parts(path: str, count: int) -> list[str]:
+    """The files of a reply of ``count`` parts whose first file is ``path``."""
+    return [path if i == 0 else f"{path}.{i}" for i in range(count)]
 
 
 def _own(path: str) -> None:

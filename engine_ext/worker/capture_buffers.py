@@ -157,13 +157,14 @@ class CaptureBuffers:
         (:attr:`~dynsteer.controller.spec.CaptureSpec.streams`) is read so, the others reply
         None.
 
-        Reply: ``file`` (the inbox file holding the rows, or None) and per request, in order,
+        Reply: ``file`` and ``parts`` (the inbox files holding the rows, see
+        :func:`..frontend.rows_inbox.parts`; None and 0: none) and per request, in order,
         None (it asked for no capture) or ``status`` (``ok`` / ``skipped`` / ``partial`` /
         ``dropped``), ``detail``, ``sites`` (``hook@layer``), ``hidden`` (a row's width: ``k``
         when projected), ``dtype``, ``positions`` (little-endian int64 bytes), the rows
-        ``[sites, positions, hidden]`` (:mod:`.capture_encode`) as ``data`` or as ``offset`` /
-        ``nbytes`` in the file, ``rows`` per site (one with ``reduce: mean``), and ``scales``
-        (int8: one float32 per row).
+        ``[sites, positions, hidden]`` (:mod:`.capture_encode`) as ``data`` or as ``part`` /
+        ``offset`` / ``nbytes`` in the files, ``rows`` per site (one with ``reduce: mean``),
+        and ``scales`` (int8: one float32 per row).
         """
         taken = [self._take(request_id, computed, since, reply, first_gated, keep)
                  for request_id, computed, since in requests]
@@ -171,12 +172,12 @@ class CaptureBuffers:
         if not reply:
             return None
         blobs = [blob for _, blob in taken if blob is not None]
-        file, placed = self._sender.send(blobs, inbox)
+        file, files, placed = self._sender.send(blobs, inbox)
         where = iter(placed)
         items = [None if answer is None
                  else {**answer, **(next(where) if blob is not None else {})}
                  for answer, blob in taken]
-        return {"file": file, "items": items}
+        return {"file": file, "parts": files, "items": items}
 
     def _take(self, request_id: str, computed: int | None, since: int, reply: bool,
               first_gated: Callable[[str], int | None], keep: bool

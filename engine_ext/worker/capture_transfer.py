@@ -33,7 +33,7 @@ import torch
 
 from dynsteer.controller.capture_shards import write_at
 
-from ..frontend.rows_inbox import FAILED, PART
+from ..frontend.rows_inbox import FAILED, PART, parts
 
 logger = logging.getLogger("vllm.dynsteer." + __name__.rsplit(".", 1)[-1])
 
@@ -120,31 +120,43 @@ class RowsSender:
         self._seen: dict[tuple[str, str], bool] = {}
 
     def send(self, blobs: list[torch.Tensor], inbox: dict[str, str] | None
-             ) -> tuple[str | None, list[dict[str, Any]]]:
-        """Per blob (flat ``uint8``), ``{"data": bytes}`` or ``{"offset", "nbytes"}`` into the
-        returned file of the inbox, which is written after this returns."""
-        if inbox is not None and sum(b.numel() for b in blobs) > 0 and self._usable(inbox):
+             ) -> tuple[str | None, int, list[dict[str, Any]]]:
+        """Per blob (flat ``uint8``), ``{"data": bytes}`` or ``{"part", "offset", "nbytes"}``
+        into one of the returned reply's files in the inbox (its first file and how many:
+        :func:`..frontend.rows_inbox.parts`), which are written after this returns. A blob is
+        whole in one file; the files are about the same size, at most :data:`WRITERS`."""
+        total = sum(b.numel() for b in blobs)
+        if inbox is not None and total > 0 and self._usable(inbox):
             path = os.path.join(inbox["folder"], f"{uuid.uuid4().hex}.rows")
+            paths = parts(path, max(1, min(WRITERS, len(blobs), total // CHUNK)))
+            fds: list[int] = []
             try:
-                fd = os.open(path + PART, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                for name in paths:
+                    fds.append(os.open(name + PART, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                       0o600))
             except OSError as e:
                 logger.warning("dynsteer: rows sent inline; the frontend's inbox %s failed: %s",
                                inbox["folder"], e)
+                for fd, name in zip(fds, paths, strict=False):
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        os.unlink(name + PART)
             else:
                 placed: list[dict[str, Any]] = []
-                offset = 0
+                sizes = [0] * len(paths)
                 for blob in blobs:
-                    placed.append({"offset": offset, "nbytes": blob.numel()})
-                    offset += blob.numel()
+                    part = sizes.index(min(sizes))
+                    placed.append({"part": part, "offset": sizes[part], "nbytes": blob.numel()})
+                    sizes[part] += blob.numel()
                 computed = None
                 if blobs[0].is_cuda:  # the rows are ready once the work queued so far is done
                     computed = torch.cuda.Event()
                     computed.record(torch.cuda.current_stream(blobs[0].device))
-                self._sender.submit(self._write, fd, path,
-                                    [(b, [(fd, 0, b.numel(), p["offset"])])
+                self._sender.submit(self._write, fds, paths,
+                                    [(b, [(fds[p["part"]], 0, b.numel(), p["offset"])])
                                      for b, p in zip(blobs, placed, strict=True)], computed)
-                return path, placed
-        return None, [{"data": b.cpu().numpy().tobytes()} for b in blobs]
+                return path, len(paths), placed
+        return None, 0, [{"data": b.cpu().numpy().tobytes()} for b in blobs]
 
     def _usable(self, inbox: dict[str, str]) -> bool:
         """Whether this worker sees the frontend's inbox (the same filesystem)."""
@@ -157,27 +169,33 @@ class RowsSender:
                 self._seen[key] = False
         return self._seen[key]
 
-    def _write(self, fd: int, path: str, blobs: list[tuple[torch.Tensor, list[Segment]]],
+    def _write(self, fds: list[int], paths: list[str],
+               blobs: list[tuple[torch.Tensor, list[Segment]]],
                computed: torch.cuda.Event | None) -> None:
-        """The sender thread's job: the file, then its rename into place; on failure, the
-        reason beside it (unless the frontend discarded the file meanwhile)."""
+        """The sender thread's job: the reply's files, then their renames into place; on
+        failure, the reason beside each file not renamed yet (unless the frontend discarded
+        it meanwhile)."""
         try:
             try:
                 self._pieces.write(blobs, computed)
             finally:
-                os.close(fd)
-            os.rename(path + PART, path)
+                for fd in fds:
+                    os.close(fd)
+            for path in paths:
+                os.rename(path + PART, path)
         except FileNotFoundError:
             return  # discarded: nobody waits for these rows
         except Exception as e:
-            logger.warning("dynsteer: collected rows could not be written to %s: %s", path, e)
-            if os.path.exists(path + PART):
-                with contextlib.suppress(OSError):
-                    with open(path + FAILED + PART, "w") as f:
-                        f.write(str(e))
-                    os.rename(path + FAILED + PART, path + FAILED)
-                with contextlib.suppress(OSError):
-                    os.unlink(path + PART)
+            logger.warning("dynsteer: collected rows could not be written to %s: %s", paths[0],
+                           e)
+            for path in paths:
+                if os.path.exists(path + PART):
+                    with contextlib.suppress(OSError):
+                        with open(path + FAILED + PART, "w") as f:
+                            f.write(str(e))
+                        os.rename(path + FAILED + PART, path + FAILED)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path + PART)
 
 
 def _cut(segments: list[Segment], start: int, end: int) -> list[tuple[int, int, int, int]]:
