@@ -300,12 +300,13 @@ class ShardThread:
     def counters(self) -> ShardCounters:
         return self.writer.counters
 
-    def put(self, item: Any) -> bool:
-        """Queue ``item``; False when dropped (queue full under ``drop``)."""
+    def put(self, item: Any, count: bool = True) -> bool:
+        """Queue ``item``; False when dropped (queue full under ``drop``; ``count``: counted
+        in ``dropped`` here)."""
         try:
             self._queue.put(item, block=self.policy == "block")
         except queue.Full:
-            self.counters.dropped += 1
+            self.counters.dropped += count
             return False
         return True
 

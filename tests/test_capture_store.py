@@ -191,3 +191,42 @@ def test_a_shard_is_sealed_once_its_running_requests_finish(tmp_path):
     tensors = pytest.importorskip("safetensors.numpy").load_file(str(shard))
     assert not tensors[held[1].names["rows"]][5:].any()
     assert writer.counters.requests == 2 and writer.counters.shards == 1
+
+
+def test_an_engine_sink_under_drop_counts_what_its_budget_refuses(tmp_path, monkeypatch):
+    """The worker's sink with ``policy=drop``: while its thread is busy with a stretch, one
+    that would pass the device-memory budget is dropped and its request counted dropped (no
+    index line); the request that got through is read back whole."""
+    import torch
+
+    from dynsteer.engine_ext.worker import capture_sink
+    from dynsteer.engine_ext.worker.capture_transfer import PieceWriter
+
+    busy = threading.Event()
+    real = PieceWriter.write
+
+    def slow(self, sources, computed):
+        busy.wait(10)
+        real(self, sources, computed)
+
+    monkeypatch.setattr(PieceWriter, "write", slow)
+    monkeypatch.setattr(capture_sink, "PENDING_BYTES", 40)
+    sink = capture_sink.EngineSink("s", f"{tmp_path}?policy=drop")
+    tensors = {"rows": ("post_block@1/float32/2", np.dtype("<f4"), (4, 2))}
+
+    def stretch(request_id):
+        data = torch.arange(8, dtype=torch.float32).view(torch.uint8)
+        line = {"request_id": request_id, "status": "ok", "dtype": "float32",
+                "positions": None,
+                "sites": {"post_block@1": {"tensor": "rows", "start": 0, "stop": 4}}}
+        return capture_sink.Stretch(request_id, tensors, [("rows", data, 0, 32, 0)], line,
+                                    final=True)
+
+    assert sink.send([stretch("kept")])
+    assert not sink.send([stretch("lost")])
+    busy.set()
+    sink.close()
+    assert sink.counters.dropped == 1 and sink.counters.requests == 1
+    (kept,) = capture.open(tmp_path)
+    assert kept.request_id == "kept"
+    np.testing.assert_array_equal(kept["post_block@1"], np.arange(8).reshape(4, 2))

@@ -79,7 +79,8 @@ def test_a_file_the_worker_cannot_write_drops_its_requests_and_leaves_nothing(mo
     item = {"status": "ok", "detail": "", "sites": ["post_block@0"], "hidden": 5,
             "dtype": "float32", "rows": 1, "positions": np.zeros(1, "<i8").tobytes(),
             "scales": b"", **placed[0]}
-    [got, missing] = request_capture.merge([{"file": file, "parts": count, "items": [item, None]}], 2)
+    reply = {"file": file, "parts": count, "items": [item, None]}
+    [got, missing] = request_capture.merge([reply], 2)
     assert missing is None
     assert got.status == "dropped" and "No space left on device" in got.detail
     assert os.listdir(box["folder"]) == ["token"]

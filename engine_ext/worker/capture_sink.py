@@ -90,7 +90,7 @@ class EngineSink(ShardThread):
                     return False
                 self._room.wait()
             self._pending += nbytes
-        if self.put(_Job(stretches, computed, nbytes)):
+        if self.put(_Job(stretches, computed, nbytes), count=False):
             return True
         self._release(nbytes)
         self._lose(stretches)
@@ -100,9 +100,9 @@ class EngineSink(ShardThread):
         """Dropped stretches: their requests' lines say so (a last stretch still ends them)."""
         for stretch in stretches:
             self._lost.add(stretch.request_id)
-            if stretch.final:
-                self.put(_Job([Stretch(stretch.request_id, stretch.tensors,
-                                       line=stretch.line, final=True)], None, 0))
+            if stretch.final:  # blocks for room: the request's end is never lost
+                self._queue.put(_Job([Stretch(stretch.request_id, stretch.tensors,
+                                              line=stretch.line, final=True)], None, 0))
 
     def _release(self, nbytes: int) -> None:
         with self._room:
