@@ -43,6 +43,8 @@ class DynsteerCollector(Collector):
         yield CounterMetricFamily("dynsteer_requests_rejected",
                                   "Requests whose steering spec failed validation",
                                   value=counters.requests_rejected)
+        stats = self.server.worker_stats
+        engine_sinks = stats.get("capture_sinks", {})  # written by the workers (stage 0)
         for key, help_text in (
             ("requests", "Requests a capture sink wrote into sealed shards"),
             ("dropped", "Requests a capture sink dropped (queue full under 'drop', failed "
@@ -53,8 +55,9 @@ class DynsteerCollector(Collector):
                                          labels=["sink"])
             for name, sink in sorted(self.server.sinks.items()):
                 family.add_metric([name], getattr(sink.counters, key, 0))
+            for name, counters in sorted(engine_sinks.items()):
+                family.add_metric([name], counters.get(key, 0))
             yield family
-        stats = self.server.worker_stats
         for key, help_text in (
             ("tokens_monitored", "Tokens whose gate was computed, by monitor site"),
             ("tokens_gated", "Tokens whose gate was above 0.5, by monitor site"),
