@@ -24,6 +24,7 @@ import dynsteer.probes
 from dynsteer.controller.extra_args import ACTIVATIONS_KEY, WIRE_KEY
 from dynsteer.controller.spec import parse_spec
 from dynsteer.controller.wire import spec_to_wire
+from dynsteer.engine_ext.worker.capture_sink import EngineSink
 from dynsteer.engine_ext.worker.state import SteeringState
 
 PACKAGE = tuple(str(Path(module.__file__).parent) for module in
@@ -60,17 +61,20 @@ CAPTURE = {"sites": ["post_block@1", "post_block@3"], "rows": PROMPT + 8, "posit
 
 
 def make_state(requests: int, spec_of: Callable[[int], dict],
-               capture: bool = False) -> SteeringState:
+               capture: bool = False, sink: Path | None = None) -> SteeringState:
     """A worker state with ``requests`` requests, request ``i`` in slot ``i + 1`` with spec
-    ``spec_of(i)``; with ``capture``, every request also captures its activations."""
+    ``spec_of(i)``; with ``capture``, every request also captures its activations (into an
+    engine sink in the folder ``sink``, if given)."""
     state = SteeringState(SITES, HIDDEN, max_rows=requests + 1, max_tokens=4096,
                           max_slots=requests + 1, device=torch.device("cpu"), block_size=BLOCK,
                           capture_lanes=2 if capture else 0,
                           capture_tokens=requests * CAPTURE["rows"] + 1)
+    if sink is not None:
+        state.capture.sinks = {"s": EngineSink("s", str(sink))}
     for i in range(requests):
         extra = {WIRE_KEY: spec_to_wire(parse_spec(spec_of(i)))}
         if capture:
-            extra[ACTIVATIONS_KEY] = CAPTURE
+            extra[ACTIVATIONS_KEY] = CAPTURE if sink is None else {**CAPTURE, "sink": "s"}
         state.add_request(f"r{i}", i + 1, extra, PROMPT)
     return state
 
@@ -126,10 +130,10 @@ def positioned(i: int) -> dict:
 
 
 def lines_per_step(requests: int, gate: float, capture: bool = False,
-                   spec_of: Callable[[int], dict] = spec) -> int:
+                   spec_of: Callable[[int], dict] = spec, sink: Path | None = None) -> int:
     """Python lines executed by one decode step with ``requests`` requests (the one after the
     first decode step)."""
-    state = make_state(requests, spec_of, capture)
+    state = make_state(requests, spec_of, capture, sink)
     slots = np.arange(1, requests + 1)
     state.fill(slots, np.zeros(requests, np.int64), np.full(requests, PROMPT))  # prefill
     state.after_forward()
@@ -147,6 +151,14 @@ def test_capturing_step_lines_do_not_depend_on_the_number_of_requests():
     """The same with every request capturing its own activations at two sites (rows noted
     per step for prompt and generated positions)."""
     small, large = lines_per_step(8, 1.0, capture=True), lines_per_step(200, 1.0, capture=True)
+    assert large == small, f"{small} Python lines per step with 8 requests, {large} with 200"
+
+
+def test_sink_step_lines_do_not_depend_on_the_number_of_requests(tmp_path):
+    """The same with every request's rows going to an engine sink: a step that sends no
+    stretch (they go every 16 positions) does what a capturing step does."""
+    small = lines_per_step(8, 1.0, capture=True, sink=tmp_path / "small")
+    large = lines_per_step(200, 1.0, capture=True, sink=tmp_path / "large")
     assert large == small, f"{small} Python lines per step with 8 requests, {large} with 200"
 
 
