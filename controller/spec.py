@@ -247,8 +247,9 @@ class CaptureSpec(BaseModel):
     project: RandomProjection | None = None
     """Project each row to ``k`` dimensions on the device before it is cast."""
     sink: Annotated[str, Field(pattern=SINK_PATTERN)] | None = None
-    """A sink the server was started with (``--dynsteer-capture-sinks``): the rows go there
-    instead of into the response."""
+    """A capture sink: one of the engine's (engine option ``capture_sinks``: the workers write
+    the rows while the request runs) or of the server (``--dynsteer-capture-sinks``); the rows
+    go there instead of into the output."""
     when: Literal["always", "gated"] = "always"
     """``gated``: keep the rows only if the request's gate fired (gate > 0.5 at some
     position); otherwise they are freed on the device and the status is ``skipped``. Needs a
