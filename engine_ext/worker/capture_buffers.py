@@ -83,6 +83,8 @@ class _Entry:
     computed (None: written when the request finishes, or not by this worker)."""
     flushed: int = 0
     """Positions below this went to the sink already."""
+    blocks: dict[str, tuple[str, np.dtype, tuple[int, ...]]] | None = None
+    """The blocks its sink reserves for it (made with its first stretch)."""
 
 
 class CaptureBuffers:
@@ -266,7 +268,9 @@ class CaptureBuffers:
             first, _ = self._seen(entry)
             start = max(entry.flushed, lo, first if first >= 0 else hi)
             stop = min(int(end), hi)
-            stretch = Stretch(entry.req_id, self._sink_tensors(entry, lo, hi))
+            if entry.blocks is None:  # the same for every stretch of the request
+                entry.blocks = self._sink_tensors(entry, lo, hi)
+            stretch = Stretch(entry.req_id, entry.blocks)
             if stop > start:
                 wanted = entry.wanted
                 key = (entry.lanes, stop - start, wanted["dtype"],
