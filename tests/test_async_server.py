@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -41,17 +40,13 @@ TRIP = {"gate": {"probe": {"weights": PROBE, "threshold": -1000.0}, "layer": 1,
 """A gate that fires on every token (what makes the controller act)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def stack(chat_model, tmp_path_factory):
     """The server and the controller process, with the server's events and commands."""
     folder = tmp_path_factory.mktemp("async")
-    events, commands = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    # ipc addresses: a loopback port picked now could be taken by another engine before the
+    # server binds it.
+    events, commands = (f"ipc://{folder / name}" for name in ("events", "commands"))
     clients = folder / "clients"
     clients.mkdir()
     server_public, server_secret = zmq.auth.create_certificates(folder, "server")

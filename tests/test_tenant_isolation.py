@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 
 import msgspec
 import numpy as np
@@ -34,12 +33,6 @@ ESCAPED = "\\u0064ynsteer"
 """``dynsteer`` as a JSON escape."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def command(address: str, message) -> Reply:
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
@@ -56,8 +49,9 @@ def command(address: str, message) -> Reply:
 
 @pytest.fixture(scope="module")
 def server(chat_model, tmp_path_factory):
-    commands = f"tcp://127.0.0.1:{free_port()}"
-    srv = Server(chat_model, tmp_path_factory.mktemp("tenants") / "serve.log",
+    folder = tmp_path_factory.mktemp("tenants")
+    commands = f"ipc://{folder / 'commands'}"  # no loopback port another engine could take first
+    srv = Server(chat_model, folder / "serve.log",
                  "--api-key", A, B, "--dynsteer-commands", commands)
     try:
         srv.wait_ready(api_key=A)
