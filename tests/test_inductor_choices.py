@@ -21,8 +21,8 @@ norm after it), looped and persistent, in Triton's CPU interpreter against float
 
 Inductor's FX graph cache stays on (each compile in a folder of its own): torch 2.13 asks
 ``inductor_choices_class`` for a ``uuid()`` to key that cache, and vLLM pickles Inductor's
-configuration, the class included, into its compile cache (session 34: a class made inside a
-function failed there). The test leaves Inductor's choices, config and cache folder as it found
+configuration, the class included, into its compile cache (where a class made inside a
+function fails to pickle). The test leaves Inductor's choices, config and cache folder as it found
 them.
 """
 
