@@ -49,7 +49,8 @@ class EngineOptions(BaseModel):
     startup: the sites are baked into the compiled graph."""
     monitor_sites: str | list[str] = DEFAULT_MONITOR_SITES
     """Sites where probes can read the stream (gates) and activations can be captured. Each
-    runs the monitor kernel (2.5-4 us per decode step on an H100); ``""`` for none."""
+    runs the monitor kernel, a launch of its own in every forward (docs/performance.md);
+    ``""`` for none."""
     max_rows: int = Field(default=64, ge=1, le=4096)
     """Distinct steering rows in flight: one per distinct content (a phase's own, global and
     gated vectors per site); specs with equal contents share a row. Each costs
@@ -74,14 +75,14 @@ class EngineOptions(BaseModel):
     by Inductor) is a persistent reduction, one pass over the row as stock's norms run, for
     rows of up to 4096 elements (wider rows keep the looped kernel). False leaves the launch
     to Inductor, which writes that kernel looped, with no persistent config to autotune to
-    (3.2 us per kernel against 2.3 at batch 32 of an 8B shape on an H200), for measuring
-    against. See :mod:`dynsteer.engine_ext.compat.inductor`."""
+    (slower at decode batch sizes), as a baseline for benchmarks. See
+    :mod:`dynsteer.engine_ext.compat.inductor`."""
     fused_norms: bool = False
     """Whether a site whose stream the next RMSNorm adds (``post_block``, ``post_attn``) runs in
     that norm's kernel on CUDA (``dynsteer::steer_norm``: one kernel for the site and the norm).
-    Off by default: on serving traffic (H200) it makes the steps that admit a request slower,
-    ITL p99 about 1.3x plain vLLM's and TTFT p50 about 1.2x, where off reads 1.0 for both; on,
-    decode steps are a little faster (about 0.5% at batch 1). Off, the site's ops are fused by
+    Off by default: on serving traffic it makes the steps that admit a request slower (a
+    higher ITL p99 and TTFT than plain vLLM's, docs/performance.md), while decode steps are a
+    little faster. Off, the site's ops are fused by
     Inductor into the norm's kernel and a monitor site runs a kernel of its own. Where one of
     vLLM's own norm fusions is on (an all-reduce or a quantization fused into the norm, see
     ``compat.worker.NORM_PASSES``), sites stay out of the norm regardless, so vLLM's fusion

@@ -221,8 +221,8 @@ def _client_error_class(kind: type[ValueError]) -> type[ValueError] | None:
     """A subclass of ``kind`` that vLLM's server also reports as HTTP 400 with our message.
 
     vLLM 0.32 turns any exception of a request's preprocessing into a bare HTTP 500 unless it
-    is a ``VLLMValidationError``, which is no longer a ValueError; vLLM 0.26 answers 400 for
-    ValueErrors already (None: nothing to do).
+    is a ``VLLMValidationError``, which is not a ValueError there; vLLM 0.26 answers 400 for
+    ValueErrors (None: nothing to do).
     """
     from vllm.exceptions import VLLMValidationError
 

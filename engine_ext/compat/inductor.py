@@ -8,8 +8,8 @@ and reading it back. Stock's add + RMSNorm kernels are also written looped, but 
 ``add_persistent_rblock``, so their autotuner may pick a persistent config (the whole row in
 registers, one pass), and at decode batches it does. The site kernel's extra loads and stores
 fail that mark's memory-saving test (``TritonKernel.codegen_kernel``: looped bytes at least 1.3x
-persistent), so it runs looped with no alternative: 3.2 us per kernel against stock's 2.3 at
-batch 32 of an 8B shape on an H200, 29 kernels per decode step.
+persistent), so it runs looped with no alternative, slower than stock's persistent kernel at
+decode batch sizes, once per layer and decode step.
 
 The choice between a persistent and a looped reduction is Inductor's extension point
 ``InductorChoices.should_use_persistent_reduction``. :func:`install` configures a subclass

@@ -76,8 +76,8 @@ PERSISTENT_SITE_ROW = 4096
 """The widest row whose fused site's kernel is asked to be a persistent reduction (engine
 option ``persistent_sites``, :mod:`dynsteer.engine_ext.compat.inductor`). Inductor launches a
 persistent kernel with at most 8 warps up to 8192 elements (16 elements a thread at 4096, 32
-at 8192, where stock's persistent norm configs keep 16); it is measured at 4096 only, so
-wider rows keep Inductor's looped kernel until a measurement says otherwise."""
+at 8192, where stock's persistent norm configs keep 16); the benchmarks cover rows up to 4096
+(``benchmarks/overhead.py``), so wider rows keep Inductor's looped kernel."""
 
 
 # ---- the gate statistics (:mod:`.gate_stats`) ------------------------------------------

@@ -246,17 +246,15 @@ def _within_limit(x32: torch.Tensor, h: torch.Tensor | None, delta: torch.Tensor
     """``delta`` where ``x32 + delta`` is within the stream limit, else 0: the op's last line
     (``where(|y| <= limit, y, x)``), written so that the steered sum has one user. As
     ``where(|y| <= limit, y, x32)`` the sum would have two; Inductor then stores it as a buffer
-    of its own, splits the site over two kernels and reads the buffer back (idle sites cost
-    +77 us per decode step of an 8B shape at batch 32 on an H100 that way, against +43 us
-    without the check).
+    of its own, splits the site over two kernels and reads the buffer back, which costs an
+    idle site more than the check itself.
 
     Where ``h`` (the stream's other half) is NaN, ``delta`` is dropped too: the stream there is
     NaN whatever is added, so this changes no value the model sees, but it ties the site to
     ``h``. Without that tie the site's arithmetic needs only ``x``, which the norm *before*
     the MLP already reads, and Inductor may compute it there, store ``delta`` as an fp32
-    ``[T, H]`` buffer and read it back in the next norm (with the site-group test in the
-    expression, +50 us per decode step of an 8B shape at batch 32 on an H100, 0.75%). Tied to
-    ``h``, it can only join the kernel that adds ``h``."""
+    ``[T, H]`` buffer and read it back in the next norm (a round trip through device memory
+    per site and step). Tied to ``h``, it can only join the kernel that adds ``h``."""
     keep = (x32 + delta).abs() <= stream_limit(dtype)
     if h is not None:
         keep = keep & ~torch.isnan(h)
@@ -270,11 +268,11 @@ def projection_change(stream: torch.Tensor, gate: torch.Tensor, rows: torch.Tens
     one after the other in slot order (see the module docstring); ``gather(table, rows)``
     reads the tokens' rows of the directions. Products and sums, not ``einsum``: Inductor
     fuses the gathers into one reduction and one pointwise kernel instead of materializing
-    every token's directions for a batched matmul (which cost 6-12% of an 8B decode step).
+    every token's directions for a batched matmul.
 
     The small tables (coefficients, Gram matrix: a few floats per row) are indexed directly:
-    read through ``gather``'s padding, Inductor materialized them with a device copy per site
-    and step (46 copies per decode step of an 8B model on an H100)."""
+    read through ``gather``'s padding, Inductor would materialize them with a device copy per
+    site and step."""
     directions = gather(proj_dir, rows)                       # [T, D, H]
     par = proj_par[rows]                                      # [T, D, PROJ_PARAMS]
     s = (stream[:, None, :] * directions).sum(-1)
@@ -411,13 +409,13 @@ def steer_norm(x: torch.Tensor, h: torch.Tensor, *args) -> tuple[torch.Tensor, t
     eps, monitor, site_bit)``; on CUDA a token whose entry lacks ``site_bit`` (when nonzero)
     reads no row here, as at a fused site (its row has no contents at this site's group).
 
-    Why: a site fused by Inductor into the norm's kernel (:func:`steer_add`) made each of 29
-    add + RMSNorm kernels of an 8B decode step ~1 us slower at batch 1 (the per-token index
-    read and the steered stream stored and read back between the norm's two loops); on CUDA
-    this is one Triton program per token that loads the stream, ``h``, the weight and the
-    token's index in one round trip, reads no row for an unsteered token, and normalizes the
-    row from registers (``kernels.steer_norm._steer_norm_kernel``). Engines with projection slots
-    (``max_projections``) keep the unfused form (see :meth:`.sites.SiteOp.fuses_norm`)."""
+    Why: a site fused by Inductor into the norm's looped kernel (:func:`steer_add`) adds the
+    per-token index read, and stores the steered stream between the norm's two loops to read
+    it back; on CUDA this is one Triton program per token that loads the stream, ``h``, the
+    weight and the token's index in one round trip, reads no row for an unsteered token, and
+    normalizes the row from registers (``kernels.steer_norm._steer_norm_kernel``). Engines
+    with projection slots (``max_projections``) keep the unfused form (see
+    :meth:`.sites.SiteOp.fuses_norm`)."""
     *buffers, site, weight, eps, monitor, site_bit = args
     b = SteerBuffers(*buffers)
     if x.is_cuda:

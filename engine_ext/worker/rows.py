@@ -164,9 +164,9 @@ class RowTable:
         self, sites: tuple[Site, ...], hidden_size: int, max_rows: int, device: torch.device,
         max_projections: int = 0, site_groups: bool = True,
     ) -> None:
-        """``site_groups=False`` keeps plain rows as entries (no group bits), for the fused
-        sites' form before the groups (:func:`.ops.steer_add` with ``site_bit`` 0), kept to
-        measure the groups against (``benchmarks/overhead.py --variant``)."""
+        """``site_groups=False`` keeps plain rows as entries (no group bits): the fused
+        sites' form without groups (:func:`.ops.steer_add` with ``site_bit`` 0), a baseline
+        for the groups (``benchmarks/overhead.py --variant``)."""
         if max_rows > ROW_MASK:
             raise ValueError(f"max_rows={max_rows} exceeds the index's {ROW_MASK}")
         self.sites = sites

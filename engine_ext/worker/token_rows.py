@@ -15,11 +15,11 @@ path. Tokens past the step's count (CUDA-graph padding) are kept at 0. On CUDA t
 non-blocking copy from a pinned staging buffer, skipped entirely when nothing changed since the
 previous step (the common decode case) or nothing is steered.
 
-On arrays this small a numpy call's cost is its overhead, and some calls carry far more than
-others (measured, 16 requests: ``x.any()`` 2.5 µs against ``np.count_nonzero(x)`` 0.8 µs,
-``np.array_equal`` 4.8 µs against comparing ``tobytes()`` 0.4 µs; inside a serving engine
-each costs 3-4x that). The step path uses the cheap forms, and skips ``np.repeat`` when every
-request has one token (a decode step).
+On arrays this small a numpy call's cost is its overhead, and some calls carry several times
+more than others (``x.any()`` more than ``np.count_nonzero(x)``, ``np.array_equal`` far more
+than comparing ``tobytes()``; inside a serving engine every call costs more than alone). The
+step path uses the cheap forms, and skips ``np.repeat`` when every request has one token (a
+decode step).
 
 Where the model runner keeps the step's batch on the device (vLLM's V2 runner on CUDA) and the
 step needs nothing per token on the host (no capture, no controller, no gate traces), the
@@ -131,8 +131,8 @@ class DeviceFill:
     once in a CUDA graph. Per step the host replays the graph, after the batch's slots (from
     the host's array) and the slot table went to the device with the step's other uploads
     when they changed (:class:`.StepUpload`: one copy): at most two launches, whatever the
-    batch (a Triton launch from Python costs ~45 µs of host time on the lent H100 host, a
-    replay ~5). Two graphs: position entries absolute, or relative to where each request's
+    batch (a Triton launch from Python costs several times a graph replay's host time). Two
+    graphs: position entries absolute, or relative to where each request's
     previous step ended (a step where every request continues from there; then a decode
     step's index is the step before's).
 

@@ -45,9 +45,9 @@ def _steer_norm_kernel(
     read, and for an unsteered token what the norm normalizes) is summed, and only then does
     a token whose entry steers this site read its rows (both tiers: a row's unused tier is
     zero) and sum again. A token that is neither steered nor monitored here thus costs the
-    norm's own loads plus two 4-byte loads in their shadow; the order matters: with the rows
-    read (masked) before the sum, an idle site took 0.5 us more per launch after an L2 flush
-    (``benchmarks/kernel_bench.py --norm``, H200)."""
+    norm's own loads plus two 4-byte loads in their shadow. The order matters: with the rows
+    read (masked) before the sum, an idle site waits on them too, which shows when its layer's
+    weights have flushed L2 (``benchmarks/kernel_bench.py --norm``)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
