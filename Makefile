@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.dynsteer-installed
 
-.PHONY: install demo pirate-demo serve-demo test test-fast lint gpukit gpu-test
+.PHONY: install demo pirate-demo serve-demo test test-fast lint docs docs-check gpukit gpu-test
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,6 +45,14 @@ test-fast: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# docs/options.md's generated blocks, from EngineOptions' field docstrings (tests/test_docs.py
+# fails while they are stale).
+docs: install
+	$(PY) docs/gen_options.py
+
+docs-check: install
+	$(PY) docs/gen_options.py --check
 
 # The offline vLLM kit for the GPU host (../shared/gpukit/README.md), built here into .gpukit/,
 # with peft for tests/gpu/test_gpu_lora.py (the host's image has transformers, not peft).

@@ -42,93 +42,102 @@ class EngineOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
-    """Turn the plugin on for this engine (an empty dict also enables it)."""
+    """Turns the plugin on for this engine (an empty dict also enables it)."""
     sites: Annotated[str | list[str], Field(min_length=1)] = "post_block@*"
-    """Which (hook, layer) sites can be steered, e.g. ``"post_block@*"``, ``"pre_attn@0-3"``,
-    ``"post_attn@5+7"`` or ``"post_block@50%"`` (monitor sites are added to them). Fixed at
-    startup: the sites are baked into the compiled graph."""
+    """Which (hook, layer) sites can be steered: one or more ``hook@layers`` items,
+    comma-separated or as a list, e.g. ``"post_block@*"``, ``"pre_attn@0-3"``,
+    ``"post_attn@5+7"`` or ``"post_block@50%"`` (grammar: docs/options.md#sites). Monitor
+    sites are added to them. Fixed at startup: the sites are baked into the compiled graph, so
+    changing them recompiles the model."""
     monitor_sites: str | list[str] = DEFAULT_MONITOR_SITES
-    """Sites where probes can read the stream (gates) and activations can be captured. Each
-    runs the monitor kernel, a launch of its own in every forward (docs/performance.md);
-    ``""`` for none."""
+    """Sites where probes can read the stream (gates) and activations can be
+    captured; they can be steered too. Each runs the monitor kernel, a launch of its own in
+    every forward (docs/performance.md#kernels-and-host-work). ``""`` for none;
+    ``"post_block@*"`` to choose a probe's layer from all of them."""
     max_rows: int = Field(default=64, ge=1, le=4096)
-    """Distinct steering rows in flight: one per distinct content (a phase's own, global and
-    gated vectors per site); specs with equal contents share a row. Each costs
-    ``2 * sites * hidden * 4`` bytes of device memory (1 MiB for 32 sites at hidden 4096).
-    A config's row stays in the table after its last request finished and is reused by the
-    next request of equal contents; a new config takes the least recently used idle row (a
-    copy of the sites it steers). With every row in use, the scheduler keeps the requests that
-    would need a new row waiting in its queue until one is free (everything that fits runs
-    meanwhile); a spec that alone needs more rows than this is refused naming the option."""
+    """Distinct steering rows in flight: one per distinct content (a phase's own, global
+    and gated vectors per site); specs with equal contents share a row. Each row costs
+    ``2 * sites * hidden * 4`` bytes of device memory (1 MiB for 32 sites at hidden 4096). A
+    config's row stays in the table after its last request finishes and is reused by the next
+    request of equal contents; a new config takes the least recently used idle row. With
+    every row in use, the scheduler keeps the requests that would need a new row waiting in
+    its queue until one is free (everything that fits runs meanwhile; metric
+    ``dynsteer_requests_waited_for_rows_total``); a spec that alone needs more rows than this
+    is refused, naming the option."""
     max_projections: int = Field(default=0, ge=0, le=16)
-    """Ablate / clamp / ``norm_match`` entries one kind of token may have at one site: the
-    slots of a row. 0 (the default) turns them off and costs nothing; each slot costs
-    ``sites * (max_rows + 1) * (hidden + 5) * 4`` bytes of device memory, and a steered token
-    reads its row's slots at every site (one dot product per slot)."""
+    """Ablate / clamp / ``norm_match`` entries one kind of token may have at one
+    site: the projection slots of a row. 0 turns them off and costs nothing; each slot costs
+    ``sites * (max_rows + 1) * (hidden + 5) * 4`` bytes of device memory (about 33 MiB for 32
+    sites, 64 rows, hidden 4096), and a steered token reads its row's slots at every site (one
+    dot product per slot)."""
     site_groups: bool = True
-    """Whether a fused site (no monitor) skips the row of a token whose row steers no site of
-    its group of consecutive sites (a row steering layer 16 is read at one or two sites, not
-    at every one). False compiles the form without groups (a steered token's row read at
-    every site, zeros included), for measuring the groups against."""
+    """Whether a fused site (one that is not a monitor site) skips the row of a token
+    whose row steers no site of its group of consecutive sites, so a vector at layer 16 is read
+    at one or two sites, not at all of them. ``false`` compiles the form without groups (a
+    steered token's row read at every site), a baseline for benchmarks."""
     persistent_sites: bool = True
-    """Whether, on CUDA, the kernel a fused site is in (the next layer's add + RMSNorm, written
-    by Inductor) is a persistent reduction, one pass over the row as stock's norms run, for
-    rows of up to 4096 elements (wider rows keep the looped kernel). False leaves the launch
-    to Inductor, which writes that kernel looped, with no persistent config to autotune to
-    (slower at decode batch sizes), as a baseline for benchmarks. See
-    :mod:`dynsteer.engine_ext.compat.inductor`."""
+    """Whether, on CUDA, the kernel a fused site is in (the next layer's add +
+    RMSNorm, which torch.compile writes) is a persistent reduction, one pass over the row as
+    stock vLLM's norms run, for rows of up to 4096 elements (wider rows keep the looped
+    kernel). ``false`` leaves the choice to Inductor, which writes that kernel looped, slower
+    at decode batch sizes; a baseline for benchmarks."""
     fused_norms: bool = False
-    """Whether a site whose stream the next RMSNorm adds (``post_block``, ``post_attn``) runs in
-    that norm's kernel on CUDA (``dynsteer::steer_norm``: one kernel for the site and the norm).
-    Off by default: on serving traffic it makes the steps that admit a request slower (a
-    higher ITL p99 and TTFT than plain vLLM's, docs/performance.md), while decode steps are a
-    little faster. Off, the site's ops are fused by
-    Inductor into the norm's kernel and a monitor site runs a kernel of its own. Where one of
-    vLLM's own norm fusions is on (an all-reduce or a quantization fused into the norm, see
-    ``compat.worker.NORM_PASSES``), sites stay out of the norm regardless, so vLLM's fusion
-    stays."""
+    """Whether, on CUDA, a site whose stream the next RMSNorm adds (``post_block``,
+    ``post_attn``) runs inside that norm's Triton kernel (``dynsteer::steer_norm``: one kernel
+    for the site and the norm). Off by default: on serving traffic it makes the steps that
+    admit a request slower (a higher ITL p99 and TTFT than plain vLLM's), while decode steps
+    are a little faster (docs/performance.md#kernels-and-host-work). Off, torch.compile fuses
+    the site's ops into the norm's kernel, and a monitor site runs a kernel of its own. Where
+    vLLM fuses something into the norm itself (a quantization, a tensor-parallel all-reduce,
+    sequence parallelism), sites stay out of the norm regardless, so vLLM's fusion stays."""
     max_gates: int = Field(default=128, ge=1, le=65536)
-    """Distinct probes (with their threshold, sharpness and monitor site) gating requests in
-    flight; each costs ``hidden * 4`` bytes of device memory. With every probe row in use, the
-    scheduler keeps the requests that would need a new one waiting, as for ``max_rows``."""
+    """Distinct probes (each with its threshold, sharpness and monitor site) gating
+    requests in flight; each costs ``hidden * 4`` bytes of device memory. With every probe row
+    in use, the scheduler keeps the requests that would need a new one waiting, as for
+    ``max_rows``."""
     max_steer_norm: float = Field(default=DEFAULT_MAX_STEER_NORM, gt=0, le=1e12)
-    """Largest ``‖scale · vector‖`` (L2) one steering entry may add, checked for every spec,
-    global entry and registered vector (HTTP 400 / ValueError above it)."""
+    """Largest ``‖scale · vector‖`` (L2) one steering entry may add, checked for
+    every spec, global entry and registered vector (HTTP 400, or ``ValueError`` offline, above
+    it)."""
     max_vectors: int = Field(default=256, ge=0, le=65536)
-    """Named vectors that may be registered at once (a full registry answers HTTP 409)."""
+    """Named vectors that may be registered at once (a full registry answers HTTP
+    409)."""
     max_probes: int = Field(default=256, ge=0, le=65536)
-    """Named probes that may be registered at once (a full registry answers HTTP 409)."""
+    """Named probes that may be registered at once (a full registry answers HTTP
+    409)."""
     capture_lanes: int = Field(default=4, ge=0, le=256)
-    """Sites captured at once across the engine (requests capturing the same site share one
-    lane; a probe-training capture of more sites takes more passes over the prompts). Costs
-    ``capture_lanes * (capture_tokens + 1) * hidden * 4`` bytes of device memory per worker
-    (0 turns capture off and frees it)."""
+    """Sites captured at once across the engine (requests capturing the same site
+    share one lane; a probe-training capture of more sites takes more passes over the
+    prompts). Costs ``capture_lanes * (capture_tokens + 1) * hidden * 4`` bytes of device
+    memory per worker (64 MiB at the defaults and hidden 4096); 0 turns capture off."""
     capture_tokens: int = Field(default=1024, ge=1, le=1 << 20)
-    """Capture rows (per lane): a request capturing its own activations holds its prompt plus
-    ``max_tokens - 1`` of them until they are collected, and one that could never fit is
-    refused; a probe-training round holds prompts whose lengths sum to at most this."""
+    """Capture rows per lane: a request capturing its own activations holds its
+    prompt plus ``max_tokens - 1`` of them until they are collected (one that could never fit
+    is refused); a probe-training round holds prompts whose lengths sum to at most this."""
     capture_sinks: dict[Annotated[str, Field(pattern=SINK_PATTERN)], str] = Field(
         default_factory=dict)
-    """The engine's own capture sinks by name: a folder, optionally with settings
-    (``acts/?shard_bytes=268435456&policy=drop&seal_after_s=60&queue_size=1024``). A request
-    whose capture names one (``"sink": NAME``) has its rows written there by the workers as
-    it runs, in safetensors shards (read back with ``dynsteer.capture.open``), instead of
-    returned with its output."""
+    """The engine's own capture sinks, by name: a folder, optionally with settings
+    as a query (``acts/?shard_bytes=268435456&policy=drop&seal_after_s=60&queue_size=1024``).
+    A request whose capture names one (``"sink": NAME``) has its rows written there by the
+    workers as it runs, in safetensors shards read back with ``dynsteer.capture.open``,
+    instead of returned with its output
+    (docs/capture.md#the-engines-own-sinks-rows-on-disk-while-requests-run)."""
     events_address: str | None = None
     """Where the engine publishes controller events (ZeroMQ PUB, e.g.
-    ``tcp://127.0.0.1:5557``); None: no events. See :mod:`dynsteer.controller.zmq_protocol`.
-    A non-loopback address needs CURVE keys (``DYNSTEER_ZMQ_SERVER_KEY``)."""
+    ``tcp://127.0.0.1:5557``); ``null``: no events. A non-loopback address needs CURVE keys
+    (``DYNSTEER_ZMQ_SERVER_KEY``). See docs/gating.md#asynchronous-controllers."""
     events_every: int = Field(default=16, ge=1, le=1 << 20)
     """Engine steps per monitor-summary event (1: every step)."""
     events_queue: int = Field(default=4096, ge=1, le=1 << 20)
-    """Events waiting to be sent; when full, new events are dropped and counted (a slow or
-    absent subscriber never delays a step)."""
+    """Events waiting to be sent; when full, new events are dropped and counted, so
+    a slow or absent subscriber never delays a step."""
     commands_address: str | None = None
-    """Where the API server takes controller commands (ZeroMQ ROUTER); None: off."""
+    """Where the API server takes controller commands (ZeroMQ ROUTER);
+    ``null``: off."""
     plugin_version: str = PLUGIN_VERSION
-    """Set by the plugin; part of vLLM's compile-cache key."""
+    """Set by the plugin: part of vLLM's compile-cache key; do not set it."""
     kernel_abi: int = KERNEL_ABI
-    """Set by the plugin; part of vLLM's compile-cache key."""
+    """Set by the plugin: part of vLLM's compile-cache key; do not set it."""
 
     @field_validator("events_address", "commands_address")
     @classmethod

@@ -9,6 +9,8 @@ a JSON value in backticks (checked against the model), or free text (not checked
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import json
 import re
 import typing
@@ -124,6 +126,37 @@ def test_documented_defaults_are_the_model_defaults(page, model):
             actual = field.get_default(call_default_factory=True)
             actual = str(actual) if isinstance(actual, Path) else actual
             assert value == actual, f"{where}: documented {value!r}, the model has {actual!r}"
+
+
+def _generator():
+    """``docs/gen_options.py``, which renders the page's generated blocks."""
+    spec = importlib.util.spec_from_file_location("gen_options", DOCS / "gen_options.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GEN = _generator()
+
+
+def test_generated_blocks_of_the_options_page_are_current():
+    """The ``EngineOptions`` table is its field docstrings, rendered: a changed option, default
+    or docstring changes the page with it."""
+    page = DOCS / "options.md"
+    text = page.read_text()
+    rendered = GEN.update(text)
+    if rendered != text:
+        diff = "".join(difflib.unified_diff(text.splitlines(True), rendered.splitlines(True),
+                                            "docs/options.md", "rendered", n=0))
+        pytest.fail(f"docs/options.md is stale: regenerate it with `make docs` "
+                    f"(or `{GEN.COMMAND}`)\n{diff}")
+
+
+def test_the_generator_renders_docstrings_as_markdown_cells():
+    assert GEN.markdown("A ``x|y`` (:mod:`.ops`),\n    see docs/gating.md#controllers.") == (
+        "A `x\\|y` (`ops`), see [gating](gating.md#controllers).")
+    with pytest.raises(ValueError, match="no renderer"):
+        GEN.update("<!-- generated: Nothing -->\n<!-- end generated -->")
 
 
 def test_readme_is_at_most_20_kib():
