@@ -8,9 +8,11 @@ The names users import::
   ``additional_config={"dynsteer": {}}``.
 * :class:`SteeringSpec` and its parts (:class:`SteerEntry`, :class:`GateSpec`,
   :class:`InlineProbe`), :func:`parse_spec` and :class:`SpecError`: the per-request spec.
-* :class:`Probe`, :class:`ProbeSite`, :class:`ModelFingerprint`, :func:`from_sklearn` and
-  :func:`upload`: linear probes for gates.
+* :class:`Probe`, :class:`ProbeSite`, :class:`ModelFingerprint`, :func:`from_sklearn`,
+  :func:`calibrate_threshold` and :func:`upload`: linear probes for gates.
 * :class:`DynsteerClient`: the ``/v1/dynsteer/`` routes of a running server.
+* :func:`default_model_path`: the folder of the embedded default model (SmolLM2-135M-Instruct),
+  made on first use without a model hub (``dynsteer model path`` prints it).
 
 Controllers subclass the bases in :mod:`dynsteer.controller`. Everything else is private.
 
@@ -29,8 +31,16 @@ if TYPE_CHECKING:
     from dynsteer.controller.client import DynsteerClient
     from dynsteer.controller.contract import SpecError
     from dynsteer.controller.spec import GateSpec, InlineProbe, SteerEntry, SteeringSpec, parse_spec
+    from dynsteer.engine_ext.default_model import default_model_path
     from dynsteer.engine_ext.frontend.offline_api import Steering
-    from dynsteer.probes import ModelFingerprint, Probe, ProbeSite, from_sklearn, upload
+    from dynsteer.probes import (
+        ModelFingerprint,
+        Probe,
+        ProbeSite,
+        calibrate_threshold,
+        from_sklearn,
+        upload,
+    )
 
 _EXPORTS = {
     "Steering": "dynsteer.engine_ext.frontend.offline_api",
@@ -44,8 +54,10 @@ _EXPORTS = {
     "ProbeSite": "dynsteer.probes",
     "ModelFingerprint": "dynsteer.probes",
     "from_sklearn": "dynsteer.probes",
+    "calibrate_threshold": "dynsteer.probes",
     "upload": "dynsteer.probes",
     "DynsteerClient": "dynsteer.controller.client",
+    "default_model_path": "dynsteer.engine_ext.default_model",
 }
 """Public name -> the module that defines it."""
 
@@ -60,6 +72,8 @@ __all__ = [
     "SteerEntry",
     "Steering",
     "SteeringSpec",
+    "calibrate_threshold",
+    "default_model_path",
     "from_sklearn",
     "parse_spec",
     "upload",

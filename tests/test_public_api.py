@@ -30,8 +30,9 @@ def test_every_controller_name_resolves(name):
 
 
 def test_the_documented_names_are_exported():
-    assert {"Steering", "Probe", "from_sklearn", "DynsteerClient", "SteeringSpec", "SteerEntry",
-            "GateSpec", "InlineProbe", "SpecError", "parse_spec"} <= set(dynsteer.__all__)
+    assert {"Steering", "Probe", "from_sklearn", "calibrate_threshold", "DynsteerClient",
+            "SteeringSpec", "SteerEntry", "GateSpec", "InlineProbe", "SpecError", "parse_spec",
+            "default_model_path"} <= set(dynsteer.__all__)
     assert set(CONTROLLER_BASES) <= set(dynsteer.controller.__all__)
 
 
@@ -72,10 +73,12 @@ def test_unknown_names_raise_attribute_error():
 
 def test_client_side_names_need_neither_vllm_nor_torch():
     """Importing the package, listing it and using the client-side names (spec, probes, HTTP
-    client, controller bases) never loads vLLM or torch; only ``Steering`` does."""
+    client, controller bases, the default model's folder) never loads vLLM or torch; only
+    ``Steering`` does."""
     code = (
         "import json, sys; import dynsteer; dir(dynsteer); "
         "from dynsteer import DynsteerClient, Probe, SteeringSpec, from_sklearn, parse_spec; "
+        "from dynsteer import calibrate_threshold, default_model_path; "
         "from dynsteer.controller import AsyncController, Controller; "
         "print(json.dumps([m for m in ('vllm', 'torch') if m in sys.modules]))"
     )
