@@ -11,6 +11,8 @@ The names users import::
 * :class:`Probe`, :class:`ProbeSite`, :class:`ModelFingerprint`, :func:`from_sklearn`,
   :func:`calibrate_threshold` and :func:`upload`: linear probes for gates.
 * :class:`DynsteerClient`: the ``/v1/dynsteer/`` routes of a running server.
+* :func:`activations_of` and :func:`activations_of_stream`: the captured activations of an
+  OpenAI-compatible completion (a response, or a stream's chunks).
 * :func:`default_model_path`: the folder of the embedded default model (SmolLM2-135M-Instruct),
   made on first use without a model hub (``dynsteer model path`` prints it).
 
@@ -28,6 +30,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dynsteer.controller.activations import activations_of, activations_of_stream
     from dynsteer.controller.client import DynsteerClient
     from dynsteer.controller.contract import SpecError
     from dynsteer.controller.spec import GateSpec, InlineProbe, SteerEntry, SteeringSpec, parse_spec
@@ -57,6 +60,8 @@ _EXPORTS = {
     "calibrate_threshold": "dynsteer.probes",
     "upload": "dynsteer.probes",
     "DynsteerClient": "dynsteer.controller.client",
+    "activations_of": "dynsteer.controller.activations",
+    "activations_of_stream": "dynsteer.controller.activations",
     "default_model_path": "dynsteer.engine_ext.default_model",
 }
 """Public name -> the module that defines it."""
@@ -72,6 +77,8 @@ __all__ = [
     "SteerEntry",
     "Steering",
     "SteeringSpec",
+    "activations_of",
+    "activations_of_stream",
     "calibrate_threshold",
     "default_model_path",
     "from_sklearn",

@@ -32,7 +32,8 @@ def test_every_controller_name_resolves(name):
 def test_the_documented_names_are_exported():
     assert {"Steering", "Probe", "from_sklearn", "calibrate_threshold", "DynsteerClient",
             "SteeringSpec", "SteerEntry", "GateSpec", "InlineProbe", "SpecError", "parse_spec",
-            "default_model_path"} <= set(dynsteer.__all__)
+            "default_model_path", "activations_of", "activations_of_stream",
+            } <= set(dynsteer.__all__)
     assert set(CONTROLLER_BASES) <= set(dynsteer.controller.__all__)
 
 
@@ -78,7 +79,8 @@ def test_client_side_names_need_neither_vllm_nor_torch():
     code = (
         "import json, sys; import dynsteer; dir(dynsteer); "
         "from dynsteer import DynsteerClient, Probe, SteeringSpec, from_sklearn, parse_spec; "
-        "from dynsteer import calibrate_threshold, default_model_path; "
+        "from dynsteer import activations_of, activations_of_stream, calibrate_threshold; "
+        "from dynsteer import default_model_path; "
         "from dynsteer.controller import AsyncController, Controller; "
         "print(json.dumps([m for m in ('vllm', 'torch') if m in sys.modules]))"
     )
