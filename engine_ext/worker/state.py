@@ -245,12 +245,14 @@ class SteeringState:
 
     def fill(self, slots: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray,
              device_slots: torch.Tensor | None = None) -> None:
-        self.index.fill(slots, num_computed, num_scheduled, device_slots)
+        # Finished captures first: a gated one reads its gate decision, which folds the steps
+        # run so far, and must not read back this step's values before its forward runs.
         self.capture.finish_sinks()
+        self.index.fill(slots, num_computed, num_scheduled, device_slots)
 
     def skip_step(self) -> None:
-        self.index.skip()
         self.capture.finish_sinks()
+        self.index.skip()
 
     def after_forward(self) -> dict[str, tuple[int, int | None]]:
         """A step's forward is queued: requests of engine sinks that computed their last row
