@@ -11,12 +11,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dynsteer.controller.capture_store import sink_settings
 from dynsteer.controller.contract import Site, check_site_grammar, resolve_sites, site_order
 from dynsteer.controller.limits import DEFAULT_MAX_STEER_NORM
-from dynsteer.controller.spec import SINK_PATTERN
+from dynsteer.controller.spec import SINK_PATTERN, CaptureSpec
 
 from .plugin import CONFIG_KEY, requested
 
@@ -114,6 +121,11 @@ class EngineOptions(BaseModel):
     """Capture rows per lane: a request capturing its own activations holds its
     prompt plus ``max_tokens - 1`` of them until they are collected (one that could never fit
     is refused); a probe-training round holds prompts whose lengths sum to at most this."""
+    capture_max_bytes: int = Field(default=128 << 20, ge=1)
+    """Bytes of activations one capture may return at most: a request's own rows (its sites
+    times the positions it may compute, in its dtype), or a whole probe-training capture's
+    result. A larger one is refused before it runs (HTTP 400), naming this option; rows that
+    go to a capture sink do not count, since they never pass through the response."""
     capture_sinks: dict[Annotated[str, Field(pattern=SINK_PATTERN)], str] = Field(
         default_factory=dict)
     """The engine's own capture sinks, by name: a folder, optionally with settings
@@ -122,6 +134,11 @@ class EngineOptions(BaseModel):
     workers as it runs, in safetensors shards read back with ``dynsteer.capture.open``,
     instead of returned with its output
     (docs/capture.md#the-engines-own-sinks-rows-on-disk-while-requests-run)."""
+    global_capture: dict[str, Any] | None = None
+    """A capture (a spec's ``capture`` fields, whose ``sink`` names one of
+    :attr:`capture_sinks`) that every request asking for none gets, from the engine's start:
+    collecting a dataset while serving. On a server, ``PUT /v1/dynsteer/capture/global``
+    replaces it (and may scope it to a session or an API key)."""
     events_address: str | None = None
     """Where the engine publishes controller events (ZeroMQ PUB, e.g.
     ``tcp://127.0.0.1:5557``); ``null``: no events. A non-loopback address needs CURVE keys
@@ -153,6 +170,25 @@ class EngineOptions(BaseModel):
             sink_settings(name, value)
         return v
 
+    @model_validator(mode="after")
+    def _check_global_capture(self) -> EngineOptions:
+        capture = self.global_capture
+        if capture is None:
+            return self
+        try:
+            parsed = CaptureSpec.model_validate(capture)
+        except ValidationError as e:
+            first = e.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"global_capture{'.' + where if where else ''}: "
+                             f"{first['msg']}") from None
+        if parsed.sink not in self.capture_sinks:
+            known = ", ".join(sorted(self.capture_sinks)) or "none"
+            raise ValueError(f"global_capture.sink: name one of capture_sinks (configured: "
+                             f"{known}); a global capture's rows have no response to go to")
+        self.global_capture = parsed.model_dump(exclude_none=True)
+        return self
+
     @field_validator("sites", "monitor_sites")
     @classmethod
     def _check_site_grammar(cls, v: str | list[str]) -> str | list[str]:
@@ -169,7 +205,7 @@ class EngineOptions(BaseModel):
 
 RUNTIME_OPTIONS = frozenset({"max_steer_norm", "max_vectors", "max_probes", "events_address",
                              "events_every", "events_queue", "commands_address",
-                             "capture_sinks"})
+                             "capture_sinks", "capture_max_bytes", "global_capture"})
 """Options that never reach the compiled graph (checks, registry caps, sockets): left out of
 vLLM's compile-cache key, so changing one does not recompile the model."""
 

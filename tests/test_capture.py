@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -54,9 +55,10 @@ LENGTHS = [5, 11, 8, 17, 3, 9, 24]
 PROMPTS = [[1, *np.random.RandomState(n).randint(3, 500, n - 1).tolist()] for n in LENGTHS]
 
 
-def fake_frontend(sites: str = "post_block@*,post_attn@1", lanes: int = 2, tokens: int = 24):
+def fake_frontend(sites: str = "post_block@*,post_attn@1", lanes: int = 2, tokens: int = 24,
+                  max_bytes: int = 128 << 20):
     options = EngineOptions(sites=sites, monitor_sites=sites, capture_lanes=lanes,
-                            capture_tokens=tokens)
+                            capture_tokens=tokens, capture_max_bytes=max_bytes)
     engine_sites = options.engine_sites(LAYERS)
     return SimpleNamespace(options=options, sites=engine_sites.all, monitors=engine_sites.monitor,
                            num_layers=LAYERS, hidden_size=HIDDEN)
@@ -105,10 +107,19 @@ def test_plan_items_are_prefill_only_requests_capturing_their_prompt(reduce, pos
     ({"prompts": [[]]}, r"prompts\[0\]: empty prompt"),
     ({"prompts": []}, r"^prompts: "),
     ({"lanes": 0}, r"capture is off on this engine"),
+    ({"reduce": "all", "max_bytes": 77 * 5 * HIDDEN * 4 - 1},
+     rf"^prompts: the capture returns {77 * 5 * HIDDEN * 4} bytes \(77 rows x 5 sites x "
+     rf"{HIDDEN} float32\); this engine returns at most {77 * 5 * HIDDEN * 4 - 1} per capture "
+     r"\(dynsteer.capture_max_bytes\)"),
+    ({"reduce": "last", "max_bytes": 7 * 5 * HIDDEN * 4 - 1}, r"^prompts: .* \(7 rows x 5"),
 ])
 def test_bad_arguments_raise_value_errors_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan(**kwargs)
+
+
+def test_a_capture_of_exactly_the_byte_cap_is_planned():
+    assert plan(reduce="all", max_bytes=77 * 5 * HIDDEN * 4).reduce == "all"
 
 
 def test_a_failed_round_frees_its_rows_then_fails():
@@ -331,6 +342,33 @@ def test_a_cancelled_capture_frees_the_engine_for_the_next(loop, async_engine, h
     info = loop.run_until_complete(async_engine.collective_rpc("dynsteer_info"))
     assert info[0]["capture_rows_in_use"] == 0
     assert os.listdir(rows_inbox.inbox()["folder"]) == ["token"], "a cancelled reply's file"
+
+
+@pytest.mark.engine
+def test_a_large_capture_does_not_starve_other_requests(loop, async_engine):
+    """A plain request sent while a capture of many prompts runs is batched with the
+    capture's requests (they are ordinary requests to vLLM's scheduler): it comes back while
+    the capture still has most of its work ahead."""
+    async def plain(request_id):
+        async for out in async_engine.generate({"prompt_token_ids": PROMPTS[0]}, params(4),
+                                               request_id):
+            last = out
+        return last
+
+    async def scenario():
+        await plain("plain-alone")  # the engine warmed up
+        big = asyncio.ensure_future(capture_async(async_engine, PROMPTS * 20, ALL_SITES, "mean"))
+        await asyncio.sleep(0.3)
+        start = time.monotonic()
+        last = await plain("plain-beside-a-capture")
+        took = time.monotonic() - start
+        assert not big.done(), "the capture finished before the plain request"
+        await big
+        return last, took, time.monotonic() - start
+
+    last, took, total = loop.run_until_complete(scenario())
+    assert len(last.outputs[0].token_ids) == 4
+    assert took < total / 3, (took, total)
 
 
 @pytest.mark.engine

@@ -36,8 +36,9 @@ def store(tmp_path_factory):
     return tmp_path_factory.mktemp("probe_store")
 
 
-CAPS = {"max_vectors": 8, "max_probes": 6}
-"""Small registry caps (engine options), so that filling a registry takes a few requests."""
+CAPS = {"max_vectors": 8, "max_probes": 6, "capture_max_bytes": 128 * 128 * 4}
+"""Small registry caps (engine options), so that filling a registry takes a few requests, and
+a capture of 128 rows of one site at most."""
 
 
 def _serve(chat_model, store, log, **caps: int) -> Server:
@@ -173,6 +174,9 @@ def test_bad_uploads_are_4xx_and_change_nothing(server, trained, store):
     ({"prompts": ["hi"], "sites": ["post_block@1"], "reduce": "max"}, KEY, 400, "reduce"),
     ({"prompts": [], "sites": ["post_block@1"]}, KEY, 400, "prompts"),
     ({"prompts": ["hi"], "sites": ["post_block@1"]}, None, 401, "API key"),
+    ({"prompts": ["hi"] * 129, "sites": ["post_block@1"]}, KEY, 400,
+     "prompts: the capture returns 66048 bytes (129 rows x 1 sites x 128 float32); this engine "
+     "returns at most 65536 per capture (dynsteer.capture_max_bytes)"),
 ])
 def test_capture_errors_are_4xx(server, body, key, status, fragment):
     code, answer = http("POST", server["server"].url + "/v1/dynsteer/capture", body,

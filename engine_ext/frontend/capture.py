@@ -166,6 +166,15 @@ def plan_capture(prompts: list[list[int]], args: CaptureArgs, frontend: Any) -> 
                 f"prompts[{i}]: {len(prompt)} tokens exceed the capture capacity of {capacity} "
                 "tokens; raise dynsteer.capture_tokens (engine option) or shorten the prompt"
             )
+    rows = sum(map(len, prompts)) if args.reduce == "all" else len(prompts)
+    nbytes = rows * len(sites) * frontend.hidden_size * 4
+    if nbytes > frontend.options.capture_max_bytes:
+        raise ValueError(
+            f"prompts: the capture returns {nbytes} bytes ({rows} rows x {len(sites)} sites x "
+            f"{frontend.hidden_size} float32); this engine returns at most "
+            f"{frontend.options.capture_max_bytes} per capture (dynsteer.capture_max_bytes): "
+            "send fewer prompts or sites per call, reduce 'last' or 'mean', or collect into a "
+            "capture sink")
     names = [site_name(s) for s in sites]
     return CapturePlan(ticket=secrets.token_hex(8), prompts=prompts, reduce=args.reduce,
                        capacity=capacity,

@@ -23,7 +23,7 @@ from dynsteer.controller.activations import Activations, rows_from_bytes
 from dynsteer.controller.activations import merge as merge_parts
 from dynsteer.controller.contract import site_name
 from dynsteer.controller.limits import SpecError
-from dynsteer.controller.positions import first_prompt_position
+from dynsteer.controller.positions import first_prompt_position, select
 from dynsteer.controller.spec import CaptureSpec, ModelShape, capture_sites
 
 from ..compat import frontend as vllm_frontend
@@ -42,9 +42,6 @@ def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, promp
         raise SpecError(f"{prefix}.sink: {capture.sink!r} is not a capture sink here "
                         f"(configured: {known}; the engine option dynsteer.capture_sinks "
                         "NAME=DIR, or dynsteer serve --dynsteer-capture-sinks NAME=DIR)")
-    if generation.n != 1:
-        raise SpecError(f"{prefix}: a request with n = {generation.n} cannot capture; send "
-                        "n = 1 (one request per completion)")
     max_tokens = generation.max_tokens
     if options.capture_lanes == 0:
         raise SpecError(f"{prefix}: activation capture is off on this engine "
@@ -56,17 +53,45 @@ def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, promp
         raise SpecError(f"{prefix}: set max_tokens (the request's capture rows are its prompt "
                         "plus max_tokens - 1)")
     rows = prompt_len + max(max_tokens, 1) - 1
-    if rows > options.capture_tokens:
+    n = max(generation.n, 1)
+    if rows * n > options.capture_tokens:
+        each = f"{n} completions x " if n > 1 else ""
         raise SpecError(
-            f"{prefix}: the request needs {rows} capture rows (prompt {prompt_len} + "
+            f"{prefix}: the request needs {rows * n} capture rows ({each}prompt {prompt_len} + "
             f"max_tokens {max_tokens} - 1); this engine holds {options.capture_tokens} "
             "(dynsteer.capture_tokens): lower max_tokens, or restart the engine with more")
+    if capture.sink is None:
+        _check_bytes(capture, len(sites), shape.hidden_size, prompt_len, rows, n, options,
+                     prefix)
     return {"sites": [site_name(site) for site in sites], "rows": rows,
             "positions": capture.positions, "dtype": capture.dtype, "when": capture.when,
             "window": list(capture.window) if capture.window is not None else None,
             "project": capture.project.model_dump() if capture.project is not None else None,
             "reduce": capture.reduce, "stream": capture.streams,
             "sink": capture.sink if capture.sink in options.capture_sinks else None}
+
+
+ROW_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+"""Bytes of one value of each capture dtype (an int8 row also sends one float32 scale)."""
+
+
+def _check_bytes(capture: CaptureSpec, sites: int, hidden: int, prompt_len: int, rows: int,
+                 n: int, options: EngineOptions, prefix: str) -> None:
+    """SpecError when the rows the request may return (``n`` completions') exceed
+    ``capture_max_bytes``."""
+    positions = 1 if capture.reduce == "mean" else len(select(capture.positions, prompt_len,
+                                                               rows))
+    width = capture.project.k if capture.project is not None else hidden
+    row = width * ROW_BYTES[capture.dtype] + (4 if capture.dtype == "int8" else 0)
+    nbytes = n * sites * positions * row
+    if nbytes > options.capture_max_bytes:
+        each = f"{n} completions x " if n > 1 else ""
+        raise SpecError(
+            f"{prefix}: the request may return {nbytes} bytes of activations ({each}{sites} "
+            f"sites x {positions} positions x {row} bytes); this engine returns at most "
+            f"{options.capture_max_bytes} per capture (dynsteer.capture_max_bytes): capture "
+            "fewer sites or positions, a smaller dtype or a projection, or name a capture "
+            "sink")
 
 
 def first_captured_prompt_position(capture: CaptureSpec | None, prompt_len: int) -> int | None:
