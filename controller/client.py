@@ -20,6 +20,7 @@ from typing import Any
 
 from dynsteer.probes import Probe
 
+from .activations import Activations, activations_of
 from .contract import encode_f32
 from .http_models import (
     CapturedArray,
@@ -74,9 +75,11 @@ class DynsteerClient:
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         """One request to ``/v1/dynsteer{path}``; returns the decoded JSON answer."""
+        return self._send(method, PREFIX + path, body)
+
+    def _send(self, method: str, path: str, body: Any = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.base_url + PREFIX + path, data=data,
-                                         method=method)
+        request = urllib.request.Request(self.base_url + path, data=data, method=method)
         request.add_header("Accept", "application/json")
         if data is not None:
             request.add_header("Content-Type", "application/json")
@@ -88,6 +91,16 @@ class DynsteerClient:
         except urllib.error.HTTPError as e:
             raise DynsteerHTTPError(e.code, _error_message(e.read())) from None
         return json.loads(raw) if raw else None
+
+    # ---- completions ------------------------------------------------------------------
+    def complete(self, body: dict[str, Any]
+                 ) -> tuple[dict[str, Any], list[Activations | None]]:
+        """POST an OpenAI completion request (with its ``dynsteer`` spec) to
+        ``/v1/chat/completions`` when it has ``messages``, else to ``/v1/completions``: the
+        response's JSON, and what each choice captured (None: it asked for no capture)."""
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        response = self._send("POST", path, body)
+        return response, activations_of(response)
 
     # ---- server -----------------------------------------------------------------------
     def health(self) -> Health:

@@ -133,7 +133,8 @@ CONTROLLER_PLUGINS = {"pylatch": "PyLatch", "half": "Half", "switcher": "Switche
 @pytest.fixture(scope="session")
 def controller_plugins(tmp_path_factory):
     """Installs ``tests/plugins/dynsteer_test_controllers.py`` as a distribution with
-    ``dynsteer.controllers`` entry points (a ``.dist-info`` beside it on ``PYTHONPATH``, so
+    ``dynsteer.controllers`` entry points and a ``dynsteer.capture_sinks`` one, ``memory``
+    (a ``.dist-info`` beside it on ``PYTHONPATH``, so
     engine processes started afterwards find them too)."""
     import importlib
     import os
@@ -146,7 +147,9 @@ def controller_plugins(tmp_path_factory):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dynsteer-test-controllers\n"
                                    "Version: 0.1\n")
     lines = [f"{n} = dynsteer_test_controllers:{c}" for n, c in CONTROLLER_PLUGINS.items()]
-    (info / "entry_points.txt").write_text("[dynsteer.controllers]\n" + "\n".join(lines) + "\n")
+    (info / "entry_points.txt").write_text(
+        "[dynsteer.controllers]\n" + "\n".join(lines) + "\n\n"
+        "[dynsteer.capture_sinks]\nmemory = dynsteer_test_controllers:MemorySink\n")
     sys.path.insert(0, str(root))
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), old) if p)

@@ -193,11 +193,24 @@ def test_a_shard_is_sealed_once_its_running_requests_finish(tmp_path):
     assert writer.counters.requests == 2 and writer.counters.shards == 1
 
 
+def _stretch(request_id):
+    """A whole request of an engine sink: 4 rows of 2 float32 at ``post_block@1``."""
+    import torch
+
+    from dynsteer.engine_ext.worker import capture_sink
+
+    tensors = {"rows": ("post_block@1/float32/2", np.dtype("<f4"), (4, 2))}
+    data = torch.arange(8, dtype=torch.float32).view(torch.uint8)
+    line = {"request_id": request_id, "status": "ok", "dtype": "float32", "positions": None,
+            "sites": {"post_block@1": {"tensor": "rows", "start": 0, "stop": 4}}}
+    return capture_sink.Stretch(request_id, tensors, [("rows", data, 0, 32, 0)], line,
+                                final=True)
+
+
 def test_an_engine_sink_under_drop_counts_what_its_budget_refuses(tmp_path, monkeypatch):
     """The worker's sink with ``policy=drop``: while its thread is busy with a stretch, one
     that would pass the device-memory budget is dropped and its request counted dropped (no
     index line); the request that got through is read back whole."""
-    import torch
 
     from dynsteer.engine_ext.worker import capture_sink
     from dynsteer.engine_ext.worker.capture_transfer import PieceWriter
@@ -212,21 +225,59 @@ def test_an_engine_sink_under_drop_counts_what_its_budget_refuses(tmp_path, monk
     monkeypatch.setattr(PieceWriter, "write", slow)
     monkeypatch.setattr(capture_sink, "PENDING_BYTES", 40)
     sink = capture_sink.EngineSink("s", f"{tmp_path}?policy=drop")
-    tensors = {"rows": ("post_block@1/float32/2", np.dtype("<f4"), (4, 2))}
 
-    def stretch(request_id):
-        data = torch.arange(8, dtype=torch.float32).view(torch.uint8)
-        line = {"request_id": request_id, "status": "ok", "dtype": "float32",
-                "positions": None,
-                "sites": {"post_block@1": {"tensor": "rows", "start": 0, "stop": 4}}}
-        return capture_sink.Stretch(request_id, tensors, [("rows", data, 0, 32, 0)], line,
-                                    final=True)
-
-    assert sink.send([stretch("kept")])
-    assert not sink.send([stretch("lost")])
+    assert sink.send([_stretch("kept")])
+    assert not sink.send([_stretch("lost")])
     busy.set()
     sink.close()
     assert sink.counters.dropped == 1 and sink.counters.requests == 1
     (kept,) = capture.open(tmp_path)
     assert kept.request_id == "kept"
     np.testing.assert_array_equal(kept["post_block@1"], np.arange(8).reshape(4, 2))
+
+
+def test_a_full_disk_drops_the_engine_sinks_request_and_the_sink_goes_on(tmp_path,
+                                                                          monkeypatch):
+    """A write that fails (the disk is full) drops its request, counted, with no index line;
+    the sink's thread keeps going and the next request is written whole; with the block
+    policy nothing else is lost."""
+    import errno
+
+    from dynsteer.engine_ext.worker import capture_sink
+    from dynsteer.engine_ext.worker.capture_transfer import PieceWriter
+
+    real, failures = PieceWriter.write, [OSError(errno.ENOSPC, "No space left on device")]
+
+    def full_once(self, sources, computed):
+        if failures:
+            raise failures.pop()
+        real(self, sources, computed)
+
+    monkeypatch.setattr(PieceWriter, "write", full_once)
+    sink = capture_sink.EngineSink("s", f"{tmp_path}?policy=block")
+
+    assert sink.send([_stretch("lost")]) and sink.send([_stretch("kept")])
+    sink.close()
+    assert sink.counters.dropped == 1 and sink.counters.requests == 1
+    (kept,) = capture.open(tmp_path)
+    assert kept.request_id == "kept"
+    np.testing.assert_array_equal(kept["post_block@1"], np.arange(8).reshape(4, 2))
+
+
+def test_a_sink_from_another_package_is_an_entry_point(controller_plugins):
+    """``NAME=@plugin:ARG`` builds the entry point ``plugin`` of ``dynsteer.capture_sinks``
+    with ``ARG``; a name no package provides is refused naming the sink and the group."""
+    from dynsteer.engine_ext.server.sinks import build
+
+    sinks = build({"mine": "@memory:tagged", "disk": str(controller_plugins / "acts")})
+    mine = sinks["mine"]
+    assert type(mine).__name__ == "MemorySink" and mine.arg == "tagged"
+    rows = Activations(status="ok", positions=np.arange(2), sites={"post_block@1": np.ones((2, 4),
+                       np.float32)}, dtype="float32")
+    assert mine.write("r1", rows, {"caller": "-"}) and mine.counters["requests"] == 1
+    assert isinstance(sinks["disk"], capture.FilesystemSink)
+    for sink in sinks.values():
+        sink.close()
+    with pytest.raises(ValueError, match=r"capture_sinks\.other: no entry point 'absent' in "
+                                         r"the group dynsteer\.capture_sinks"):
+        build({"other": "@absent:x"})

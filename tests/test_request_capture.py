@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -122,6 +123,39 @@ def test_projection_keeps_norms_as_johnson_lindenstrauss_bounds():
     ratio = (np.linalg.norm(rows @ m, axis=1) / np.linalg.norm(rows, axis=1)) ** 2
     assert np.all(np.abs(ratio - 1) < 0.35)
     assert not np.array_equal(m, projection_matrix(8, hidden, k))
+
+
+@pytest.mark.parametrize(("capture", "nbytes"), [
+    ({"sites": "post_block@1,post_block@2"}, 2 * 29 * HIDDEN * 4),
+    ({"sites": "post_block@1", "positions": "generated", "dtype": "float16"}, 19 * HIDDEN * 2),
+    ({"sites": "post_block@1", "dtype": "int8", "project": {"k": 16}}, 29 * (16 + 4)),
+    ({"sites": "post_block@1", "reduce": "mean"}, HIDDEN * 4),
+])
+def test_a_capture_returning_more_than_the_byte_cap_is_refused_naming_it(capture, nbytes):
+    """A request's rows (sites x the positions it may compute x a row's bytes) are checked
+    against ``capture_max_bytes`` at admission; a capture into a sink is not."""
+    from dynsteer.controller.spec import CaptureSpec, ModelShape
+    from dynsteer.engine_ext.compat.frontend import Generation
+    from dynsteer.engine_ext.frontend import request_capture
+    from dynsteer.engine_ext.options import EngineOptions
+
+    sites = frozenset(("post_block", layer) for layer in range(4))
+    shape = ModelShape(hidden_size=HIDDEN, num_layers=4, sites=sites, monitor_sites=sites)
+    spec = CaptureSpec.model_validate(capture)
+
+    def admit(cap: int, sink: str | None = None):
+        options = EngineOptions(sites="post_block@*", monitor_sites="post_block@*",
+                                capture_max_bytes=cap, capture_sinks={"acts": "/tmp/x"})
+        return request_capture.admit(spec.model_copy(update={"sink": sink}), shape, options,
+                                     10, Generation(20))
+
+    assert admit(nbytes)["rows"] == 29
+    with pytest.raises(ValueError, match=rf"^dynsteer\.capture: the request may return "
+                                         rf"{nbytes} bytes .*at most {nbytes - 1} per capture "
+                                         r"\(dynsteer\.capture_max_bytes\)"):
+        admit(nbytes - 1)
+    if "reduce" not in capture:
+        assert admit(1024, sink="acts")["sink"] == "acts"
 
 
 # ---- worker lanes and rows (no engine) -----------------------------------------------------
@@ -241,12 +275,23 @@ def sink_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir, sink_dir):
+def audit_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("audit-sink")
+
+
+AUDIT = {"sites": ["post_block@2"], "when": "gated", "sink": "audit", "dtype": "float16"}
+"""The engine's global capture: every gated request that asks for no capture, if it fired."""
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir, sink_dir, audit_dir):
     engine = start_llm(tiny_model_dir("llama"), max_num_batched_tokens=64, block_size=32,
                        enable_prefix_caching=True,
                        dynsteer={"sites": SITES, "monitor_sites": SITES, "capture_lanes": 4,
                                  "capture_tokens": 200,
-                                 "capture_sinks": {"disk": f"{sink_dir}?shard_bytes=65536"}},
+                                 "capture_sinks": {"disk": f"{sink_dir}?shard_bytes=65536",
+                                                   "audit": str(audit_dir)},
+                                 "global_capture": AUDIT},
                        in_process=True)
     yield engine
     stop_llm(engine)
@@ -290,6 +335,32 @@ def test_static_steering_upstream_prompt_and_generated_rows_match_hf(llm, hf):
         n = len(out.prompt_token_ids) + DECODE - 1
         assert act.positions.tolist() == list(range(n))
         assert_rows_match_hf(hf, out, act, spec)
+
+
+def sampled(max_tokens, spec, n):
+    """Parameters of ``n`` completions sampled apart (seeded)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, n=n, temperature=1.0, seed=5, detokenize=False,
+                          ignore_eos=True, extra_args={"dynsteer": spec})
+
+
+@pytest.mark.engine
+def test_each_of_n_sampled_completions_captures_its_own_rows(llm, hf):
+    """``n = 3`` completions of one prompt are requests of their own: each one's rows (the
+    prompt, and its own generated tokens) equal HF's under static steering, the result a
+    list in the order of their ``index``."""
+    spec = {"steer": [{"vector": vec(3), "layers": [0, 2]}], "capture": {"sites": CAPTURED}}
+    out, = run(llm, PROMPTS[1:2], [sampled(DECODE, spec, n=3)])
+    acts = Steering(llm).activations(out)
+    completions = sorted(out.outputs, key=lambda c: c.index)
+    assert isinstance(acts, list) and len(acts) == 3
+    assert len({tuple(c.token_ids) for c in completions}) > 1
+    for completion, act in zip(completions, acts, strict=True):
+        one = SimpleNamespace(prompt_token_ids=out.prompt_token_ids, outputs=[completion])
+        assert act.positions.tolist() == list(range(len(out.prompt_token_ids) + DECODE - 1))
+        assert_rows_match_hf(hf, one, act, spec)
+    assert Steering(llm).activations(out) == [None, None, None]  # collected: freed
 
 
 @pytest.mark.engine
@@ -483,12 +554,9 @@ def test_uncaptured_requests_and_errors(llm):
             run(llm, PROMPTS[:1], [params(3, spec={"capture": capture})])
     with pytest.raises(ValueError, match=r"needs 254 capture rows .*dynsteer\.capture_tokens"):
         run(llm, PROMPTS[:1], [params(250, spec={"capture": {"sites": "post_block@1"}})])
-    from vllm import SamplingParams
-
-    sampled = SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=1, detokenize=False,
-                             extra_args={"dynsteer": {"capture": {"sites": "post_block@1"}}})
-    with pytest.raises(ValueError, match=r"n = 2 cannot capture"):
-        run(llm, PROMPTS[:1], [sampled])
+    with pytest.raises(ValueError, match=r"needs 256 capture rows \(4 completions x prompt 5 "
+                                         r"\+ max_tokens 60 - 1\).*dynsteer\.capture_tokens"):
+        run(llm, PROMPTS[:1], [sampled(60, {"capture": {"sites": "post_block@1"}}, n=4)])
     out, = run(llm, PROMPTS[:1], [params(3)])  # still serving
     assert len(out.outputs[0].token_ids) == 3
 
@@ -546,6 +614,67 @@ def test_an_engine_sink_keeps_only_gated_requests_whose_gate_fired(llm, hf, sink
         want = record_streams(hf, tokens, (), gate=s["gate"], prompt_len=prompt)[
             ("post_block", 3)][found.activations.positions]
         np.testing.assert_allclose(found["post_block@3"], want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.engine
+def test_a_gated_sink_capture_leaves_the_next_requests_values_intact(llm):
+    """A finished gated capture is written once its gate decision is read, which folds the
+    steps run so far; the step the engine begins next keeps its own per-token values (its
+    request's trace is what it is without the capture before it)."""
+    gate = {"probe": {"weights": vec(7, norm=1.0), "threshold": -1e4}, "layer": 1,
+            "trace": True, "steer": [{"vector": vec(8), "layers": [2, 3]}]}
+    audited = {"gate": gate, "capture": {"sites": ["post_block@3"], "when": "gated",
+                                         "sink": "disk"}}
+
+    plain = {"gate": gate, "capture": {"sites": ["post_block@1"]}}  # no global capture
+
+    def traced(spec):
+        out, = run(llm, PROMPTS[1:2], [params(DECODE, spec=spec, prompt_logprobs=None)])
+        scores = Steering(llm).telemetry(out)["scores"]
+        if spec is plain:
+            Steering(llm).activations(out)
+        return scores
+
+    alone = traced(plain)
+    traced(audited)  # written when the next step begins
+    assert traced(plain) == alone
+
+
+@pytest.mark.engine
+def test_the_global_capture_records_requests_that_ask_for_none(llm, hf, audit_dir):
+    """The engine option ``global_capture`` (gated, into a sink): a gated request without a
+    capture of its own is recorded there with HF's rows if its gate fired; one whose gate did
+    not fire, a plain one and one with its own capture are not."""
+    gate = {"probe": {"weights": vec(7, norm=1.0), "threshold": -1e4}, "layer": 1,
+            "steer": [{"vector": vec(8), "layers": [2, 3]}]}
+    quiet = {**gate, "probe": {**gate["probe"], "threshold": 1e4}}
+    specs = [{"gate": gate}, {"gate": quiet}, None,
+             {"gate": gate, "capture": {"sites": ["post_block@1"]}}]
+    outs = run(llm, PROMPTS[:4], [params(DECODE, spec=s, prompt_logprobs=None) for s in specs])
+    assert Steering(llm).activations(outs[3]).status == "ok"
+    totals = Steering(llm).flush_capture_sinks()["audit"]
+    store = {r.request_id: r for r in open_store(audit_dir)}
+    assert totals["requests"] == len(store)
+    assert [out.request_id in store for out in outs] == [True, False, False, False]
+    found, out = store[outs[0].request_id], outs[0]
+    prompt = len(out.prompt_token_ids)
+    tokens = [*out.prompt_token_ids, *out.outputs[0].token_ids][:-1]
+    assert found.activations.positions.tolist() == list(range(len(tokens)))
+    want = record_streams(hf, tokens, (), gate=gate, prompt_len=prompt)[("post_block", 2)]
+    np.testing.assert_allclose(found["post_block@2"], want, rtol=2e-3, atol=2e-3)
+
+
+def test_a_global_capture_must_name_an_engine_sink():
+    from dynsteer.engine_ext.options import EngineOptions
+
+    for capture, message in [
+        ({"sites": ["post_block@2"]}, r"global_capture\.sink: name one of capture_sinks "
+                                      r"\(configured: audit\)"),
+        ({"sites": ["post_block@2"], "sink": "elsewhere"}, r"global_capture\.sink"),
+        ({"sites": ["post_block@2"], "sink": "audit", "dtype": "x"}, r"global_capture\.dtype"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            EngineOptions(capture_sinks={"audit": "/tmp/audit"}, global_capture=capture)
 
 
 def test_an_unknown_sink_is_refused_naming_the_configured_ones(llm):

@@ -166,6 +166,39 @@ def test_activations_come_back_in_the_response(openai_client, offline):
         model=model, prompt="The sea is", max_tokens=2)) == [None]
 
 
+def test_each_of_n_completions_gets_its_own_activations(openai_client, client):
+    """``n = 2`` completions of each of two prompts: choice ``i`` is completion ``i % 2`` of
+    prompt ``i // 2``, each with its own rows: the same prompt rows as its sibling's, its own
+    generated ones; the chat route likewise."""
+    from dynsteer import activations_of
+
+    model = openai_client.models.list().data[0].id
+    spec = {"capture": {"sites": "post_block@1"}}
+    prompts = ["The sea is", "Bread needs a hot"]
+    completion = openai_client.completions.create(
+        model=model, prompt=prompts, n=2, max_tokens=5, temperature=1.0, seed=3,
+        extra_body={"dynsteer": spec, "ignore_eos": True})
+    found = activations_of(completion)
+    assert [a.status for a in found] == ["ok"] * 4
+    by_index = {c.index: c for c in completion.choices}
+    assert sorted(by_index) == [0, 1, 2, 3]
+    for prompt in (0, 1):
+        first, second = found[2 * prompt], found[2 * prompt + 1]
+        assert len(first.positions) == len(second.positions) > 4
+        rows = len(first.positions) - 4  # the prompt's
+        np.testing.assert_allclose(first["post_block@1"][:rows], second["post_block@1"][:rows],
+                                   atol=1e-5)
+        if by_index[2 * prompt].text != by_index[2 * prompt + 1].text:
+            assert not np.array_equal(first["post_block@1"][rows:],
+                                      second["post_block@1"][rows:])
+    assert len(found[0].positions) != len(found[2].positions)
+    chat, found = client.complete({"model": model, "messages": MESSAGES, "n": 2,
+                                   "max_tokens": 4, "temperature": 1.0, "seed": 3,
+                                   "ignore_eos": True, "dynsteer": spec})
+    assert len(chat["choices"]) == 2 and [a.status for a in found] == ["ok", "ok"]
+    assert all(len(a.positions) == chat["usage"]["prompt_tokens"] + 3 for a in found)
+
+
 def sealed(sink_dir, count, timeout=30.0):
     """The sink's folder once its index names ``count`` requests."""
     deadline = time.monotonic() + timeout
@@ -264,7 +297,7 @@ def test_a_streamed_request_gets_its_rows_as_they_are_computed(openai_client):
     from dynsteer.controller.activations import activations_of, activations_of_stream
 
     model = openai_client.models.list().data[0].id
-    kwargs = {"model": model, "messages": MESSAGES, "max_tokens": 32, "temperature": 0.0,
+    kwargs = {"model": model, "messages": MESSAGES, "max_tokens": 64, "temperature": 0.0,
               "seed": 0, "extra_body": {"dynsteer": CAPTURE, "ignore_eos": True}}
     whole = activations_of(openai_client.chat.completions.create(**kwargs))[0]
     chunks = list(openai_client.chat.completions.create(stream=True, **kwargs))

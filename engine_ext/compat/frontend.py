@@ -252,6 +252,24 @@ def prompt_request_ids(request_id: str) -> list[str]:
     return [f"{request_id}-{i}" for i in range(8)]
 
 
+def child_request_id(request_id: str, index: int) -> str:
+    """The request id of completion ``index`` of a request sampled ``n > 1`` times: vLLM runs
+    each completion as a request of its own, named so."""
+    return f"{index}_{request_id}"
+
+
+def completion_requests(output: Any) -> list[tuple[str, int | None]]:
+    """(request id, positions computed) of each completion of a finished ``RequestOutput``,
+    in the order of their ``index``: the request's own id for one completion, each one's
+    (:func:`child_request_id`) for more."""
+    if len(output.outputs) == 1:
+        return [(output.request_id, computed_positions(output))]
+    prompt = len(output.prompt_token_ids) if output.prompt_token_ids is not None else None
+    return [(child_request_id(output.request_id, c.index),
+             None if prompt is None else prompt + len(c.token_ids) - 1)
+            for c in sorted(output.outputs, key=lambda c: c.index)]
+
+
 def computed_positions(output: Any) -> int | None:
     """How many positions a finished ``RequestOutput`` had computed: its prompt and every
     generated token but the last (None: not one completion)."""

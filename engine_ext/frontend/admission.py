@@ -42,6 +42,7 @@ from ..prefix_guard.key import guard_for
 from ..row_budget import Claims, check_claims, claims_for
 from . import request_capture
 from .caller import TRUSTED, Caller, current
+from .global_capture import with_global_capture
 
 MAX_SESSIONS = 65536
 """Sessions with steering set by a controller that the frontend remembers (least recently
@@ -116,8 +117,8 @@ class FrontendState:
     sinks: frozenset[str] = frozenset()
     """Names of the capture sinks a server configured (a spec's ``capture.sink``)."""
     global_capture: dict[str, Any] | None = None
-    """A capture (``CaptureSpec`` fields, with a sink) the server adds to every completion
-    that asks for none (``PUT /v1/dynsteer/capture/global``)."""
+    """A capture (``CaptureSpec`` fields, with a sink) every request that asks for none gets
+    (:mod:`.global_capture`: the engine option, or ``PUT /v1/dynsteer/capture/global``)."""
     global_capture_scope: dict[str, str | None] = field(default_factory=dict)
     """Which completions the global capture covers: ``session`` (namespaced) and ``caller``
     (a key namespace), each None or absent for all."""
@@ -283,6 +284,7 @@ def engine_state(facts: EngineFacts) -> FrontendState | None:
         architecture=facts.architecture,
         dtype_max=facts.dtype_max,
         missing_hook=facts.missing_hook,
+        global_capture=options.global_capture,
     )
 
 
@@ -307,6 +309,8 @@ def admit(state: FrontendState | None,
             if state is not None:
                 state.counters.requests_rejected += 1
             raise
+    if state is not None and state.global_capture is not None:
+        extra_args = with_global_capture(state, extra_args)
     if not extra_args or SPEC_KEY not in extra_args:
         return None
     if state is None:

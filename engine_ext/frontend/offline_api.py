@@ -99,10 +99,11 @@ class Steering:
         request_id = output if isinstance(output, str) else output.request_id
         return vllm_frontend.rpc(self._llm, "dynsteer_telemetry", (request_id,))[0]
 
-    def activations(self, outputs: Any
-                    ) -> Activations | list[Activations | None] | None:
+    def activations(self, outputs: Any) -> Activations | list[Any] | None:
         """The activations a finished request captured (its spec's ``capture``): the positions
-        and, per site, ``[positions, hidden]``; None if it asked for none.
+        and, per site, ``[positions, hidden]``; None if it asked for none. A request sampled
+        ``n > 1`` times gives a list instead, one per completion in the order of their
+        ``index``.
 
         ``outputs``: a ``RequestOutput`` (or a request id), giving one result; or a list of
         them, giving a list, collected in one call to the workers (much faster for a batch).
@@ -112,10 +113,14 @@ class Steering:
         """
         single = isinstance(outputs, str) or not isinstance(outputs, Sequence)
         wanted = [outputs] if single else list(outputs)
-        requests = [(o, None) if isinstance(o, str)
-                    else (o.request_id, vllm_frontend.computed_positions(o)) for o in wanted]
-        found = request_capture.collect(self._llm, requests)
-        return found[0] if single else found
+        per_output = [[(o, None)] if isinstance(o, str) else vllm_frontend.completion_requests(o)
+                      for o in wanted]
+        found = iter(request_capture.collect(self._llm, [r for rs in per_output for r in rs]))
+        results: list[Activations | list[Activations | None] | None] = []
+        for o, requests in zip(wanted, per_output, strict=True):
+            mine = [next(found) for _ in requests]
+            results.append(mine if not isinstance(o, str) and len(o.outputs) > 1 else mine[0])
+        return results[0] if single else results
 
     def flush_capture_sinks(self) -> dict[str, dict[str, int]]:
         """Seal the shards of the engine's capture sinks (``dynsteer.capture_sinks``) whose

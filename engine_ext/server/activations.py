@@ -10,7 +10,8 @@ their own, ``{"id", "object": "dynsteer.activations", "choices": [], "dynsteer"}
 then (:mod:`.stream_rows`), each with the positions computed since the last;
 :func:`~dynsteer.controller.activations.activations_of_stream` joins them. The rows are
 collected from the workers (and freed there) by each choice's engine request id: the
-response's ``id`` on the chat route, ``<id>-<index>`` for the prompts of a completion. Only
+response's ``id`` on the chat route, ``<id>-<prompt>`` for the prompts of a completion, each
+of ``n > 1`` completions a request of its own (:func:`engine_ids`). Only
 the caller that sent the request receives them. A capture naming a sink sends the rows there
 instead (the response keeps each choice's status and positions), with the namespace of the
 caller's API key (``caller``: ``-`` without keys, ``-/`` for a request without a configured
@@ -27,6 +28,7 @@ from starlette.types import Message, Send
 
 from dynsteer.controller.activations import Activations, to_json
 
+from ..compat.frontend import child_request_id
 from ..frontend import request_capture
 from ..frontend.caller import current
 from .runtime import WorkerError
@@ -35,18 +37,18 @@ CHAT_PATH = "/v1/chat/completions"
 
 
 def with_activations(send: Send, server: Any, path: str, sink: str | None,
-                     streamed: bool, live: bool = False) -> Send:
+                     streamed: bool, live: bool = False, n: int = 1) -> Send:
     """``send`` that adds the request's activations to its response (a response other than
     200 passes as it is): a JSON response is held back until its body is complete; a stream
     passes through as it comes, and gets one more event before ``data: [DONE]``, and with
     ``live`` (its capture streams), one after each chunk whose rows were read by then (see
-    :mod:`.stream_rows`)."""
+    :mod:`.stream_rows`). ``n``: completions per prompt."""
     if streamed:
-        return _streamed(send, server, path, sink, live)
-    return _whole(send, server, path, sink)
+        return _streamed(send, server, path, sink, live, n)
+    return _whole(send, server, path, sink, n)
 
 
-def _whole(send: Send, server: Any, path: str, sink: str | None) -> Send:
+def _whole(send: Send, server: Any, path: str, sink: str | None, n: int) -> Send:
     start: Message | None = None
     chunks: list[bytes] = []
 
@@ -63,7 +65,7 @@ def _whole(send: Send, server: Any, path: str, sink: str | None) -> Send:
             return
         body = b"".join(chunks)
         if start["status"] == 200:
-            body = await attach(body, server, path, sink)
+            body = await attach(body, server, path, sink, n)
         headers = [(k, v) for k, v in start.get("headers", [])
                    if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
@@ -76,8 +78,9 @@ def _whole(send: Send, server: Any, path: str, sink: str | None) -> Send:
 _DONE = b"data: [DONE]"
 
 
-def _streamed(send: Send, server: Any, path: str, sink: str | None, live: bool) -> Send:
-    stream = _Stream(server, path)
+def _streamed(send: Send, server: Any, path: str, sink: str | None, live: bool,
+              n: int) -> Send:
+    stream = _Stream(server, path, n)
 
     async def passing(message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -89,7 +92,7 @@ def _streamed(send: Send, server: Any, path: str, sink: str | None, live: bool) 
                 before, _, after = body.partition(_DONE)
                 before += await stream.rows(wait=True)
                 found = await collect(server, path, sink, stream.response_id,
-                                      list(stream.indices), {}, stream.since)
+                                      list(stream.indices), {}, stream.since, n)
                 body = before + _event(stream.response_id, found) + _DONE + after
             elif stream.response_id is not None and live and stream.indices:
                 body = await stream.rows(wait=False) + body
@@ -104,9 +107,10 @@ class _Stream:
     """What a streamed response's wrapper knows: its id, its choices, and the rows being read
     for them (:mod:`.stream_rows`)."""
 
-    def __init__(self, server: Any, path: str) -> None:
+    def __init__(self, server: Any, path: str, n: int) -> None:
         self.server = server
         self.path = path
+        self.n = n
         self.ok = False
         self.response_id: str | None = None
         self.indices: dict[int, None] = {}
@@ -128,7 +132,7 @@ class _Stream:
         if self._reading is not None or self.response_id is None:
             return
         order = list(self.indices)
-        ids = engine_ids(self.path, self.response_id, order)
+        ids = engine_ids(self.path, self.response_id, order, self.n)
         task = asyncio.ensure_future(self.server.stream_rows.read(
             [(i, self.since.get(index, 0)) for i, index in zip(ids, order, strict=True)]))
         self._reading = (task, order)
@@ -174,7 +178,8 @@ def _events(body: bytes) -> list[dict[str, Any]]:
     return found
 
 
-async def attach(body: bytes, server: Any, path: str, sink: str | None = None) -> bytes:
+async def attach(body: bytes, server: Any, path: str, sink: str | None = None,
+                 n: int = 1) -> bytes:
     """The response ``body`` with ``dynsteer.activations`` (as it was when it is not a
     completion's JSON)."""
     try:
@@ -186,26 +191,34 @@ async def attach(body: bytes, server: Any, path: str, sink: str | None = None) -
     choices = [c for c in data.get("choices") or () if isinstance(c, dict)]
     data["dynsteer"] = {"activations": await collect(
         server, path, sink, data["id"], [int(c.get("index", 0)) for c in choices],
-        data.get("usage") or {})}
+        data.get("usage") or {}, n=n)}
     return json.dumps(data).encode()
 
 
-def engine_ids(path: str, response_id: str, indices: list[int]) -> list[str]:
+def engine_ids(path: str, response_id: str, indices: list[int], n: int = 1) -> list[str]:
     """The engine request id of each choice: the response's ``id`` on the chat route,
-    ``<id>-<index>`` for the prompts of a completion."""
-    return [response_id if path == CHAT_PATH else f"{response_id}-{index}" for index in indices]
+    ``<id>-<prompt>`` for the prompts of a completion; with ``n`` > 1 completions per prompt,
+    choice ``index`` is completion ``index % n`` of prompt ``index // n``, a request of its
+    own."""
+    ids = []
+    for index in indices:
+        prompt, completion = divmod(index, n)
+        request_id = response_id if path == CHAT_PATH else f"{response_id}-{prompt}"
+        ids.append(request_id if n == 1 else child_request_id(request_id, completion))
+    return ids
 
 
 async def collect(server: Any, path: str, sink: str | None, response_id: str,
                   indices: list[int], usage: dict[str, Any],
-                  since: dict[int, int] | None = None) -> list[dict[str, Any] | None]:
+                  since: dict[int, int] | None = None, n: int = 1
+                  ) -> list[dict[str, Any] | None]:
     """Each choice's activations, collected from the workers (and freed there), in the JSON
     form with the choice's ``index``; with ``sink``, written there instead (each keeps its
     status and positions, and ``"sink"`` names where the rows went). ``usage`` (a single
     choice's token counts) bounds the positions to those of its tokens; ``since``: per choice,
     the first position not sent yet (a stream's)."""
     caller = current(server.frontend.default_caller).namespace or "-"
-    ids = engine_ids(path, response_id, indices)
+    ids = engine_ids(path, response_id, indices, n)
     since = since or {}
     computed = None
     if len(indices) == 1 and "prompt_tokens" in usage and "completion_tokens" in usage:

@@ -42,7 +42,8 @@ from dynsteer.controller.spec import MAX_JSON_DEPTH, check_json_depth
 
 from ..frontend import admission
 from ..frontend.admission import FrontendState
-from ..frontend.caller import acting_as, current
+from ..frontend.caller import acting_as
+from ..frontend.global_capture import capture_for
 from .activations import with_activations
 from .routes import PREFIX
 from .sessions import client
@@ -168,30 +169,24 @@ class Checked(NamedTuple):
     streamed: bool = False
     live: bool = False
     """Whether a streamed response carries the rows as they are computed."""
+    n: int = 1
+    """Completions per prompt (each captures its own rows)."""
 
 
 def _with_global_capture(found: _Json, frontend: FrontendState) -> bool:
-    """Add the server's global capture to a completion whose spec asks for no capture of its
-    own (a ``when: "gated"`` one only to a spec with a gate), of the session and caller it is
-    scoped to if it is, in place; whether the body changed."""
-    capture, scope = frontend.global_capture or {}, frontend.global_capture_scope
+    """Add the server's global capture to a completion where it applies
+    (:func:`..frontend.global_capture.capture_for`), in place; whether the body changed."""
     data = found.data
     xargs = data.get("vllm_xargs") or {}
     if not isinstance(xargs, dict):
         return False
     raw = xargs.get(SPEC_KEY)
     spec = _loads(raw).data if isinstance(raw, (str, bytes)) else {}
-    if not isinstance(spec, dict) or "capture" in spec:
+    if not isinstance(spec, dict):
         return False
-    if capture.get("when") == "gated" and not spec.get("gate"):
+    capture = capture_for(frontend, spec)
+    if capture is None:
         return False
-    caller = current(frontend.default_caller)
-    if scope.get("caller") is not None and caller.namespace != scope["caller"]:
-        return False
-    if scope.get("session") is not None:
-        session = spec.get("session")
-        if not isinstance(session, str) or caller.session(session) != scope["session"]:
-            return False
     spec["capture"] = capture
     xargs[SPEC_KEY] = found.dumps(spec).decode()
     data["vllm_xargs"] = xargs
@@ -231,9 +226,11 @@ def check_body(path: str, body: bytes, frontend: FrontendState | None) -> Checke
     if frontend is not None and isinstance(xargs, dict):
         spec = admission.precheck(frontend, xargs)
     capture = spec.capture if spec is not None else None
+    n = found.data.get("n")
     return Checked(found.dumps(found.data) if moved else body, capture is not None,
                    capture.sink if capture is not None else None,
-                   bool(found.data.get("stream")), capture is not None and capture.streams)
+                   bool(found.data.get("stream")), capture is not None and capture.streams,
+                   n if isinstance(n, int) and n > 1 else 1)
 
 
 def _bearer(scope: Scope) -> str | None:
@@ -300,5 +297,5 @@ class DynsteerMiddleware:
                 scope, body = _with_length(scope, len(checked.body)), checked.body
             if checked.captures:
                 send = with_activations(send, server, path.rstrip("/"), checked.sink,
-                                        checked.streamed, checked.live)
+                                        checked.streamed, checked.live, checked.n)
         await self.app(scope, _replay(body, receive), send)

@@ -80,3 +80,22 @@ class Raiser(Controller):
 
     def step(self, view: StepView) -> Actions:
         raise RuntimeError("controller bug")
+
+
+class MemorySink:
+    """A capture sink (entry point group ``dynsteer.capture_sinks``) that keeps what it is
+    given, tagged with its argument."""
+
+    def __init__(self, arg: str) -> None:
+        self.arg = arg
+        self.written: list[tuple[str, object, dict]] = []
+        self.counters = {"requests": 0, "dropped": 0, "bytes": 0, "shards": 0}
+        self.closed = False
+
+    def write(self, request_id: str, activations: object, meta: dict) -> bool:
+        self.written.append((request_id, activations, meta))
+        self.counters["requests"] += 1
+        return True
+
+    def close(self) -> None:
+        self.closed = True
