@@ -166,6 +166,37 @@ def test_activations_come_back_in_the_response(openai_client, offline):
         model=model, prompt="The sea is", max_tokens=2)) == [None]
 
 
+def test_a_client_that_accepts_gzip_gets_the_activations_compressed(openai_client):
+    """With ``Accept-Encoding: gzip`` (as the ``openai`` client sends), a response carrying
+    activations comes gzip-compressed; without it, as it is. The same JSON either way."""
+    import gzip
+    import urllib.request
+
+    from dynsteer import activations_of
+
+    model = openai_client.models.list().data[0].id
+    body = json.dumps({"model": model, "prompt": "The sea is", "max_tokens": 3,
+                       "temperature": 0.0, "dynsteer": {"capture": {"sites": "post_block@1"}}})
+
+    def post(accept):
+        request = urllib.request.Request(openai_client.base_url.join("completions").__str__(),
+                                         data=body.encode(), method="POST")
+        request.add_header("Content-Type", "application/json")
+        request.add_header("Authorization", f"Bearer {KEY}")
+        if accept:
+            request.add_header("Accept-Encoding", accept)
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.headers.get("Content-Encoding"), r.read()
+
+    encoding, packed = post("gzip, deflate")
+    plain_encoding, plain = post(None)
+    assert encoding == "gzip" and plain_encoding is None
+    packed_json, plain_json = json.loads(gzip.decompress(packed)), json.loads(plain)
+    (a,), (b,) = activations_of(packed_json), activations_of(plain_json)
+    assert a.status == b.status == "ok"
+    np.testing.assert_array_equal(a["post_block@1"], b["post_block@1"])
+
+
 def test_each_of_n_completions_gets_its_own_activations(openai_client, client):
     """``n = 2`` completions of each of two prompts: choice ``i`` is completion ``i % 2`` of
     prompt ``i // 2``, each with its own rows: the same prompt rows as its sibling's, its own

@@ -21,6 +21,7 @@ key), so an operator can tell whose traffic each row is.
 from __future__ import annotations
 
 import asyncio
+import gzip as _gzip
 import json
 from typing import Any
 
@@ -34,21 +35,27 @@ from ..frontend.caller import current
 from .runtime import WorkerError
 
 CHAT_PATH = "/v1/chat/completions"
+GZIP_LEVEL = 1
+"""Compression of a response carrying activations, for a client that accepts gzip (as the
+``openai`` client does): base64 rows shrink by about a quarter at the fastest level, which
+is what an API server's CPU can afford for hundreds of megabytes."""
 
 
 def with_activations(send: Send, server: Any, path: str, sink: str | None,
-                     streamed: bool, live: bool = False, n: int = 1) -> Send:
+                     streamed: bool, live: bool = False, n: int = 1,
+                     gzip: bool = False) -> Send:
     """``send`` that adds the request's activations to its response (a response other than
     200 passes as it is): a JSON response is held back until its body is complete; a stream
     passes through as it comes, and gets one more event before ``data: [DONE]``, and with
     ``live`` (its capture streams), one after each chunk whose rows were read by then (see
-    :mod:`.stream_rows`). ``n``: completions per prompt."""
+    :mod:`.stream_rows`). ``n``: completions per prompt. ``gzip``: the client accepts it, so
+    a JSON response is compressed (:data:`GZIP_LEVEL`)."""
     if streamed:
         return _streamed(send, server, path, sink, live, n)
-    return _whole(send, server, path, sink, n)
+    return _whole(send, server, path, sink, n, gzip)
 
 
-def _whole(send: Send, server: Any, path: str, sink: str | None, n: int) -> Send:
+def _whole(send: Send, server: Any, path: str, sink: str | None, n: int, gzip: bool) -> Send:
     start: Message | None = None
     chunks: list[bytes] = []
 
@@ -64,10 +71,13 @@ def _whole(send: Send, server: Any, path: str, sink: str | None, n: int) -> Send
         if message.get("more_body", False):
             return
         body = b"".join(chunks)
-        if start["status"] == 200:
-            body = await attach(body, server, path, sink, n)
         headers = [(k, v) for k, v in start.get("headers", [])
                    if k.lower() != b"content-length"]
+        if start["status"] == 200:
+            body = await attach(body, server, path, sink, n)
+            if gzip and not any(k.lower() == b"content-encoding" for k, _ in headers):
+                body = await asyncio.to_thread(_gzip.compress, body, GZIP_LEVEL)
+                headers.append((b"content-encoding", b"gzip"))
         headers.append((b"content-length", str(len(body)).encode()))
         await send({**start, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -296,6 +296,7 @@ class DynsteerMiddleware:
             if checked.body is not body:
                 scope, body = _with_length(scope, len(checked.body)), checked.body
             if checked.captures:
+                gzip = b"gzip" in dict(scope["headers"]).get(b"accept-encoding", b"")
                 send = with_activations(send, server, path.rstrip("/"), checked.sink,
-                                        checked.streamed, checked.live, checked.n)
+                                        checked.streamed, checked.live, checked.n, gzip)
         await self.app(scope, _replay(body, receive), send)
