@@ -193,16 +193,17 @@ def test_a_shard_is_sealed_once_its_running_requests_finish(tmp_path):
     assert writer.counters.requests == 2 and writer.counters.shards == 1
 
 
-def _stretch(request_id):
-    """A whole request of an engine sink: 4 rows of 2 float32 at ``post_block@1``."""
+def _stretch(request_id, site="post_block@1", offset=0):
+    """A whole request of an engine sink: 4 rows of 2 float32 at ``site`` (``offset`` plus
+    0 .. 7)."""
     import torch
 
     from dynsteer.engine_ext.worker import capture_sink
 
-    tensors = {"rows": ("post_block@1/float32/2", np.dtype("<f4"), (4, 2))}
-    data = torch.arange(8, dtype=torch.float32).view(torch.uint8)
+    tensors = {"rows": (f"{site}/float32/2", np.dtype("<f4"), (4, 2))}
+    data = (torch.arange(8, dtype=torch.float32) + offset).view(torch.uint8)
     line = {"request_id": request_id, "status": "ok", "dtype": "float32", "positions": None,
-            "sites": {"post_block@1": {"tensor": "rows", "start": 0, "stop": 4}}}
+            "sites": {site: {"tensor": "rows", "start": 0, "stop": 4}}}
     return capture_sink.Stretch(request_id, tensors, [("rows", data, 0, 32, 0)], line,
                                 final=True)
 
@@ -262,6 +263,23 @@ def test_a_full_disk_drops_the_engine_sinks_request_and_the_sink_goes_on(tmp_pat
     (kept,) = capture.open(tmp_path)
     assert kept.request_id == "kept"
     np.testing.assert_array_equal(kept["post_block@1"], np.arange(8).reshape(4, 2))
+
+
+def test_the_pipeline_stages_lines_of_a_request_read_as_one(tmp_path):
+    """Under pipeline parallelism each stage's writer has shards of its own
+    (``shard-stageK-``) holding its layers' sites; the reader joins a request's lines."""
+    from dynsteer.engine_ext.worker import capture_sink
+
+    for stage, site in enumerate(("post_block@1", "post_block@3")):
+        sink = capture_sink.EngineSink("s", str(tmp_path), tag=f"stage{stage}-")
+        assert sink.send([_stretch("r", site, offset=100 * stage)])
+        sink.close()
+    assert sorted(p.name.split("-")[1] for p in tmp_path.glob("shard-*.safetensors")) == [
+        "stage0", "stage1"]
+    (request,) = capture.open(tmp_path)
+    assert request.request_id == "r" and sorted(request.activations.sites) == [
+        "post_block@1", "post_block@3"]
+    np.testing.assert_array_equal(request["post_block@3"], 100 + np.arange(8).reshape(4, 2))
 
 
 def test_a_sink_from_another_package_is_an_entry_point(controller_plugins):
