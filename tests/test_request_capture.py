@@ -399,10 +399,24 @@ def test_conditional_capture_keeps_exactly_the_requests_whose_gate_fired(llm, hf
     assert steering.info()[0]["capture_rows_in_use"] == 0
 
 
+UPSTREAM = {
+    "unsteered": {},
+    "static": {"steer": [{"vector": vec(3), "layers": [0, 1]}]},
+    "gated": {"gate": {"probe": {"weights": vec(7, norm=1.0), "threshold": 0.0}, "layer": 0,
+                       "steer": [{"vector": vec(8), "layers": [1, 2]}]}},
+}
+"""Steering upstream of the captured site (``post_block@2``), or none."""
+
+
 @pytest.mark.engine
-@pytest.mark.parametrize("positions", ["prompt", "last_prompt", [0, -1, "2:4", "-3:"]])
-def test_positions_forms_match_hf(llm, hf, positions):
-    spec = {"capture": {"sites": ["post_block@2"], "positions": positions}}
+@pytest.mark.parametrize("upstream", list(UPSTREAM))
+@pytest.mark.parametrize("positions", ["prompt", "generated", "last_prompt",
+                                       [0, -1, "2:4", "-3:"]])
+def test_positions_forms_match_hf(llm, hf, positions, upstream):
+    """Every positions form, with no steering, static or gated steering upstream of the
+    site: the positions it names among those computed, HF's rows there."""
+    spec = {**UPSTREAM[upstream],
+            "capture": {"sites": ["post_block@2"], "positions": positions}}
     outs, acts = captured(llm, PROMPTS[1:3], spec)
     for out, act in zip(outs, acts, strict=True):
         prompt = len(out.prompt_token_ids)
