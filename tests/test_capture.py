@@ -357,7 +357,7 @@ def test_a_large_capture_does_not_starve_other_requests(loop, async_engine):
 
     async def scenario():
         await plain("plain-alone")  # the engine warmed up
-        big = asyncio.ensure_future(capture_async(async_engine, PROMPTS * 20, ALL_SITES, "mean"))
+        big = asyncio.ensure_future(capture_async(async_engine, PROMPTS * 10, ALL_SITES, "mean"))
         await asyncio.sleep(0.3)
         start = time.monotonic()
         last = await plain("plain-beside-a-capture")
