@@ -691,6 +691,7 @@ def test_a_global_capture_must_name_an_engine_sink():
             EngineOptions(capture_sinks={"audit": "/tmp/audit"}, global_capture=capture)
 
 
+@pytest.mark.engine
 def test_an_unknown_sink_is_refused_naming_the_configured_ones(llm):
     with pytest.raises(ValueError, match=r"capture\.sink: 'nope' is not a capture sink.*disk"):
         run(llm, PROMPTS[:1], [params(DECODE, spec={"capture": {"sites": CAPTURED,
