@@ -69,6 +69,11 @@ class Activations:
         return self.sites[site]
 
 
+def value_bytes(dtype: str) -> int:
+    """Bytes of one value of rows sent as ``dtype`` (an int8 row also sends a float32 scale)."""
+    return np.dtype(_BITS[dtype]).itemsize
+
+
 def rows_from_bytes(data: bytes | np.ndarray, dtype: str, shape: tuple[int, ...],
                     scales: bytes = b"") -> np.ndarray:
     """Rows sent as little-endian ``dtype`` bytes (:data:`_BITS`) as a numpy array: float16

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.controller.activations import Activations, rows_from_bytes
+from dynsteer.controller.activations import Activations, rows_from_bytes, value_bytes
 from dynsteer.controller.activations import merge as merge_parts
 from dynsteer.controller.contract import site_name
 from dynsteer.controller.limits import SpecError
@@ -71,10 +71,6 @@ def admit(capture: CaptureSpec, shape: ModelShape, options: EngineOptions, promp
             "sink": capture.sink if capture.sink in options.capture_sinks else None}
 
 
-ROW_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
-"""Bytes of one value of each capture dtype (an int8 row also sends one float32 scale)."""
-
-
 def _check_bytes(capture: CaptureSpec, sites: int, hidden: int, prompt_len: int, rows: int,
                  n: int, options: EngineOptions, prefix: str) -> None:
     """SpecError when the rows the request may return (``n`` completions') exceed
@@ -82,7 +78,7 @@ def _check_bytes(capture: CaptureSpec, sites: int, hidden: int, prompt_len: int,
     positions = 1 if capture.reduce == "mean" else len(select(capture.positions, prompt_len,
                                                                rows))
     width = capture.project.k if capture.project is not None else hidden
-    row = width * ROW_BYTES[capture.dtype] + (4 if capture.dtype == "int8" else 0)
+    row = width * value_bytes(capture.dtype) + (4 if capture.dtype == "int8" else 0)
     nbytes = n * sites * positions * row
     if nbytes > options.capture_max_bytes:
         each = f"{n} completions x " if n > 1 else ""
